@@ -1,0 +1,25 @@
+# Entry points named in README. Each target bootstraps what it needs (idempotent: a second run is fast).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-unit test-multirank demo clean-venv
+
+# Re-run the installer when its inputs change; it skips what is already there.
+$(STAMP): launch/install.sh setup.cfg pyproject.toml
+	bash launch/install.sh
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest tests -q
+
+test-unit: install
+	$(PY) -m pytest tests -q -m "not multirank"
+
+test-multirank: install
+	$(PY) -m pytest tests -q -m multirank
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,193 @@
+"""Checkpoints: the backbone once, one classifier file per rank, atomic writes, keep-last-k, resume.
+
+Layout of a run folder::
+
+    RUN/config.yaml, RUN/metrics.jsonl
+    RUN/checkpoints/step-00000020/
+        backbone.pt                       backbone state (after buffer averaging) + its optimizer state
+        classifier-00000-of-00002.pt      rank 0's rows [start, end), their optimizer state, its RNG and
+        classifier-00001-of-00002.pt      loader position, its backbone digest
+        meta.json                         step, world size, label slices, every rank's digest, config,
+                                          the shard manifest's sha256
+    RUN/checkpoints/latest                name of the newest complete checkpoint (moved last)
+
+Atomicity: ranks write into ``step-XXXXXXXX.partial/`` (each file: temporary name, fsync, rename), agree
+that all succeeded, then rank 0 writes ``meta.json``, renames the folder and moves ``latest``. A crash at
+any point leaves the previous checkpoint and ``latest`` untouched. The run folder must be on a file system
+all ranks share (as with any multi-node checkpoint).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def classifier_file(rank: int, world_size: int) -> str:
+    return f"classifier-{rank:05d}-of-{world_size:05d}.pt"
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def state_dict_digest(state_dict: Dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict (names, dtypes, shapes, bytes) in sorted-name order.
+
+    The identity check of the backbones across ranks (DESIGN §1.7) compares these digests; a saved
+    backbone file can be checked against them without Horovod.
+    """
+    h = hashlib.sha256()
+    for k, v in sorted(state_dict.items()):
+        t = v.detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    return state_dict_digest(module.state_dict())
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder from a run folder (its latest), a checkpoints folder, or the folder itself."""
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    for base in (os.path.join(path, CHECKPOINTS), path):
+        latest = os.path.join(base, LATEST)
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                d = os.path.join(base, f.read().strip())
+            if os.path.isfile(os.path.join(d, "meta.json")):
+                return d
+    raise FileNotFoundError(f"{path}: no complete checkpoint (no meta.json, no {CHECKPOINTS}/{LATEST})")
+
+
+def read_meta(ckpt_dir: str) -> Dict[str, Any]:
+    with open(os.path.join(ckpt_dir, "meta.json")) as f:
+        return json.load(f)
+
+
+def list_checkpoints(run_dir: str) -> List[str]:
+    base = os.path.join(run_dir, CHECKPOINTS)
+    if not os.path.isdir(base):
+        return []
+    return sorted(d for d in os.listdir(base)
+                  if d.startswith("step-") and not d.endswith(".partial")
+                  and os.path.isfile(os.path.join(base, d, "meta.json")))
+
+
+class Checkpointer:
+    """Owns the checkpoint interval, keep-last-k and the atomic write protocol.
+
+    ``maybe_save(step, trainer)`` decides by itself whether ``step`` is a checkpoint step. The trainer
+    supplies the states; the collectives (buffer averaging, digests, agreement) go through its Comm.
+    """
+
+    def __init__(self, run_dir: str, every: int, keep: int, comm):
+        self.run_dir, self.every, self.keep, self.comm = run_dir, every, max(1, keep), comm
+        self.base = os.path.join(run_dir, CHECKPOINTS)
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or (self.every > 0 and step % self.every == 0)
+
+    def maybe_save(self, step: int, trainer, final: bool = False) -> Optional[str]:
+        return self.save(step, trainer) if self.due(step, final) else None
+
+    def save(self, step: int, trainer) -> str:
+        comm = self.comm
+        # BatchNorm statistics differ per rank: average them so the saved backbone is every rank's.
+        comm.average_buffers(trainer.backbone, name=f"ckpt.{step}")
+        digests = comm.backbone_digests(trainer.backbone, name=f"ckpt.{step}")
+        identical = len(set(digests)) == 1
+        final_dir = os.path.join(self.base, step_dir_name(step))
+        partial = final_dir + ".partial"
+        error = None
+        try:
+            os.makedirs(partial, exist_ok=True)
+            atomic_torch_save(trainer.rank_state(digests[comm.rank]),
+                              os.path.join(partial, classifier_file(comm.rank, comm.size)))
+            if comm.is_main or not identical:
+                # The backbone once; every rank's own copy only when they differ (kept for inspection).
+                name = "backbone.pt" if comm.is_main else None
+                if not identical:
+                    atomic_torch_save(trainer.backbone_state(), os.path.join(partial, f"backbone-rank-{comm.rank:05d}.pt"))
+                if name:
+                    atomic_torch_save(trainer.backbone_state(), os.path.join(partial, name))
+        except OSError as e:
+            error = f"checkpoint write failed: {e}"
+        comm.agree(error, name=f"ckpt.write.{step}")
+        if comm.is_main:
+            meta = trainer.checkpoint_meta(step)
+            meta.update({"digests": digests, "identical": identical, "time": time.time()})
+            atomic_write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
+            _fsync_dir(partial)
+            if os.path.exists(final_dir):
+                shutil.rmtree(final_dir)
+            os.rename(partial, final_dir)
+            atomic_write_text(os.path.join(self.base, LATEST), step_dir_name(step) + "\n")
+            self._prune()
+        comm.agree(None, name=f"ckpt.done.{step}")
+        if not identical:
+            from .comm import RankFailure
+            raise RankFailure(f"backbones differ across ranks at step {step}: "
+                              + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+                              + f"; each rank's copy is saved in {final_dir}")
+        return final_dir
+
+    def _prune(self) -> None:
+        names = list_checkpoints(self.run_dir)
+        for old in names[:-self.keep]:
+            shutil.rmtree(os.path.join(self.base, old), ignore_errors=True)

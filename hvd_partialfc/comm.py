@@ -1,0 +1,169 @@
+"""The one module that touches Horovod: init, broadcast, the backbone's DistributedOptimizer, buffer
+averaging, digests, error agreement, and small named collectives.
+
+Contract:
+* every function here is a collective unless its docstring says otherwise: every rank calls it, in the
+  same order (Horovod matches operations by name, so names are explicit and stable);
+* nothing else in the package imports horovod, so the rest can be read, tested and reused without it;
+* tensors may live on CPU (Gloo/MPI) or CUDA (NCCL, with ``HOROVOD_GPU_OPERATIONS=NCCL`` at build time);
+  results come back on the device they were given on.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+import horovod.torch as hvd
+
+from .checkpoint import state_digest
+
+
+class RankFailure(RuntimeError):
+    """Raised on *every* rank when at least one rank reported an error in an agreement point."""
+
+
+@dataclass
+class Comm:
+    """Rank/size of this process, and the collectives the trainer needs."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # --- small named collectives --------------------------------------------------------------------
+    def allreduce_scalar(self, value: float, op: str, name: str) -> float:
+        """min / max / sum / average of one number over ranks (float64 on CPU: exact for ints < 2^53)."""
+        ops = {"min": hvd.Min, "max": hvd.Max, "sum": hvd.Sum, "average": hvd.Average}
+        t = torch.tensor([float(value)], dtype=torch.float64)  # (1,)
+        return float(hvd.allreduce(t, op=ops[op], name=f"scalar.{name}")[0])
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        return hvd.allgather_object(obj, name=f"object.{name}")
+
+    def agree(self, error: Optional[str], name: str) -> None:
+        """Raise RankFailure on every rank if any rank passes an error message (None = this rank is fine).
+
+        Errors found before training (bad shards, bad config) go through here, so a rank whose input is
+        fine does not wait forever in the first training collective for a rank that already died.
+        """
+        errors = self.allgather_object(error, name=f"agree.{name}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
+            raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}")
+
+    # --- the backbone -------------------------------------------------------------------------------
+    def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:
+        """Overwrite ``module``'s parameters *and* buffers with root's (identical starts, DESIGN §1.6)."""
+        state = {f"{name}.{k}": v for k, v in _named_state(module).items()}  # names match across ranks
+        hvd.broadcast_parameters(state, root_rank=root_rank)
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                              fp16_compression: bool = False,
+                              backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+        """Wrap the *backbone's* optimizer: its gradients are averaged over ranks before each step.
+
+        ``named_parameters`` are the backbone's only; the optimizer must hold nothing else (the local
+        classifier has its own plain optimizer and is never communicated).
+        """
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        named = list(module.named_parameters())
+        if held != {id(p) for _, p in named}:
+            raise ValueError("the backbone optimizer must hold exactly the backbone's parameters")
+        compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
+        return hvd.DistributedOptimizer(optimizer, named_parameters=[("backbone." + n, p) for n, p in named],
+                                        compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step, op=hvd.Average)
+
+    def average_buffers(self, module: nn.Module, name: str) -> None:
+        """Make BatchNorm running statistics (and other float buffers) equal on all ranks.
+
+        Each rank's statistics come from its own classes only. For BatchNorm the pooled statistics of
+        the union are used: mean = avg(mean_r), var = avg(var_r) + avg(mean_r^2) - mean^2 (the law of
+        total variance with equal counts per rank, which holds since all ranks run the same steps with
+        the same batch size). Integer buffers (num_batches_tracked) are equal already.
+        """
+        bn_means, bn_vars, bn_sq, others = [], [], [], []
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats \
+                    and m.running_mean is not None:
+                bn_means.append(m.running_mean)
+                bn_vars.append(m.running_var)
+                bn_sq.append(m.running_mean * m.running_mean)
+        bn_ids = {id(t) for t in bn_means + bn_vars}
+        for _, b in module.named_buffers():
+            if b.is_floating_point() and id(b) not in bn_ids:
+                others.append(b)
+        tensors = bn_means + bn_vars + bn_sq + others
+        if not tensors:
+            return
+        avg = hvd.grouped_allreduce(tensors, op=hvd.Average, name=f"buffers.{name}")
+        k = len(bn_means)
+        for i in range(k):
+            mean, var, sq = avg[i], avg[k + i], avg[2 * k + i]
+            bn_means[i].copy_(mean)
+            bn_vars[i].copy_((var + sq - mean * mean).clamp_min(0))
+        for b, a in zip(others, avg[3 * k:]):
+            b.copy_(a)
+
+    def backbone_digests(self, module: nn.Module, name: str) -> List[str]:
+        """Every rank's sha256 of the backbone state (parameters and buffers), in rank order."""
+        return self.allgather_object(state_digest(module), name=f"digest.{name}")
+
+    def check_identical(self, module: nn.Module, name: str) -> List[str]:
+        """Raise RankFailure on every rank unless all ranks' backbones are bitwise identical."""
+        digests = self.backbone_digests(module, name)
+        if len(set(digests)) != 1:
+            detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+            raise RankFailure(f"backbones differ across ranks at '{name}' ({detail})")
+        return digests
+
+    def shutdown(self) -> None:
+        hvd.shutdown()
+
+
+def init() -> Comm:
+    """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1)."""
+    hvd.init()
+    return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+
+
+def host_name() -> str:
+    return socket.gethostname()
+
+
+def synchronize(optimizer: torch.optim.Optimizer) -> None:
+    """Wait for the averaged gradients (so they can be clipped/checked before the step)."""
+    optimizer.synchronize()
+
+
+def step_synchronized(optimizer: torch.optim.Optimizer, step_fn=None) -> None:
+    """Step an optimizer whose gradients were already synchronized (Horovod's skip_synchronize)."""
+    with optimizer.skip_synchronize():
+        (step_fn or optimizer.step)()
+
+
+def _named_state(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """Parameters and buffers by name (Horovod broadcasts them in place)."""
+    out = dict(module.named_parameters())
+    out.update({k: v for k, v in module.named_buffers()})
+    return out
+
+
+def gradient_bytes(params: Iterable[torch.nn.Parameter], fp16_compression: bool = False) -> int:
+    """Bytes of one allreduce of these parameters' gradients as sent (compression halves fp32). Not a collective."""
+    total = 0
+    for p in params:
+        itemsize = 2 if (fp16_compression and p.dtype == torch.float32) else p.element_size()
+        total += p.numel() * itemsize
+    return total

@@ -1,0 +1,201 @@
+"""One config object: sectioned dataclasses, loaded from YAML, overridden by ``--set section.key=value``.
+
+Unknown sections/keys and wrong types are errors (a typo never silently adds a key). The resolved
+config is written into the run folder, and a checkpoint records it so resume can compare.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+
+@dataclass
+class DataConfig:
+    shards: str = ""            # shard set directory (manifest.json + shard-*.h5)
+    batch_size: int = 128       # per rank, per backward pass
+    workers: int = 0            # DataLoader worker processes per rank (h5py is opened per worker)
+    verify_sha256: bool = False  # hash every shard file before training (slow on big sets)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet"        # backbone registry name (models/)
+    embedding_dim: int = 128
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # extra backbone arguments (width, blocks, ...)
+
+
+@dataclass
+class HeadConfig:
+    loss: str = "arcface"       # softmax | cosface | arcface
+    scale: float = 64.0         # s
+    margin: float = 0.5         # m (radians for arcface, cosine for cosface)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"           # sgd | adamw, for both optimizers
+    backbone_lr: float = 0.1
+    classifier_lr: float = 0.1
+    backbone_momentum: float = 0.9
+    classifier_momentum: float = 0.9
+    backbone_weight_decay: float = 5e-4
+    classifier_weight_decay: float = 5e-4
+    schedule: str = "cosine"    # cosine | poly | constant (after warmup)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0   # final lr / peak lr
+    poly_power: float = 2.0
+    clip_grad_norm: float = 0.0  # > 0: clip the *averaged* backbone gradient to this norm
+    fp16_compression: bool = False   # Horovod fp16 compression of the backbone gradient allreduce
+    backward_passes_per_step: int = 1  # gradient accumulation; one allreduce per optimizer step
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 0              # optimizer steps; 0: epochs x (min over ranks of steps per epoch)
+    epochs: float = 1.0
+    seed: int = 0
+    device: str = "auto"        # auto (cuda:local_rank if available) | cpu | cuda
+    precision: str = "fp32"     # fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)
+    log_every: int = 10
+    on_nonfinite: str = "stop"  # stop | skip a step whose averaged backbone gradient is not finite
+    threads: int = 0            # torch intra-op threads per rank (0: cores / ranks on the host, on CPU)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0              # steps between checkpoints (0: only at the end)
+    keep: int = 2               # checkpoints kept (the final one always)
+    resume: str = ""            # "" | auto | path of a checkpoint folder
+
+
+@dataclass
+class Config:
+    out: str = "runs/default"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> "Config":
+        choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
+                   ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
+                   ("train", "on_nonfinite"): ("stop", "skip")}
+        for (sec, key), allowed in choices.items():
+            v = getattr(getattr(self, sec), key)
+            if v not in allowed:
+                raise ConfigError(f"{sec}.{key}={v!r}: expected one of {', '.join(allowed)}")
+        positive = [("data", "batch_size"), ("optim", "backward_passes_per_step"), ("train", "log_every")]
+        for sec, key in positive:
+            if getattr(getattr(self, sec), key) < 1:
+                raise ConfigError(f"{sec}.{key} must be >= 1")
+        if not self.data.shards:
+            raise ConfigError("data.shards is required (a shard set directory)")
+        if self.train.steps < 0 or self.train.epochs <= 0:
+            raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
+        return self
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check_type(path: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (dict, Dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return value
+    if origin in (list, List, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return list(value)
+    if origin is typing.Union:  # Optional[...]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _check_type(path, value, args[0])
+    if tp is Any:
+        return value
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{path}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _merge(obj: Any, updates: Dict[str, Any], prefix: str = "") -> None:
+    hints = typing.get_type_hints(type(obj))
+    for key, value in updates.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(obj))
+            raise ConfigError(f"unknown config key {path!r}; known here: {known}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
+            _merge(current, value, path + ".")
+        else:
+            setattr(obj, key, _check_type(path, value, hints[key]))
+
+
+def parse_override(text: str) -> Dict[str, Any]:
+    """'optim.backbone_lr=0.05' -> {'optim': {'backbone_lr': 0.05}} (the value is parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    out: Dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
+                extra: Optional[Dict[str, Any]] = None) -> Config:
+    """Defaults <- YAML file <- ``extra`` (CLI shortcuts) <- ``--set`` overrides, then validated."""
+    cfg = Config()
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the config must be a mapping of sections")
+        _merge(cfg, data)
+    if extra:
+        _merge(cfg, extra)
+    for o in overrides:
+        _merge(cfg, parse_override(o))
+    return cfg.validate()
+
+
+def config_from_dict(d: Dict[str, Any]) -> Config:
+    cfg = Config()
+    _merge(cfg, d)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+
+def diff_configs(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
+    """Dotted keys whose values differ between two config dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += diff_configs(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} != {vb!r}")
+    return out

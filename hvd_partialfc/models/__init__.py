@@ -1,0 +1,34 @@
+"""Backbones: a small registry feeding one factory (timm's ``register_model`` / ``create_model``).
+
+Every backbone maps a batch of inputs to embeddings (B, embedding_dim) and takes what it needs as
+explicit constructor arguments: it never reads rank state and never moves itself to a device.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch.nn as nn
+
+_MODELS: Dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(name: str):
+    def deco(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _MODELS:
+            raise ValueError(f"backbone {name!r} registered twice")
+        _MODELS[name] = fn
+        return fn
+    return deco
+
+
+def list_models():
+    return sorted(_MODELS)
+
+
+def create_model(name: str, **kwargs) -> nn.Module:
+    if name not in _MODELS:
+        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(list_models())}")
+    return _MODELS[name](**kwargs)
+
+
+from . import mlp, resnet  # noqa: E402,F401  (registers the backbones)

@@ -1,0 +1,288 @@
+"""HDF5 shard sets: the on-disk format shared by `data_tools` (writer) and the trainer (reader).
+
+A shard set is one directory::
+
+    manifest.json
+    shard-00000-of-00004.h5 ... shard-00003-of-00004.h5
+
+Each shard holds the samples of one contiguous range ``[label_start, label_end)`` of global labels, so a
+rank that owns a block of consecutive shards owns one contiguous label range (DESIGN.md §3). Inside a
+shard:
+
+* ``labels``   int64 (N,), global labels, each in the shard's range;
+* one sample dataset, by ``kind``:
+  ``images``   uint8 (N, H, W) or (N, H, W, C)  (raw storage);
+  ``encoded``  variable-length uint8 (N,), encoded JPEG/PNG bytes, decoded by the loader;
+  ``features`` float32 (N, F)  (feature vectors, for the ``mlp`` backbone);
+* attributes repeating the manifest entry (format, version, shard index/count, label range, sample
+  count, kind) so a lone file explains itself.
+
+``manifest.json`` is written last, and a whole set is written into a temporary folder renamed at the end,
+so a set that has a manifest is complete. `docs/format.md` is the human-readable spec of this module.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import h5py
+import numpy as np
+
+from .partition import LabelSlice, check_partition, group_slices
+
+FORMAT = "hvd_partialfc.shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+SAMPLE_KINDS = ("images", "encoded", "features")
+
+
+class ShardError(ValueError):
+    """A shard set that is missing, corrupt, or does not fit the run (the message names the file)."""
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"shard-{index:05d}-of-{count:05d}.h5"
+
+
+@dataclass
+class ShardEntry:
+    """One shard as recorded in the manifest."""
+
+    file: str
+    label_start: int
+    label_end: int
+    num_samples: int
+    sha256: str
+
+    def label_slice(self, index: int) -> LabelSlice:
+        return LabelSlice(index, self.label_start, self.label_end)
+
+
+@dataclass
+class Manifest:
+    """The manifest of a shard set. ``sample_shape`` excludes the leading sample axis."""
+
+    num_classes: int
+    kind: str
+    sample_shape: List[int]
+    sample_dtype: str
+    shards: List[ShardEntry]
+    partition: Dict[str, Any] = field(default_factory=lambda: {"policy": "classes"})
+    class_names: List[str] = field(default_factory=list)
+    source: Dict[str, Any] = field(default_factory=dict)
+    skipped: List[str] = field(default_factory=list)
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    def shard_slices(self) -> List[LabelSlice]:
+        return [s.label_slice(i) for i, s in enumerate(self.shards)]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "format": self.format, "version": self.version, "num_classes": self.num_classes,
+            "num_shards": self.num_shards, "num_samples": self.num_samples,
+            "sample": {"kind": self.kind, "shape": list(self.sample_shape), "dtype": self.sample_dtype},
+            "partition": self.partition,
+            "shards": [vars(s) for s in self.shards],
+            "class_names": self.class_names, "source": self.source, "skipped": self.skipped,
+        }
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any], where: str = MANIFEST) -> "Manifest":
+        try:
+            if d.get("format") != FORMAT:
+                raise ShardError(f"{where}: not a hvd_partialfc shard manifest (format={d.get('format')!r})")
+            if d.get("version") != VERSION:
+                raise ShardError(f"{where}: format version {d.get('version')} is not supported "
+                                 f"(this hvd_partialfc reads version {VERSION})")
+            m = cls(num_classes=int(d["num_classes"]), kind=d["sample"]["kind"],
+                    sample_shape=list(d["sample"]["shape"]), sample_dtype=d["sample"]["dtype"],
+                    shards=[ShardEntry(**s) for s in d["shards"]], partition=d.get("partition", {}),
+                    class_names=list(d.get("class_names", [])), source=d.get("source", {}),
+                    skipped=list(d.get("skipped", [])))
+        except (KeyError, TypeError) as e:
+            raise ShardError(f"{where}: malformed manifest ({e!r})") from e
+        if m.kind not in SAMPLE_KINDS:
+            raise ShardError(f"{where}: unknown sample kind {m.kind!r} (known: {', '.join(SAMPLE_KINDS)})")
+        try:
+            check_partition(m.shard_slices(), m.num_classes)
+        except ValueError as e:
+            raise ShardError(f"{where}: shard label ranges are invalid: {e}") from e
+        return m
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def manifest_digest(shard_dir: str) -> str:
+    """sha256 of the manifest file: identifies a shard set (checkpoints record it)."""
+    return sha256_file(os.path.join(shard_dir, MANIFEST))
+
+
+def read_manifest(shard_dir: str) -> Manifest:
+    path = os.path.join(shard_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise ShardError(f"{shard_dir}: no {MANIFEST} (not a shard set, or its build did not finish)")
+    with open(path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ShardError(f"{path}: not valid JSON ({e})") from e
+    return Manifest.from_json(d, where=path)
+
+
+def rank_shards(manifest: Manifest, rank: int, world_size: int) -> tuple:
+    """(shard indices, label slice) of ``rank``: a contiguous block of shards, one label range."""
+    try:
+        slices = group_slices(manifest.shard_slices(), world_size)
+    except ValueError as e:
+        raise ShardError(str(e)) from e
+    per_rank = manifest.num_shards // world_size
+    return list(range(rank * per_rank, (rank + 1) * per_rank)), slices[rank]
+
+
+def check_shard_file(shard_dir: str, manifest: Manifest, index: int, verify_sha256: bool = False) -> None:
+    """Validate one shard against its manifest entry: attributes, sizes, label range of every label."""
+    entry = manifest.shards[index]
+    path = os.path.join(shard_dir, entry.file)
+    if not os.path.isfile(path):
+        raise ShardError(f"{path}: missing shard file")
+    if verify_sha256:
+        digest = sha256_file(path)
+        if digest != entry.sha256:
+            raise ShardError(f"{path}: sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…")
+    with h5py.File(path, "r") as f:
+        labels = f["labels"][:]
+        if manifest.kind not in f:
+            raise ShardError(f"{path}: no '{manifest.kind}' dataset")
+        n = f[manifest.kind].shape[0]
+    if len(labels) != entry.num_samples or n != entry.num_samples:
+        raise ShardError(f"{path}: {len(labels)} labels / {n} samples, manifest says {entry.num_samples}")
+    bad = (labels < entry.label_start) | (labels >= entry.label_end)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ShardError(f"{path}: sample {i} has label {int(labels[i])} outside the shard's range "
+                         f"[{entry.label_start}, {entry.label_end}) ({int(bad.sum())} such samples)")
+
+
+def write_shard(path: str, kind: str, samples: Any, labels: np.ndarray, label_slice: LabelSlice,
+                num_shards: int, compression: Optional[str] = None, chunk_samples: int = 256) -> str:
+    """Write one shard file and return its sha256.
+
+    ``samples`` is an array (images/features) or, for ``encoded``, a sequence of 1-D uint8 arrays/bytes.
+    Chunks hold ``chunk_samples`` samples along the first axis: the loader reads sorted index batches,
+    so a chunk of a few hundred samples keeps random access cheap without bloating small files.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    with h5py.File(path, "w", libver="latest") as f:
+        f.create_dataset("labels", data=labels)
+        n = len(labels)
+        if kind == "encoded":
+            ds = f.create_dataset("encoded", shape=(n,), dtype=h5py.vlen_dtype(np.uint8),
+                                  chunks=(max(1, min(n, chunk_samples)),) if n else None)
+            for i, blob in enumerate(samples):
+                ds[i] = np.frombuffer(bytes(blob), dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+        else:
+            arr = np.ascontiguousarray(samples)
+            chunks = (max(1, min(n, chunk_samples)),) + arr.shape[1:] if n else None
+            f.create_dataset(kind, data=arr, chunks=chunks, compression=compression)
+        f.attrs.update({"format": FORMAT, "version": VERSION, "kind": kind, "shard_index": label_slice.index,
+                        "num_shards": num_shards, "label_start": label_slice.start,
+                        "label_end": label_slice.end, "num_samples": n})
+    return sha256_file(path)
+
+
+class AtomicShardDir:
+    """Write a shard set into a temporary sibling folder and rename it into place on success.
+
+    An interrupted build leaves only a ``.tmp-*`` folder (never a folder with a manifest at ``out``).
+    An existing ``out`` is an error unless ``overwrite``.
+    """
+
+    def __init__(self, out: str, overwrite: bool = False):
+        self.out = os.path.abspath(out)
+        self.overwrite = overwrite
+        self.tmp: Optional[str] = None
+
+    def __enter__(self) -> str:
+        if os.path.exists(self.out) and not self.overwrite:
+            raise ShardError(f"{self.out} already exists (pass --overwrite to replace it)")
+        parent = os.path.dirname(self.out)
+        os.makedirs(parent, exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(self.out)}-", dir=parent)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        assert self.tmp is not None
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        if os.path.exists(self.out):
+            shutil.rmtree(self.out)
+        os.rename(self.tmp, self.out)
+
+
+def write_manifest(shard_dir: str, manifest: Manifest) -> None:
+    tmp = os.path.join(shard_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest.to_json(), f, indent=1, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(shard_dir, MANIFEST))
+
+
+def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], slices: Sequence[LabelSlice],
+                    num_classes: int, class_names: Optional[Sequence[str]] = None,
+                    partition: Optional[Dict[str, Any]] = None, source: Optional[Dict[str, Any]] = None,
+                    skipped: Optional[Sequence[str]] = None, overwrite: bool = False,
+                    compression: Optional[str] = None) -> Manifest:
+    """Write a whole shard set from in-memory samples and global labels, one shard per slice.
+
+    Samples keep their input order within a shard (a stable sort by label range), so the same input
+    gives byte-identical shards and the same sha256 in the manifest.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    check_partition(slices, num_classes)
+    if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ShardError(f"labels must lie in [0, {num_classes}), got [{labels.min()}, {labels.max()}]")
+    present = np.bincount(labels, minlength=num_classes)
+    if (present == 0).any():
+        raise ShardError(f"class {int(np.flatnonzero(present == 0)[0])} has no samples "
+                         f"({int((present == 0).sum())} empty classes); renumber the labels densely")
+    first = samples[0] if kind == "encoded" else np.asarray(samples[:1])
+    shape = [] if kind == "encoded" else list(np.asarray(samples).shape[1:])
+    dtype = "uint8" if kind in ("encoded", "images") else str(np.asarray(first).dtype)
+    entries = []
+    with AtomicShardDir(out, overwrite) as tmp:
+        for s in slices:
+            idx = np.flatnonzero((labels >= s.start) & (labels < s.end))
+            part = [samples[i] for i in idx] if kind == "encoded" else np.asarray(samples)[idx]
+            name = shard_name(s.index, len(slices))
+            digest = write_shard(os.path.join(tmp, name), kind, part, labels[idx], s, len(slices), compression)
+            entries.append(ShardEntry(name, s.start, s.end, int(len(idx)), digest))
+        manifest = Manifest(num_classes=num_classes, kind=kind, sample_shape=shape, sample_dtype=dtype,
+                            shards=entries, partition=partition or {"policy": "classes"},
+                            class_names=list(class_names or [str(i) for i in range(num_classes)]),
+                            source=source or {}, skipped=list(skipped or []))
+        write_manifest(tmp, manifest)
+    return manifest

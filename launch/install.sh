@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything hvd_partialfc needs, on a fresh Debian machine or a CI clone.
+#
+#   launch/install.sh            # Debian MPI packages, .venv, torch, deps, Horovod, the package (editable)
+#   launch/install.sh --fonts    # also the Debian CJK font packages used by the `fonts` data set
+#
+# Why Horovod is built by hand: Horovod 0.28.1 (its last release) sets CMAKE_CXX_STANDARD 14 in its root and
+# horovod/torch CMakeLists.txt, and torch >= 2.1 headers need C++17. We fetch the sdist, patch 14 -> 17, and
+# build once (about 5 minutes on 2 cores). The wheel is kept in a cache folder outside the repository
+# ($HVD_PARTIALFC_CACHE, default ~/.cache/hvd_partialfc), so a fresh clone installs it in seconds.
+#
+# GPU users: export HOROVOD_GPU_OPERATIONS=NCCL (and HOROVOD_CUDA_HOME / HOROVOD_NCCL_HOME if needed) before
+# running this script; every HOROVOD_* variable passes through to the build. The cached wheel's name carries
+# a hash of those variables, so a CPU wheel is never reused for a GPU build.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${HVD_PARTIALFC_VENV:-$ROOT/.venv}"
+CACHE="${HVD_PARTIALFC_CACHE:-$HOME/.cache/hvd_partialfc}"
+PYTHON="${PYTHON:-python3}"
+TORCH_VERSION="2.13.0"
+HOROVOD_VERSION="0.28.1"
+WITH_FONTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --fonts) WITH_FONTS=1 ;;
+    *) echo "install.sh: unknown option $arg (known: --fonts)" >&2; exit 2 ;;
+  esac
+done
+
+log() { echo "[install] $*"; }
+SUDO=""; if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+
+# Font packages of the `fonts` data set (docs/data.md names them): many CJK families and styles.
+FONT_PACKAGES="fontconfig fonts-wqy-zenhei fonts-wqy-microhei fonts-arphic-ukai fonts-arphic-uming \
+fonts-arphic-bkai00mp fonts-arphic-bsmi00lp fonts-arphic-gbsn00lp fonts-arphic-gkai00mp \
+fonts-noto-cjk fonts-lxgw-wenkai fonts-ipafont-gothic fonts-ipafont-mincho fonts-ipaexfont-gothic \
+fonts-ipaexfont-mincho fonts-takao-gothic fonts-takao-mincho fonts-vlgothic fonts-horai-umefont \
+fonts-umeplus fonts-komatuna fonts-hanazono fonts-mona fonts-motoya-l-cedar fonts-motoya-l-maruberi \
+fonts-seto fonts-misaki fonts-droid-fallback fonts-cwtex-fs fonts-cwtex-heib fonts-cwtex-kai \
+fonts-cwtex-ming fonts-cwtex-yen fonts-moe-standard-kai fonts-moe-standard-song fonts-ukij-uyghur \
+fonts-wqy-bitmap fonts-noto-cjk-extra fonts-smiley-sans fonts-jigmo fonts-ipamj-mincho \
+fonts-klee fonts-kouzan-mouhitsu fonts-nanum"
+
+apt_install() {
+  # Install only what is missing; `apt-get update` once, only when something is missing.
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  # Packages absent from this Debian release are skipped one by one rather than failing the whole set.
+  if ! DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; then
+    for p in "${missing[@]}"; do
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$p" >/dev/null 2>&1 \
+        || log "skipped unavailable package $p"
+    done
+  fi
+}
+
+if command -v apt-get >/dev/null; then
+  apt_install openmpi-bin libopenmpi-dev cmake
+  [ "$WITH_FONTS" = 1 ] && apt_install $FONT_PACKAGES
+else
+  log "no apt-get: install MPI (optional), cmake >= 3.13 and the fonts yourself"
+fi
+
+# --- venv and Python packages -------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP="$PY -m pip --disable-pip-version-check -q"
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "pip install torch==$TORCH_VERSION"
+  $PIP install "torch==$TORCH_VERSION"
+fi
+if ! "$PY" -c "import numpy, h5py, PIL, tqdm, yaml, pytest, fontTools, matplotlib, cloudpickle, psutil" 2>/dev/null; then
+  log "pip install numpy h5py Pillow tqdm PyYAML pytest fonttools matplotlib"
+  # cloudpickle and psutil are horovodrun's own run-time needs; we list them so the Horovod wheel
+  # can be installed without touching the index again (--no-deps below).
+  $PIP install numpy h5py Pillow tqdm PyYAML pytest pytest-timeout fonttools matplotlib \
+    cloudpickle psutil pyyaml packaging
+fi
+
+# --- Horovod ---------------------------------------------------------------------------------------
+HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
+
+horovod_ok() {
+  # True when the installed Horovod has PyTorch + Gloo (+ MPI when mpicc exists).
+  local out
+  out="$("$VENV/bin/horovodrun" --check-build 2>/dev/null)" || return 1
+  echo "$out" | grep -q "\[X\] PyTorch" || return 1
+  echo "$out" | grep -q "\[X\] Gloo" || return 1
+  if [ "$HAVE_MPI" = 1 ]; then echo "$out" | grep -q "\[X\] MPI" || return 1; fi
+  "$PY" -c "import horovod.torch" 2>/dev/null || return 1
+}
+
+if horovod_ok; then
+  log "Horovod $HOROVOD_VERSION already built with PyTorch/Gloo$( [ $HAVE_MPI = 1 ] && echo /MPI)"
+else
+  # The wheel's cache key: torch version, Python, MPI or not, and every HOROVOD_* build variable.
+  KEY="$( { echo "torch=$TORCH_VERSION mpi=$HAVE_MPI py=$("$PY" -c 'import sys;print(sys.version_info[:2])')"; \
+            { env | grep '^HOROVOD_' || true; } | sort; } | sha256sum | cut -c1-12)"
+  WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-$KEY"
+  WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -1 || true)"
+  if [ -z "$WHEEL" ]; then
+    log "building Horovod $HOROVOD_VERSION from source (about 5 minutes on 2 cores); cache: $WHEEL_DIR"
+    BUILD="$(mktemp -d)"
+    trap 'rm -rf "$BUILD"' EXIT
+    $PIP download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
+    tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
+    SRC="$BUILD/horovod-$HOROVOD_VERSION"
+    # torch >= 2.1 needs C++17 (see the header of this script).
+    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
+    grep -q "CMAKE_CXX_STANDARD 17" "$SRC/horovod/torch/CMakeLists.txt"
+    $PIP install wheel setuptools
+    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+           HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)"
+    if [ "$HAVE_MPI" = 1 ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
+    # Debian's cmake (3.25) builds the bundled Gloo; PyPI's cmake 4.x needs this policy floor.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    mkdir -p "$WHEEL_DIR"
+    (cd "$SRC" && "$PY" -m pip wheel --no-deps --no-build-isolation -w "$WHEEL_DIR" . )
+    WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl | head -1)"
+  else
+    log "installing cached Horovod wheel $WHEEL"
+  fi
+  $PIP install --no-deps --force-reinstall "$WHEEL"
+  horovod_ok || { echo "[install] Horovod installed but 'horovodrun --check-build' lacks PyTorch/Gloo$( [ $HAVE_MPI = 1 ] && echo /MPI)" >&2; exit 1; }
+fi
+
+# --- the package itself (editable), with its console scripts --------------------------------------
+if [ -f "$ROOT/setup.cfg" ] && ! "$PY" -c "import hvd_partialfc, data_tools" 2>/dev/null; then
+  log "pip install -e ."
+  $PIP install --no-deps --no-build-isolation -e "$ROOT"
+fi
+log "ready: $VENV ($("$PY" -c 'import torch;print("torch", torch.__version__)'), $("$VENV/bin/horovodrun" --version 2>/dev/null | tail -1))"
