@@ -73,6 +73,14 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    pairs: List[str] = field(default_factory=list)  # verification sets (.h5 pair sets or LFW-style .bin)
+    every: int = 0              # evaluate every K steps on rank 0 (0: only at the end, if pairs are given)
+    flip: bool = False          # add the horizontal flip's embedding (faces: yes; glyphs: no)
+    batch_size: int = 256
+
+
+@dataclass
 class Config:
     out: str = "runs/default"
     data: DataConfig = field(default_factory=DataConfig)
@@ -81,6 +89,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
