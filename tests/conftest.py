@@ -1,0 +1,77 @@
+"""Shared fixtures: small synthetic shard sets, and running scripts under real horovodrun."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+HOROVODRUN = os.path.join(BIN, "horovodrun")
+MR = os.path.join(ROOT, "tests", "mr")
+
+
+def make_feature_npz(path, class_counts, dim=16, seed=0, noise=0.5):
+    """Gaussian clusters: one centre per class, ``class_counts[c]`` samples of class c."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(len(class_counts), dim)).astype(np.float32)
+    y = np.repeat(np.arange(len(class_counts)), class_counts)
+    x = centers[y] + noise * rng.normal(size=(len(y), dim)).astype(np.float32)
+    np.savez(path, features=x, labels=y)
+    return path
+
+
+def make_image_npz(path, num_classes, per_class, size=32, seed=0):
+    """Random class templates plus per-sample noise (uint8 images)."""
+    rng = np.random.default_rng(seed)
+    templates = rng.integers(0, 256, size=(num_classes, size, size))
+    y = np.repeat(np.arange(num_classes), per_class)
+    x = np.clip(templates[y] + rng.integers(-40, 40, size=(len(y), size, size)), 0, 255).astype(np.uint8)
+    np.savez(path, images=x, labels=y)
+    return path
+
+
+def build_shards(npz, out, num_shards):
+    from data_tools.build import build_shard_set
+    from data_tools.importers import get_importer
+    build_shard_set(get_importer("npz")(str(npz)), str(out), num_shards)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def feature_shards(tmp_path_factory):
+    """40 classes x 24 samples, 16-d features, 2 shards."""
+    d = tmp_path_factory.mktemp("feat")
+    return build_shards(make_feature_npz(d / "f.npz", [24] * 40), d / "shards", 2)
+
+
+@pytest.fixture(scope="session")
+def image_shards(tmp_path_factory):
+    """12 classes x 16 images of 32x32, 2 shards (for the resnet backbone, BatchNorm included)."""
+    d = tmp_path_factory.mktemp("img")
+    return build_shards(make_image_npz(d / "i.npz", 12, 16), d / "shards", 2)
+
+
+def run_hvd(np_, args, backend="gloo", timeout=180, env=None, check=True):
+    """Run ``python args...`` under ``horovodrun -np np_ --backend``; return the CompletedProcess."""
+    cmd = [HOROVODRUN, "-np", str(np_), f"--{backend}", sys.executable, *map(str, args)]
+    e = dict(os.environ)
+    e["PATH"] = BIN + os.pathsep + e.get("PATH", "")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    e["PYTHONPATH"] = ROOT
+    e.update(env or {})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_json_lines(path):
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]

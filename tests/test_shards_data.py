@@ -1,0 +1,100 @@
+"""Shard format and the dedicated per-rank loader (plain pytest, no Horovod)."""
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import build_shards, make_feature_npz, make_image_npz
+from hvd_partialfc.data import EpochBatchSampler, RankShardDataset, make_loader, prepare_batch
+from hvd_partialfc.shards import ShardError, check_shard_file, rank_shards, read_manifest
+
+
+@pytest.fixture
+def four_shards(tmp_path):
+    counts = [10] * 7 + [30] * 5        # 12 classes, uneven samples
+    return build_shards(make_feature_npz(tmp_path / "f.npz", counts), tmp_path / "s", 4)
+
+
+def test_rank_reads_only_its_block_of_shards(four_shards):
+    m = read_manifest(four_shards)
+    for world in (1, 2, 4):
+        seen = []
+        for r in range(world):
+            ds = RankShardDataset(four_shards, r, world, m)
+            idx, sl = rank_shards(m, r, world)
+            assert len(idx) == 4 // world
+            x, y = ds[list(range(len(ds)))]
+            glob = ds.labels
+            assert glob.min() >= sl.start and glob.max() < sl.end   # only its own classes
+            assert torch.equal(y, torch.from_numpy(glob - sl.start))  # local labels
+            seen.append(sl)
+        assert [s.start for s in seen][0] == 0 and seen[-1].end == 12
+
+
+def test_world_size_must_divide_shards(four_shards):
+    with pytest.raises(ShardError, match="not a multiple of the world size 3"):
+        RankShardDataset(four_shards, 0, 3)
+
+
+def test_label_outside_slice_names_file_and_rank(four_shards):
+    m = read_manifest(four_shards)
+    path = os.path.join(four_shards, m.shards[1].file)
+    with h5py.File(path, "r+") as f:
+        y = f["labels"][:]
+        y[2] = 0  # a label of shard 0 inside shard 1
+        f["labels"][:] = y
+    with pytest.raises(ShardError, match=r"rank 1: .*shard-00001-of-00004.h5 holds label 0"):
+        RankShardDataset(four_shards, 1, 4)
+    with pytest.raises(ShardError, match="outside the shard's range"):
+        check_shard_file(four_shards, m, 1)
+
+
+def test_sha256_mismatch_detected(four_shards):
+    m = read_manifest(four_shards)
+    path = os.path.join(four_shards, m.shards[0].file)
+    with h5py.File(path, "r+") as f:
+        f["features"][0, 0] += 1
+    with pytest.raises(ShardError, match="sha256"):
+        check_shard_file(four_shards, m, 0, verify_sha256=True)
+
+
+def test_manifest_must_be_complete(tmp_path, four_shards):
+    with pytest.raises(ShardError, match="no manifest.json"):
+        read_manifest(str(tmp_path))
+    d = json.load(open(os.path.join(four_shards, "manifest.json")))
+    d["shards"][1]["label_start"] += 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps(d))
+    with pytest.raises(ShardError, match="gap or overlap"):
+        read_manifest(str(bad))
+
+
+def test_sampler_is_seeded_per_rank_and_resumable():
+    a = EpochBatchSampler(50, 8, seed=1, rank=0)
+    b = EpochBatchSampler(50, 8, seed=1, rank=1)
+    ia, ib = iter(a), iter(b)
+    first_a = [next(ia) for _ in range(20)]   # 6 batches per epoch: crosses epochs
+    again = iter(EpochBatchSampler(50, 8, seed=1, rank=0))
+    assert [next(again) for _ in range(20)] == first_a             # reproducible
+    assert first_a[0] != next(ib)
+    resumed = iter(EpochBatchSampler(50, 8, seed=1, rank=0, start=13))
+    assert [next(resumed) for _ in range(7)] == first_a[13:]
+    epoch0 = sorted(i for b in first_a[:6] for i in b)
+    assert len(set(epoch0)) == 48  # no repeats inside an epoch (2 dropped)
+
+
+def test_loader_with_workers_matches_no_workers(tmp_path):
+    shards = build_shards(make_image_npz(tmp_path / "i.npz", 6, 20), tmp_path / "s", 2)
+    ds = RankShardDataset(shards, 1, 2)
+    l0, spe = make_loader(ds, 8, seed=5, workers=0)
+    l2, _ = make_loader(RankShardDataset(shards, 1, 2), 8, seed=5, workers=2)
+    for (x0, y0), (x2, y2), _ in zip(l0, l2, range(5)):
+        assert torch.equal(x0, x2) and torch.equal(y0, y2)
+        assert x0.dtype == torch.uint8 and x0.shape == (8, 32, 32)
+    assert spe == 60 // 8
+    x, y = prepare_batch(x0, y0, torch.device("cpu"), "images")
+    assert x.shape == (8, 1, 32, 32) and x.min() >= -1 and x.max() <= 1
