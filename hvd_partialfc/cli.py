@@ -3,12 +3,15 @@
     hvd-partialfc train  [--config FILE] [--shards DIR] [--out RUN] [--steps N] [--set key=value ...]
     hvd-partialfc export RUN --rank K --out backbone.pt
     hvd-partialfc info   RUN [--json]
+    hvd-partialfc eval   --backbone FILE|RUN --pairs PAIRS [--pairs ...] [--flip] [--baselines]
+                         [--batch-size N] [--threads N] [--out DIR]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 from typing import List, Optional
 
 
@@ -31,6 +34,12 @@ def _train(args) -> int:
         ckpt = Trainer(cfg, comm).fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
+        # Errors we raise on purpose carry their explanation; anything else also gets its traceback.
+        from .comm import RankFailure
+        from .config import ConfigError
+        from .shards import ShardError
+        if not isinstance(e, (RankFailure, ConfigError, ShardError)):
+            traceback.print_exc()
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     if comm.is_main:
@@ -60,6 +69,21 @@ def _info(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    import torch
+    from .evaluate import evaluate_files
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = evaluate_files(args.backbone, args.pairs, flip=args.flip, baselines=args.baselines,
+                            batch_size=args.batch_size, out_dir=args.out)
+    print(f"backbone {report['backbone']}  flip {'on' if args.flip else 'off'}")
+    for table in report["tables"]:
+        print()
+        print(table)
+    print(f"\nwrote {report['files']['json']} and {report['files']['roc']}")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -80,6 +104,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     i.add_argument("run")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
+    v = sub.add_parser("eval", help="open-set verification on pair sets: 10-fold acc, AUC, TAR@FAR, ROC plot")
+    v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder or run folder")
+    v.add_argument("--pairs", action="append", required=True, help=".h5 pair set or LFW-style .bin (repeatable)")
+    v.add_argument("--flip", action="store_true", help="add the mirror image's embedding (faces; not glyphs)")
+    v.add_argument("--baselines", action="store_true", help="also raw pixels and the random-init backbone")
+    v.add_argument("--batch-size", type=int, default=256)
+    v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    v.add_argument("--out", help="output folder (default: the run/checkpoint folder, or beside the file)")
+    v.set_defaults(fn=_eval)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -213,12 +213,13 @@ class Trainer:
         if self.loss_scale.enabled:
             for p in bb_params + cls_params:
                 p.grad.div_(self.loss_scale.scale)
-        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in bb_params]))  # identical on all ranks
+        norm_t = torch.nn.utils.get_total_norm([p.grad for p in bb_params])  # identical on all ranks
+        grad_norm = float(norm_t)
         finite = math.isfinite(grad_norm)
         self.loss_scale.update(finite)
         if finite:
             if self.cfg.optim.clip_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(bb_params, self.cfg.optim.clip_grad_norm, grad_norm)
+                torch.nn.utils.clip_grads_with_norm_(bb_params, self.cfg.optim.clip_grad_norm, norm_t)
             comm_lib.step_synchronized(self.backbone_opt)
             cls_norm = float(torch.nn.utils.get_total_norm([p.grad for p in cls_params]))
             if math.isfinite(cls_norm):  # local decision: the classifier is local

@@ -42,9 +42,11 @@ def test_np2_identity_averaged_update_no_leakage(image_shards, tmp_path, backend
     assert r0["classifier_max_change"] == 0.0 and r1["classifier_max_change"] > 0
 
 
-def test_np1_equals_plain_pytorch_loop(feature_shards, tmp_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_np1_equals_plain_pytorch_loop(feature_shards, tmp_path, accumulate):
+    # SGD with momentum and weight decay, gradient clipping, and (accumulate=2) backward_passes_per_step
     out = tmp_path / "np1"
-    run_hvd(1, [os.path.join(MR, "scenarios.py"), "np1", feature_shards, out, 6])
+    run_hvd(1, [os.path.join(MR, "scenarios.py"), "np1", feature_shards, out, 6, accumulate])
     r = _ranks(out, 1)[0]
     assert r["classifier_moved"] > 0
     assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
@@ -121,3 +123,19 @@ def test_label_outside_slice_fails_on_every_rank(tmp_path, backend):
     assert proc.returncode != 0
     assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
     assert "shard-00001-of-00002.h5 holds label 1" in text and "rank 1:" in text
+
+
+@pytest.mark.parametrize("options", [
+    ["optim.fp16_compression=true", "optim.backward_passes_per_step=2", "train.precision=bf16"],
+    ["train.precision=fp16", "optim.name=adamw", "optim.backbone_lr=0.003", "optim.classifier_lr=0.003",
+     "optim.clip_grad_norm=1.0", "optim.schedule=poly", "optim.warmup_steps=3"],
+])
+def test_options_train_and_stay_identical(image_shards, tmp_path, options):
+    run = str(tmp_path / "run")
+    _train_cli(2, image_shards, run, "data.batch_size=8", "model.kwargs={width: 8}", "head.scale=16",
+               "train.log_every=2", *options, steps=12)
+    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert info["step"] == 12 and info["digests_agree"]
+    metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]

@@ -85,11 +85,12 @@ def scenario_core(shards, out, steps):
         json.dump(rec, f)
 
 
-def scenario_np1(shards, out, steps):
+def scenario_np1(shards, out, steps, k=1):
     """The trainer at np=1 against a plain loop over the same data, init and optimizers."""
     overrides = [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=16",
                  "model.name=mlp", "optim.schedule=constant", "head.loss=cosface", "head.scale=16",
-                 "head.margin=0.2", "train.seed=3"]
+                 "head.margin=0.2", "train.seed=3", "optim.clip_grad_norm=0.5",
+                 f"optim.backward_passes_per_step={k}"]
     cfg = load_config(None, overrides)
     comm = comm_lib.init()
     trainer = Trainer(cfg, comm)
@@ -111,10 +112,11 @@ def scenario_np1(shards, out, steps):
     w_init = head.weight.detach().clone()
     sampler = iter(EpochBatchSampler(len(ds), 16, cfg.train.seed, 0))
     for _ in range(steps):
-        x, y = ds[next(sampler)]
-        loss = head(model(x.float()), y)
         opt_m.zero_grad(), opt_h.zero_grad()
-        loss.backward()
+        for _ in range(k):  # gradient accumulation: the mean over k batches
+            x, y = ds[next(sampler)]
+            (head(model(x.float()), y) / k).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the trainer clips the averaged backbone grad
         opt_m.step(), opt_h.step()
     err_bb = max(float((a - b).abs().max()) for a, b in zip(trainer.backbone.state_dict().values(),
                                                             model.state_dict().values()))
@@ -127,5 +129,6 @@ def scenario_np1(shards, out, steps):
 
 if __name__ == "__main__":
     name, shards, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    extra = [int(a) for a in sys.argv[5:]]
     os.makedirs(out, exist_ok=True)
-    {"core": scenario_core, "np1": scenario_np1}[name](shards, out, steps)
+    {"core": scenario_core, "np1": scenario_np1}[name](shards, out, steps, *extra)
