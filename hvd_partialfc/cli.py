@@ -74,8 +74,12 @@ def _eval(args) -> int:
     from .evaluate import evaluate_files
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = evaluate_files(args.backbone, args.pairs, flip=args.flip, baselines=args.baselines,
-                            batch_size=args.batch_size, out_dir=args.out)
+    try:
+        report = evaluate_files(args.backbone, args.pairs, flip=args.flip, baselines=args.baselines,
+                                batch_size=args.batch_size, out_dir=args.out)
+    except OSError as err:      # a missing or unreadable backbone / pair file: say which, no traceback
+        print(f"hvd-partialfc eval: error: {err}", file=sys.stderr)
+        return 2
     print(f"backbone {report['backbone']}  flip {'on' if args.flip else 'off'}")
     for table in report["tables"]:
         print()

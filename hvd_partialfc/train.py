@@ -170,6 +170,14 @@ class Trainer:
                                              o.classifier_momentum, o.classifier_weight_decay)
         self.loss_scale = LossScale(cfg.train.precision == "fp16")
         self.skipped_steps = 0
+        # Verification during training runs on rank 0 only; its pair sets are read (and checked) here, so
+        # a bad path fails before training, agreed like every other setup error.
+        self.evaluator = None
+        if cfg.eval.pairs and comm.is_main:
+            from .evaluate import Evaluator, check_input_shape
+            self.evaluator = Evaluator.from_config(cfg.eval, cfg.out)
+            for pairset in self.evaluator.sets:
+                check_input_shape(self.model_args, pairset)
 
     def _rank_shard_indices(self) -> List[int]:
         from .shards import rank_shards
@@ -263,6 +271,7 @@ class Trainer:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{cfg.optim.backbone_lr * out['lr_factor']:.4g}",
                                     sps=f"{sps:.0f}")
                 bar.update(1)
+                self.maybe_evaluate(done, final=done == self.total_steps, bar=bar, metrics=metrics)
                 ckpt_dir = self.checkpointer.maybe_save(done, self, final=done == self.total_steps) or ckpt_dir
         finally:
             bar.close()
@@ -271,6 +280,27 @@ class Trainer:
         if ckpt_dir is None:  # resumed at the end already: nothing left to train
             ckpt_dir = self.checkpointer.save(self.total_steps, self)
         return ckpt_dir
+
+    def eval_due(self, step: int, final: bool) -> bool:
+        """The same answer on every rank (it depends on the config only): evaluation needs a collective."""
+        e = self.cfg.eval
+        return bool(e.pairs) and (final or (e.every > 0 and step % e.every == 0))
+
+    def maybe_evaluate(self, step: int, final: bool, bar=None, metrics=None) -> Optional[Dict[str, Any]]:
+        """Average BatchNorm buffers on all ranks (collective), then verify on rank 0."""
+        if not self.eval_due(step, final):
+            return None
+        self.comm.average_buffers(self.backbone, name=f"eval.{step}")
+        if self.evaluator is None:
+            return None
+        records = self.evaluator.run(step, self.backbone)
+        if metrics:
+            for rec in records.values():
+                metrics.write(json.dumps({"eval": rec, "step": step}) + "\n")
+            metrics.flush()
+        if bar is not None:
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in self.evaluator.summary(records).items()))
+        return records
 
     # --- checkpoint contents --------------------------------------------------------------------------
     def backbone_state(self) -> Dict[str, Any]:

@@ -31,15 +31,17 @@ done
 log() { echo "[install] $*"; }
 SUDO=""; if [ "$(id -u)" != "0" ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
 
-# Font packages of the `fonts` data set (docs/data.md names them): many CJK families and styles.
+# Font packages of the `fonts` data set (docs/data.md names them): many CJK families and styles. Every name
+# was checked with `apt-cache policy` on Debian 12 (bookworm); fonts-moe-standard-{kai,song}, fonts-wqy-bitmap
+# and fonts-jigmo are not in bookworm and were dropped. Fonts without a glyph for a character are skipped
+# per character by the importer (cmap check), so a non-CJK-complete package only adds what it has.
 FONT_PACKAGES="fontconfig fonts-wqy-zenhei fonts-wqy-microhei fonts-arphic-ukai fonts-arphic-uming \
 fonts-arphic-bkai00mp fonts-arphic-bsmi00lp fonts-arphic-gbsn00lp fonts-arphic-gkai00mp \
-fonts-noto-cjk fonts-lxgw-wenkai fonts-ipafont-gothic fonts-ipafont-mincho fonts-ipaexfont-gothic \
-fonts-ipaexfont-mincho fonts-takao-gothic fonts-takao-mincho fonts-vlgothic fonts-horai-umefont \
-fonts-umeplus fonts-komatuna fonts-hanazono fonts-mona fonts-motoya-l-cedar fonts-motoya-l-maruberi \
-fonts-seto fonts-misaki fonts-droid-fallback fonts-cwtex-fs fonts-cwtex-heib fonts-cwtex-kai \
-fonts-cwtex-ming fonts-cwtex-yen fonts-moe-standard-kai fonts-moe-standard-song fonts-ukij-uyghur \
-fonts-wqy-bitmap fonts-noto-cjk-extra fonts-smiley-sans fonts-jigmo fonts-ipamj-mincho \
+fonts-noto-cjk fonts-noto-cjk-extra fonts-lxgw-wenkai fonts-ipafont-gothic fonts-ipafont-mincho \
+fonts-ipaexfont-gothic fonts-ipaexfont-mincho fonts-takao-gothic fonts-takao-mincho fonts-vlgothic \
+fonts-horai-umefont fonts-umeplus fonts-komatuna fonts-hanazono fonts-mona fonts-motoya-l-cedar \
+fonts-motoya-l-maruberi fonts-seto fonts-misaki fonts-droid-fallback fonts-cwtex-fs fonts-cwtex-heib \
+fonts-cwtex-kai fonts-cwtex-ming fonts-cwtex-yen fonts-ukij-uyghur fonts-smiley-sans fonts-ipamj-mincho \
 fonts-klee fonts-kouzan-mouhitsu fonts-nanum"
 
 apt_install() {
@@ -132,7 +134,10 @@ else
 fi
 
 # --- the package itself (editable), with its console scripts --------------------------------------
-if [ -f "$ROOT/setup.cfg" ] && ! "$PY" -c "import hvd_partialfc, data_tools" 2>/dev/null; then
+# Checked from / so that the repository folder itself is not on sys.path: the import must come from the
+# editable install of *this* checkout, and the console scripts must exist.
+if [ -f "$ROOT/setup.cfg" ] && ! { [ -x "$VENV/bin/hvd-partialfc" ] && [ -x "$VENV/bin/hvd-partialfc-shards" ] && \
+    (cd / && "$PY" -c "import os, sys, hvd_partialfc, data_tools; sys.exit(os.path.dirname(os.path.dirname(os.path.abspath(hvd_partialfc.__file__))) != '$ROOT')") 2>/dev/null; }; then
   log "pip install -e ."
   $PIP install --no-deps --no-build-isolation -e "$ROOT"
 fi

@@ -139,3 +139,24 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
     assert all(np.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+
+def test_evaluation_during_training_np2(image_shards, tmp_path):
+    # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
+    from hvd_partialfc.pairs import write_pairs_h5
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
+    pairs = rng.integers(0, 40, size=(60, 2))
+    write_pairs_h5(str(tmp_path / "held.h5"), images, pairs, np.arange(60) % 2 == 0)
+    run = str(tmp_path / "run")
+    _train_cli(2, image_shards, run, "data.batch_size=8", "model.kwargs={width: 8}", "eval.every=5",
+               f"eval.pairs=[{tmp_path / 'held.h5'}]", steps=12, timeout=120)
+    evals = read_json_lines(os.path.join(run, "eval.jsonl"))
+    assert [e["step"] for e in evals] == [5, 10, 12] and all(e["set"] == "held" for e in evals)
+    assert all(0.0 <= e["auc"] <= 1.0 for e in evals)
+    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
+    assert info["digests_agree"]
+    # a pair set that does not exist: an agreed error before training, on every rank
+    proc = _train_cli(2, image_shards, str(tmp_path / "bad"), "data.batch_size=8", "model.kwargs={width: 8}",
+                      f"eval.pairs=[{tmp_path / 'missing.h5'}]", steps=3, check=False, timeout=90)
+    assert proc.returncode != 0 and "missing.h5" in proc.stdout + proc.stderr
