@@ -1,34 +1,83 @@
-"""``hvd-partialfc-shards``: build and inspect shard sets offline.
+"""``hvd-partialfc-shards``: build, inspect and turn into verification pairs shard sets, offline.
 
-    hvd-partialfc-shards build FORMAT SOURCE --out DIR --num-shards N [--balance classes|samples]
-    hvd-partialfc-shards inspect DIR [--json]
+    hvd-partialfc-shards build FORMAT [SOURCE] --out DIR --num-shards N [--balance classes|samples]
+        [--store raw|encoded] [--size H[,W]] [--color gray|rgb] [--on-error fail|skip] [--workers W]
+        [--holdout F --holdout-out DIR2 --holdout-shards K] [--seed S] [--overwrite]
+        [--compression none|gzip|lzf] [--chunk-samples K]
+        fonts only: [--charset gb2312-1|jis-1|FILE] [--samples-per-font K] [--font-dir D]
+                    [--max-fonts K] [--max-chars K] [--min-fonts K]
+    hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
+    hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
+    hvd-partialfc-shards pairs FILE.bin|FILE.h5 --out OTHER.h5|OTHER.bin      (conversion)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
 
+def _size(text: str) -> List[int]:
+    parts = [int(p) for p in text.replace("x", ",").split(",") if p]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise argparse.ArgumentTypeError(f"--size expects S or H,W, got {text!r}")
+    return parts
+
+
 def _build(args) -> int:
-    from .build import build_shard_set
+    from .build import BuildOptions, build
     from .importers import get_importer
-    data = get_importer(args.format)(args.source)
-    m = build_shard_set(data, args.out, args.num_shards, args.balance, args.overwrite)
-    print(f"wrote {args.out}: {m.num_shards} shards, {m.num_classes} classes, {m.num_samples} samples "
-          f"({m.kind} {m.sample_shape}); sample imbalance {m.partition['sample_imbalance']:.3f}")
+    from .storage import default_workers
+    opts = BuildOptions(out=args.out, num_shards=args.num_shards, balance=args.balance, store=args.store,
+                        size=args.size, color=args.color, on_error=args.on_error,
+                        workers=args.workers or default_workers(), seed=args.seed, holdout=args.holdout,
+                        holdout_out=args.holdout_out, holdout_shards=args.holdout_shards,
+                        overwrite=args.overwrite,
+                        compression=None if args.compression == "none" else args.compression,
+                        chunk_samples=args.chunk_samples)
+    fonts = dict(charset=args.charset, samples_per_font=args.samples_per_font, font_dir=args.font_dir,
+                 max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts)
+    if args.format != "fonts" and args.source is None:
+        raise ValueError(f"build {args.format}: SOURCE is required")
+    r = build(get_importer(args.format), args.source, opts, **(fonts if args.format == "fonts" else {}))
+    for label, m, path in (("train", r["manifest"], args.out), ("holdout", r["holdout"], opts.holdout_out)):
+        if m is None:
+            continue
+        p = m.partition
+        print(f"wrote {path}: {m.num_shards} shards, {m.num_classes} classes, {m.num_samples} samples "
+              f"({m.kind} {m.sample_shape}); sample imbalance (max/mean) {p['sample_imbalance']:.3f} "
+              f"with --balance {p['policy']} (by classes: {p['sample_imbalance_by_classes']:.3f})")
+    src = r["manifest"].source
+    if args.format == "fonts":
+        print(f"fonts: {src['faces_used']} faces of {src['families_used']} families used "
+              f"({src['faces_found']} found), {src['duplicate_renderings_dropped']} duplicate renderings "
+              f"dropped, {src['characters_dropped']} characters without enough fonts")
+    if r["skipped"]:
+        print(f"skipped {r['skipped']} unreadable samples (listed in the manifest's 'skipped')")
+    print(f"build time {r['seconds']:.1f} s ({r['samples_per_s']:.0f} samples/s)")
     return 0
 
 
 def inspect_shard_set(path: str, verify_sha256: bool = True) -> dict:
     """Validate a shard set (manifest, label ranges, every label, counts, sha256) and summarise it."""
+    import h5py
     from hvd_partialfc.partition import imbalance
-    from hvd_partialfc.shards import check_shard_file, read_manifest
+    from hvd_partialfc.shards import ShardError, check_shard_file, read_manifest
     m = read_manifest(path)
     rows = []
     for i, s in enumerate(m.shards):
         check_shard_file(path, m, i, verify_sha256=verify_sha256)
+        with h5py.File(os.path.join(path, s.file), "r") as f:
+            shape = list(f[m.kind].shape[1:])
+            present = len(set(f["labels"][:].tolist()))
+        if m.kind != "encoded" and shape != list(m.sample_shape):
+            raise ShardError(f"{s.file}: sample shape {shape}, manifest says {m.sample_shape}")
+        if present != s.label_end - s.label_start:
+            raise ShardError(f"{s.file}: {present} of its {s.label_end - s.label_start} classes have samples")
         rows.append({"file": s.file, "label_start": s.label_start, "label_end": s.label_end,
                      "classes": s.label_end - s.label_start, "samples": s.num_samples})
     return {"path": path, "num_classes": m.num_classes, "num_samples": m.num_samples, "kind": m.kind,
@@ -37,8 +86,33 @@ def inspect_shard_set(path: str, verify_sha256: bool = True) -> dict:
             "class_imbalance": imbalance([r["classes"] for r in rows]), "skipped": len(m.skipped)}
 
 
+def plot_shards(info: dict, path: str) -> None:
+    """Bar charts of samples and classes per shard, with the mean, into ``path`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = info["shards"]
+    x = list(range(len(rows)))
+    fig, axes = plt.subplots(1, 2, figsize=(max(6, 0.25 * len(rows) + 4), 3.2))
+    for ax, key, title in ((axes[0], "samples", "samples per shard"), (axes[1], "classes", "classes per shard")):
+        vals = [r[key] for r in rows]
+        ax.bar(x, vals, color="#4c72b0")
+        ax.axhline(sum(vals) / len(vals), color="#c44e52", lw=1, label="mean")
+        ax.set_title(f"{title} (max/mean {info['sample_imbalance' if key == 'samples' else 'class_imbalance']:.3f})",
+                     fontsize=9)
+        ax.set_xlabel("shard")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{os.path.basename(os.path.abspath(info['path']))}: {info['num_classes']} classes, "
+                 f"{info['num_samples']} samples, balance={info['partition'].get('policy')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _inspect(args) -> int:
     info = inspect_shard_set(args.dir, verify_sha256=not args.no_sha256)
+    if args.plot:
+        plot_shards(info, args.plot)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -47,27 +121,77 @@ def _inspect(args) -> int:
     for r in info["shards"]:
         print(f"  {r['file']}  labels [{r['label_start']}, {r['label_end']})  {r['classes']} classes  {r['samples']} samples")
     print(f"  imbalance (max/mean): samples {info['sample_imbalance']:.3f}, classes {info['class_imbalance']:.3f}")
+    if info["skipped"]:
+        print(f"  {info['skipped']} samples were skipped at build time (manifest 'skipped')")
+    if args.plot:
+        print(f"  plot: {args.plot}")
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _pairs(args) -> int:
+    from .pairs import convert_pairs, make_pairs
+    out = args.out
+    if args.bin and not out.endswith(".bin"):
+        raise ValueError("--bin: the output name must end in .bin")
+    if os.path.isdir(args.source):
+        if args.num_pairs is None:
+            raise ValueError("pairs from a shard set need --num-pairs")
+        r = make_pairs(args.source, out, args.num_pairs, args.seed, as_bin=args.bin)
+    else:
+        r = convert_pairs(args.source, out)
+    print(f"wrote {r['out']}: {r['pairs']} pairs ({r['same']} same), {r['images']} images")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     from .importers import list_importers
     p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write a shard set from a source")
     b.add_argument("format", choices=list_importers())
-    b.add_argument("source")
+    b.add_argument("source", nargs="?", help="folder, list file, npz, RecordIO prefix (fonts: none)")
     b.add_argument("--out", required=True)
     b.add_argument("--num-shards", type=int, required=True)
     b.add_argument("--balance", choices=["classes", "samples"], default="classes")
+    b.add_argument("--store", choices=["raw", "encoded"], default="raw")
+    b.add_argument("--size", type=_size, help="sample size S or H,W (fonts: square side, default 64)")
+    b.add_argument("--color", choices=["gray", "rgb"], help="image files: default the first image's")
+    b.add_argument("--on-error", choices=["fail", "skip"], default="fail")
+    b.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--holdout", type=float, default=0.0, help="fraction of classes held out")
+    b.add_argument("--holdout-out", help="held-out shard set (default OUT-holdout)")
+    b.add_argument("--holdout-shards", type=int, default=1)
     b.add_argument("--overwrite", action="store_true")
+    b.add_argument("--compression", choices=["none", "gzip", "lzf"], default="none")
+    b.add_argument("--chunk-samples", type=int, default=0,
+                   help="HDF5 chunk length in samples; 0 = contiguous (fastest random reads, measured)")
+    f = b.add_argument_group("fonts")
+    f.add_argument("--charset", default="gb2312-1", help="gb2312-1, jis-1, or a UTF-8 file of characters")
+    f.add_argument("--samples-per-font", type=int, default=1)
+    f.add_argument("--font-dir")
+    f.add_argument("--max-fonts", type=int, help="first K font families")
+    f.add_argument("--max-chars", type=int)
+    f.add_argument("--min-fonts", type=int, default=1, help="drop characters with fewer distinct renderings")
     b.set_defaults(fn=_build)
     i = sub.add_parser("inspect", help="validate a shard set and print its per-shard figures")
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
     i.add_argument("--no-sha256", action="store_true", help="skip hashing the shard files")
+    i.add_argument("--plot", help="write a per-shard distribution plot (PNG)")
     i.set_defaults(fn=_inspect)
-    args = p.parse_args(argv)
+    q = sub.add_parser("pairs", help="verification pairs from held-out classes; .bin/.h5 conversion")
+    q.add_argument("source", help="a shard set (held-out classes), or a .bin/.h5 pair file to convert")
+    q.add_argument("--out", required=True, help=".h5 (hvd_partialfc pair set) or .bin (LFW style)")
+    q.add_argument("--num-pairs", type=int)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--bin", action="store_true", help="write the LFW-style .bin")
+    q.set_defaults(fn=_pairs)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, OSError) as err:

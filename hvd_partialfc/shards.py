@@ -12,13 +12,14 @@ shard:
 * ``labels``   int64 (N,), global labels, each in the shard's range;
 * one sample dataset, by ``kind``:
   ``images``   uint8 (N, H, W) or (N, H, W, C)  (raw storage);
-  ``encoded``  variable-length uint8 (N,), encoded JPEG/PNG bytes, decoded by the loader;
+  ``encoded``  variable-length uint8 (N,), encoded JPEG/PNG bytes, decoded by the loader to the
+  manifest's ``sample_shape`` (also the shard attribute ``sample_shape``);
   ``features`` float32 (N, F)  (feature vectors, for the ``mlp`` backbone);
 * attributes repeating the manifest entry (format, version, shard index/count, label range, sample
   count, kind) so a lone file explains itself.
 
 ``manifest.json`` is written last, and a whole set is written into a temporary folder renamed at the end,
-so a set that has a manifest is complete. `docs/format.md` is the human-readable spec of this module.
+so a set that has a manifest is complete. `docs/data.md` (§1) is the human-readable spec of this module.
 """
 from __future__ import annotations
 
@@ -186,12 +187,14 @@ def check_shard_file(shard_dir: str, manifest: Manifest, index: int, verify_sha2
 
 
 def write_shard(path: str, kind: str, samples: Any, labels: np.ndarray, label_slice: LabelSlice,
-                num_shards: int, compression: Optional[str] = None, chunk_samples: int = 256) -> str:
+                num_shards: int, compression: Optional[str] = None, chunk_samples: int = 0,
+                sample_shape: Optional[Sequence[int]] = None) -> str:
     """Write one shard file and return its sha256.
 
     ``samples`` is an array (images/features) or, for ``encoded``, a sequence of 1-D uint8 arrays/bytes.
-    Chunks hold ``chunk_samples`` samples along the first axis: the loader reads sorted index batches,
-    so a chunk of a few hundred samples keeps random access cheap without bloating small files.
+    Chunks hold ``chunk_samples`` samples along the first axis; ``chunk_samples=0`` without compression
+    writes a contiguous dataset, which HDF5 reads a random batch from ~17x faster than a chunked one
+    (measured by `data_tools/bench_loader.py`, docs/data.md; shards are written once, never extended).
     """
     labels = np.asarray(labels, dtype=np.int64)
     with h5py.File(path, "w", libver="latest") as f:
@@ -199,16 +202,22 @@ def write_shard(path: str, kind: str, samples: Any, labels: np.ndarray, label_sl
         n = len(labels)
         if kind == "encoded":
             ds = f.create_dataset("encoded", shape=(n,), dtype=h5py.vlen_dtype(np.uint8),
-                                  chunks=(max(1, min(n, chunk_samples)),) if n else None)
+                                  chunks=(max(1, min(n, chunk_samples)),) if n and chunk_samples else None)
+            blobs = np.empty(n, dtype=object)   # one write call instead of one per sample
             for i, blob in enumerate(samples):
-                ds[i] = np.frombuffer(bytes(blob), dtype=np.uint8) if not isinstance(blob, np.ndarray) else blob
+                blobs[i] = blob if isinstance(blob, np.ndarray) else np.frombuffer(bytes(blob), dtype=np.uint8)
+            if n:   # low-level write: ds[...] = blobs would turn equal-length blobs into a 2-D array
+                ds.id.write(h5py.h5s.ALL, h5py.h5s.ALL, blobs, mtype=h5py.h5t.py_create(ds.dtype))
         else:
             arr = np.ascontiguousarray(samples)
-            chunks = (max(1, min(n, chunk_samples)),) + arr.shape[1:] if n else None
+            contiguous = not n or (not chunk_samples and compression is None)
+            chunks = None if contiguous else (max(1, min(n, chunk_samples or 64)),) + arr.shape[1:]
             f.create_dataset(kind, data=arr, chunks=chunks, compression=compression)
         f.attrs.update({"format": FORMAT, "version": VERSION, "kind": kind, "shard_index": label_slice.index,
                         "num_shards": num_shards, "label_start": label_slice.start,
                         "label_end": label_slice.end, "num_samples": n})
+        if sample_shape is not None:            # the decoded shape (encoded samples), as in the manifest
+            f.attrs["sample_shape"] = np.asarray(list(sample_shape), dtype=np.int64)
     return sha256_file(path)
 
 
@@ -230,6 +239,9 @@ class AtomicShardDir:
         parent = os.path.dirname(self.out)
         os.makedirs(parent, exist_ok=True)
         self.tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(self.out)}-", dir=parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o777 & ~umask)      # mkdtemp makes 0700; the finished set follows the umask
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -255,11 +267,13 @@ def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], sl
                     num_classes: int, class_names: Optional[Sequence[str]] = None,
                     partition: Optional[Dict[str, Any]] = None, source: Optional[Dict[str, Any]] = None,
                     skipped: Optional[Sequence[str]] = None, overwrite: bool = False,
-                    compression: Optional[str] = None) -> Manifest:
+                    compression: Optional[str] = None, chunk_samples: int = 0,
+                    sample_shape: Optional[Sequence[int]] = None) -> Manifest:
     """Write a whole shard set from in-memory samples and global labels, one shard per slice.
 
     Samples keep their input order within a shard (a stable sort by label range), so the same input
-    gives byte-identical shards and the same sha256 in the manifest.
+    gives byte-identical shards and the same sha256 in the manifest. For ``encoded`` samples pass
+    ``sample_shape``, the decoded (H, W) or (H, W, C) the loader decodes to.
     """
     labels = np.asarray(labels, dtype=np.int64)
     check_partition(slices, num_classes)
@@ -270,7 +284,10 @@ def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], sl
         raise ShardError(f"class {int(np.flatnonzero(present == 0)[0])} has no samples "
                          f"({int((present == 0).sum())} empty classes); renumber the labels densely")
     first = samples[0] if kind == "encoded" else np.asarray(samples[:1])
-    shape = [] if kind == "encoded" else list(np.asarray(samples).shape[1:])
+    if kind == "encoded":
+        shape = list(sample_shape) if sample_shape is not None else []
+    else:
+        shape = list(np.asarray(samples).shape[1:])
     dtype = "uint8" if kind in ("encoded", "images") else str(np.asarray(first).dtype)
     entries = []
     with AtomicShardDir(out, overwrite) as tmp:
@@ -278,7 +295,8 @@ def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], sl
             idx = np.flatnonzero((labels >= s.start) & (labels < s.end))
             part = [samples[i] for i in idx] if kind == "encoded" else np.asarray(samples)[idx]
             name = shard_name(s.index, len(slices))
-            digest = write_shard(os.path.join(tmp, name), kind, part, labels[idx], s, len(slices), compression)
+            digest = write_shard(os.path.join(tmp, name), kind, part, labels[idx], s, len(slices), compression,
+                                 chunk_samples, sample_shape=shape if kind == "encoded" else None)
             entries.append(ShardEntry(name, s.start, s.end, int(len(idx)), digest))
         manifest = Manifest(num_classes=num_classes, kind=kind, sample_shape=shape, sample_dtype=dtype,
                             shards=entries, partition=partition or {"policy": "classes"},

@@ -26,4 +26,4 @@ def list_importers():
     return sorted(_IMPORTERS)
 
 
-from . import npz  # noqa: E402,F401
+from . import fonts, imagefolder, listfile, npz, recordio  # noqa: E402,F401

@@ -1,0 +1,36 @@
+"""``recordio PREFIX``: InsightFace/MXNet ``PREFIX.rec`` + ``PREFIX.idx``, read without mxnet.
+
+Only the record headers are read here (the label of each image record); the image bytes are read by the
+worker processes of `data_tools.storage.to_storage`, through `RecordRef`. PREFIX may also be given as the
+``.rec`` or ``.idx`` path. See `data_tools.recordio` for the format.
+"""
+from __future__ import annotations
+
+import os
+
+from . import register_importer
+from ..build import ImportedData
+from ..recordio import image_keys, read_index, record_label
+from ..storage import RecordRef
+
+
+@register_importer("recordio")
+def import_recordio(prefix: str, **_) -> ImportedData:
+    for ext in (".rec", ".idx"):
+        if prefix.endswith(ext):
+            prefix = prefix[: -len(ext)]
+    rec, idx = prefix + ".rec", prefix + ".idx"
+    for p in (rec, idx):
+        if not os.path.isfile(p):
+            raise ValueError(f"{p}: missing (recordio expects PREFIX.rec and PREFIX.idx)")
+    index = read_index(idx)
+    keys = image_keys(rec, index)
+    refs = [RecordRef(rec, index[k], k) for k in keys]
+    labels = []
+    for r in refs:
+        y = record_label(rec, r.offset)
+        if y != int(y) or y < 0:
+            raise ValueError(f"{rec}: record {r.key} has label {y}, expected a non-negative integer class id")
+        labels.append(int(y))
+    return ImportedData("refs", refs, labels, {"format": "recordio", "path": os.path.abspath(rec),
+                                               "records": len(index), "images": len(keys)})
