@@ -21,5 +21,9 @@ test-unit: install
 test-multirank: install
 	$(PY) -m pytest tests -q -m multirank
 
+# The main job on the embedded default data (fonts): data, training on 2 ranks, evaluation, report.
+demo: install
+	bash launch/demo.sh
+
 clean-venv:
 	rm -rf $(VENV)

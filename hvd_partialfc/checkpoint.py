@@ -29,6 +29,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from . import faults
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 
@@ -169,6 +171,7 @@ class Checkpointer:
         except OSError as e:
             error = f"checkpoint write failed: {e}"
         comm.agree(error, name=f"ckpt.write.{step}")
+        faults.pause("pause-in-ckpt", step, comm.rank)
         if comm.is_main:
             meta = trainer.checkpoint_meta(step)
             meta.update({"digests": digests, "identical": identical, "time": time.time()})
@@ -180,6 +183,7 @@ class Checkpointer:
             atomic_write_text(os.path.join(self.base, LATEST), step_dir_name(step) + "\n")
             self._prune()
         comm.agree(None, name=f"ckpt.done.{step}")
+        faults.pause("pause-after-ckpt", step, comm.rank)
         if not identical:
             from .comm import RankFailure
             raise RankFailure(f"backbones differ across ranks at step {step}: "
@@ -191,3 +195,75 @@ class Checkpointer:
         names = list_checkpoints(self.run_dir)
         for old in names[:-self.keep]:
             shutil.rmtree(os.path.join(self.base, old), ignore_errors=True)
+
+
+# --- re-sharding: classifier rows to another world size -------------------------------------------------
+
+def _row_sliced(value: Any, width: int, dim: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 2 and value.shape == (width, dim)
+
+
+def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end: int) -> Dict[str, Any]:
+    """Classifier rows ``[start, end)`` and their optimizer state, cut from the old ranks' files.
+
+    Rows of the new slice may come from several old files (fewer ranks) or from part of one (more
+    ranks). Per-row optimizer state (SGD momentum, Adam moments: tensors shaped like the weight) is cut
+    the same way; per-parameter scalars (Adam's step) are equal on all old ranks and taken from the first.
+    """
+    weights, states, scalars, groups = [], [], {}, None
+    for (old_start, old_end), name in zip(meta["slices"], meta["classifier_files"]):
+        lo, hi = max(start, old_start), min(end, old_end)
+        if lo >= hi:
+            continue
+        f = torch.load(os.path.join(ckpt_dir, name), map_location="cpu", weights_only=False)
+        if (f["label_start"], f["label_end"]) != (old_start, old_end):
+            raise ValueError(f"{name} covers [{f['label_start']}, {f['label_end']}), meta says [{old_start}, {old_end})")
+        w = f["weight"]
+        weights.append(w[lo - old_start:hi - old_start])
+        opt = f["optimizer"]
+        groups = groups or opt["param_groups"]
+        st = opt["state"].get(0, {})
+        states.append({k: v[lo - old_start:hi - old_start] for k, v in st.items() if _row_sliced(v, *w.shape)})
+        for k, v in st.items():
+            if not _row_sliced(v, *w.shape):
+                scalars.setdefault(k, v)
+    if not weights or sum(w.shape[0] for w in weights) != end - start:
+        raise ValueError(f"the checkpoint's classifier files do not cover labels [{start}, {end})")
+    state = {}
+    if states and states[0]:
+        state = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    state.update(scalars)
+    return {"weight": torch.cat(weights), "optimizer": {"state": {0: state} if state else {}, "param_groups": groups}}
+
+
+def reshard_checkpoint(src: str, out: str, world_size: int) -> str:
+    """Write a copy of checkpoint ``src`` for ``world_size`` ranks (``hvd-partialfc reshard``).
+
+    The backbone is copied; classifier rows and their optimizer state are redistributed to the label
+    slices that the shard set gives ``world_size`` ranks (from the shard ranges recorded in meta.json).
+    RNG states do not carry over (each new rank is seeded from the run's seed, its rank and the step).
+    """
+    from .partition import LabelSlice, group_slices
+    src = resolve_checkpoint(src)
+    meta = read_meta(src)
+    shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
+    slices = group_slices(shard_slices, world_size)
+    if os.path.exists(out):
+        raise FileExistsError(f"{out} already exists")
+    tmp = out.rstrip("/") + ".partial"
+    os.makedirs(tmp, exist_ok=True)
+    shutil.copyfile(os.path.join(src, "backbone.pt"), os.path.join(tmp, "backbone.pt"))
+    digest = meta["digests"][0]
+    for s in slices:
+        rows = gather_classifier_rows(src, meta, s.start, s.end)
+        rows.update({"rank": s.index, "world_size": world_size, "label_start": s.start, "label_end": s.end,
+                     "rng": None, "resharded_from": meta["world_size"], "backbone_digest": digest,
+                     "loss_scale": None, "skipped_steps": 0})
+        atomic_torch_save(rows, os.path.join(tmp, classifier_file(s.index, world_size)))
+    new = dict(meta)
+    new.update({"world_size": world_size, "slices": [[s.start, s.end] for s in slices],
+                "classifier_files": [classifier_file(r, world_size) for r in range(world_size)],
+                "digests": [digest] * world_size, "resharded_from": meta["world_size"]})
+    atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(new, indent=1))
+    os.rename(tmp, out)
+    return out

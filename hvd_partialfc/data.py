@@ -84,7 +84,15 @@ class RankShardDataset:
             for k, w in enumerate(where[order]):
                 out[w] = block[inverse[k]]
         if self.kind == "encoded":
-            samples = np.stack([decode_image(b, self.manifest.sample_shape) for b in out])
+            decoded = []
+            for pos, blob in zip(positions.tolist(), out):
+                try:
+                    decoded.append(decode_image(blob, self.manifest.sample_shape))
+                except Exception as e:  # name what is broken: the rank, the file, the sample
+                    s = int(np.searchsorted(self.offsets, pos, side="right") - 1)
+                    raise ShardError(f"rank {self.rank}: {self.files[s]}: sample {pos - int(self.offsets[s])} "
+                                     f"cannot be decoded ({type(e).__name__}: {e})") from e
+            samples = np.stack(decoded)
         else:
             samples = np.stack(out)
         local_labels = self.labels[positions] - self.label_slice.start

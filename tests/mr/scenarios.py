@@ -127,8 +127,28 @@ def scenario_np1(shards, out, steps, k=1):
                    "classifier_moved": moved}, f)
 
 
+def scenario_nonfinite(shards, out, steps):
+    """A NaN sample on rank 1 at step 2 with on_nonfinite=skip: no rank's parameters change in that step."""
+    cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
+                             "model.name=mlp", "train.on_nonfinite=skip", "optim.schedule=constant"])
+    comm = comm_lib.init()
+    trainer = Trainer(cfg, comm)
+    batches = iter(trainer.loader)
+    rec = {"rank": comm.rank, "backbone": [], "classifier": []}
+    for step in range(steps):
+        batch = next(batches)
+        if step == 2 and comm.rank == 1:
+            batch[0][0, 0] = float("nan")  # one bad sample on one rank only
+        trainer.train_step(step, iter([batch]))
+        rec["backbone"].append(param_digest(trainer.backbone))
+        rec["classifier"].append(param_digest(trainer.classifier))
+    rec["skipped_steps"] = trainer.skipped_steps
+    with open(os.path.join(out, f"rank-{comm.rank}.json"), "w") as f:
+        json.dump(rec, f)
+
+
 if __name__ == "__main__":
     name, shards, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     extra = [int(a) for a in sys.argv[5:]]
     os.makedirs(out, exist_ok=True)
-    {"core": scenario_core, "np1": scenario_np1}[name](shards, out, steps, *extra)
+    {"core": scenario_core, "np1": scenario_np1, "nonfinite": scenario_nonfinite}[name](shards, out, steps, *extra)

@@ -1,0 +1,60 @@
+"""Fault injection, for the reliability tests and for rehearsing failures on a real cluster.
+
+``HVD_PARTIALFC_FAULT`` holds comma-separated ``KIND@STEP`` or ``KIND@STEP:RANK`` entries (no rank: all
+ranks). STEP counts completed optimizer steps. Kinds:
+
+* ``raise``            raise an exception before step STEP+1 (a crash in Python code on that rank);
+* ``kill``             SIGKILL the rank's own process before step STEP+1 (a lost node, an OOM kill);
+* ``pause-after-ckpt`` sleep forever right after the checkpoint of step STEP is complete;
+* ``pause-in-ckpt``    sleep forever in the middle of writing the checkpoint of step STEP (rank files
+                       written, ``meta.json`` not yet, ``latest`` not moved): a kill then must leave the
+                       previous checkpoint valid.
+
+Unset (the normal case), every check is one dictionary lookup.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import List, Optional, Tuple
+
+ENV = "HVD_PARTIALFC_FAULT"
+KINDS = ("raise", "kill", "pause-after-ckpt", "pause-in-ckpt")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _parse(text: str) -> List[Tuple[str, int, Optional[int]]]:
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"{ENV}: bad entry {item!r} (expected KIND@STEP[:RANK], KIND one of {', '.join(KINDS)})")
+        out.append((kind, int(step), int(rank) if rank else None))
+    return out
+
+
+def active(kind: str, step: int, rank: int) -> bool:
+    text = os.environ.get(ENV)
+    if not text:
+        return False
+    return any(k == kind and s == step and (r is None or r == rank) for k, s, r in _parse(text))
+
+
+def before_step(step: int, rank: int) -> None:
+    """Called by the loop before each step with the number of steps completed."""
+    if active("raise", step, rank):
+        raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
+    if active("kill", step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pause(kind: str, step: int, rank: int) -> None:
+    if active(kind, step, rank):
+        print(f"[rank {rank}] {kind} at step {step}: pausing ({ENV})", flush=True)
+        while True:
+            time.sleep(60)
