@@ -3,8 +3,11 @@
     hvd-partialfc train  [--config FILE] [--shards DIR] [--out RUN] [--steps N] [--set key=value ...]
     hvd-partialfc export RUN --rank K --out backbone.pt
     hvd-partialfc info   RUN [--json]
+    hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
     hvd-partialfc eval   --backbone FILE|RUN --pairs PAIRS [--pairs ...] [--flip] [--baselines]
                          [--batch-size N] [--threads N] [--out DIR]
+    hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
+    hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ def _train(args) -> int:
         extra.setdefault("train", {})["steps"] = args.steps
     if args.resume:
         extra.setdefault("checkpoint", {})["resume"] = args.resume
+    if args.classifier:
+        extra.setdefault("head", {})["mode"] = args.classifier
+    if args.sample_rate is not None:
+        extra.setdefault("head", {})["sample_rate"] = args.sample_rate
     cfg = load_config(args.config, args.set or [], extra)
     from . import comm as comm_lib
     from .train import Trainer
@@ -52,6 +59,13 @@ def _export(args) -> int:
     from .export import export_backbone
     info = export_backbone(args.run, args.out, args.rank)
     print(json.dumps(info, indent=1))
+    return 0
+
+
+def _reshard(args) -> int:
+    from .checkpoint import reshard_checkpoint
+    out = reshard_checkpoint(args.checkpoint, args.out, args.world_size)
+    print(f"wrote {out} for {args.world_size} ranks; resume with --resume {out}")
     return 0
 
 
@@ -88,6 +102,22 @@ def _eval(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench import run_bench
+    run_bench(args)
+    return 0
+
+
+def _estimate(args) -> int:
+    from .estimate import estimate, table
+    modes = args.mode or ["local", "global", "replicated"]
+    results = [estimate(args.classes, args.world_size, args.dim, args.batch, args.backbone, m, args.dtype,
+                        optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape)
+               for m in modes]
+    print(json.dumps(results, indent=1) if args.json else table(results))
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -97,6 +127,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--out", help="run directory (= --set out=DIR)")
     t.add_argument("--steps", type=int, help="optimizer steps (= --set train.steps=N)")
     t.add_argument("--resume", help="auto | checkpoint path (= --set checkpoint.resume=...)")
+    t.add_argument("--classifier", choices=["local", "global", "replicated"],
+                   help="local: the method; global: exact model-parallel softmax; replicated: data parallel "
+                        "(= --set head.mode=...)")
+    t.add_argument("--sample-rate", type=float,
+                   help="global: fraction of negative centres kept (= --set head.sample_rate=...)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
     t.set_defaults(fn=_train)
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")
@@ -104,6 +139,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     e.add_argument("--rank", type=int, default=0, help="whose copy (all must agree)")
     e.add_argument("--out", required=True, help="output file, e.g. backbone.pt")
     e.set_defaults(fn=_export)
+    r = sub.add_parser("reshard", help="redistribute a checkpoint's classifier rows to another world size")
+    r.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
+    r.add_argument("--world-size", type=int, required=True)
+    r.add_argument("--out", required=True, help="new checkpoint folder (resume from it with --resume)")
+    r.set_defaults(fn=_reshard)
     i = sub.add_parser("info", help="summary of a run: ranks, label slices, classifier shapes, digests")
     i.add_argument("run")
     i.add_argument("--json", action="store_true")
@@ -117,10 +157,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     v.add_argument("--out", help="output folder (default: the run/checkpoint folder, or beside the file)")
     v.set_defaults(fn=_eval)
+    from .bench import add_arguments as bench_arguments
+    b = sub.add_parser("bench", help="local vs global vs replicated vs the limit, synthetic data (docs/benchmarks.md)")
+    bench_arguments(b)
+    b.set_defaults(fn=_bench)
+    s = sub.add_parser("estimate", help="per-rank memory and per-step traffic of each mode (docs/scaling.md)")
+    s.add_argument("--classes", type=lambda x: int(float(x)), required=True)
+    s.add_argument("--world-size", type=int, required=True)
+    s.add_argument("--dim", type=int, default=512)
+    s.add_argument("--batch", type=int, default=128, help="samples per rank per step")
+    s.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18)")
+    s.add_argument("--in-shape", type=lambda x: [int(v) for v in x.split(",")], help="sample shape, e.g. 112,112,3")
+    s.add_argument("--mode", action="append", choices=["local", "global", "replicated"], help="repeatable; default all")
+    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
+    s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
+    s.add_argument("--sample-rate", type=float, default=1.0, help="global: PartialFC's sampled fraction")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=_estimate)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, OSError, RuntimeError) as err:
         if args.cmd == "train":
             raise
         print(f"hvd-partialfc {args.cmd}: error: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ Contract:
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -34,6 +35,10 @@ class Comm:
     size: int
     local_rank: int
     local_size: int
+    # Traffic of the tensor collectives below (not of allreduce_scalar / objects): bytes of the tensors
+    # this rank hands in, and seconds spent waiting in them. Read and reset by the benchmark.
+    sent_bytes: int = 0
+    wait_s: float = 0.0
 
     @property
     def is_main(self) -> bool:
@@ -61,6 +66,36 @@ class Comm:
         if failed:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
             raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}")
+
+    # --- tensor collectives for the baselines (classifier modes `global` / `replicated`) -------------
+    def allreduce_tensor(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        """Elementwise max / sum of a tensor over ranks, out of place. No autograd (callers that need a
+        gradient write their own backward, see ``modes.py``)."""
+        ops = {"max": hvd.Max, "sum": hvd.Sum}
+        return self._timed(tensor, lambda t: hvd.allreduce(t, op=ops[op], name=f"tensor.{name}"))
+
+    def allgather_tensor(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0, in rank order (row counts may differ).
+        No autograd; see ``allgather_with_grad`` for features."""
+        return self._timed(tensor, lambda t: hvd.allgather(t, name=f"gather.{name}"))
+
+    def allgather_with_grad(self, tensor: torch.Tensor, name: str, grad_scale: float = 1.0) -> torch.Tensor:
+        """(n_r, ...) on rank r -> (sum_r n_r, ...) on every rank, with the backward a model-parallel loss needs.
+
+        Each rank's loss uses the *whole* gathered tensor, so the gradient of the total loss with respect
+        to rank r's rows is the SUM over ranks of the incoming gradients' rows of r (a reduce-scatter).
+        ``hvd.allgather``'s own autograd *averages* them instead (1/N of the right value). ``grad_scale``
+        multiplies the result: pass the world size when the gradient then goes through an averaging
+        DistributedOptimizer (InsightFace's PartialFC AllGatherFunc does the same ``*= world_size``).
+        """
+        return _AllGatherSum.apply(tensor, self, name, float(grad_scale))
+
+    def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
+        out = fn(tensor.detach())
+        self.wait_s += time.perf_counter() - t0
+        return out
 
     # --- the backbone -------------------------------------------------------------------------------
     def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:
@@ -167,3 +202,30 @@ def gradient_bytes(params: Iterable[torch.nn.Parameter], fp16_compression: bool 
         itemsize = 2 if (fp16_compression and p.dtype == torch.float32) else p.element_size()
         total += p.numel() * itemsize
     return total
+
+
+class _AllGatherSum(torch.autograd.Function):
+    """Forward: allgather along dim 0. Backward: sum over ranks of the gradient, this rank's rows, x scale."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, comm: "Comm", name: str, grad_scale: float) -> torch.Tensor:
+        n = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+        counts = comm._timed(n, lambda t: hvd.allgather(t, name=f"gather.{name}.rows"))  # (N,) rows per rank
+        ctx.comm, ctx.name, ctx.grad_scale = comm, name, grad_scale
+        ctx.counts = [int(c) for c in counts]
+        return comm._timed(tensor, lambda t: hvd.allgather(t.contiguous(), name=f"gather.{name}"))  # (M, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm, counts = ctx.comm, ctx.counts
+        grad = grad.contiguous()                                                  # (M, ...)
+        # Allreduce the whole (M, ...) gradient and keep this rank's rows. Not hvd.reducescatter: with
+        # Horovod 0.28 + Gloo, once a reducescatter has run, every later collective of the process is
+        # ~10-60x slower on this machine (the benchmark's `global` step at 10k classes, D=128: 860 ms
+        # with it, 219 ms without; an allgather of 128 KB: 68 ms after one, 1-2 ms otherwise).
+        total = comm._timed(grad, lambda g: hvd.allreduce(g, op=hvd.Sum, name=f"gather.{ctx.name}.grad"))
+        start = sum(counts[:comm.rank])
+        mine = total[start:start + counts[comm.rank]]                              # (n_r, ...)
+        if ctx.grad_scale != 1.0:
+            mine = mine * ctx.grad_scale
+        return mine, None, None, None

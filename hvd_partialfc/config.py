@@ -33,6 +33,10 @@ class HeadConfig:
     loss: str = "arcface"       # softmax | cosface | arcface
     scale: float = 64.0         # s
     margin: float = 0.5         # m (radians for arcface, cosine for cosface)
+    mode: str = "local"         # local (the method) | global (exact model-parallel softmax) | replicated (DP)
+    sample_rate: float = 1.0    # global only: fraction of negative centres kept per step (PartialFC); 1 = all
+    negatives_every: int = 0    # local only: share class centres across ranks every K steps as frozen negatives (0: off)
+    negatives_share: int = 0    # centres each rank shares per exchange (0: its whole slice)
 
 
 @dataclass
@@ -94,7 +98,8 @@ class Config:
     def validate(self) -> "Config":
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
                    ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
-                   ("train", "on_nonfinite"): ("stop", "skip")}
+                   ("train", "on_nonfinite"): ("stop", "skip"),
+                   ("head", "mode"): ("local", "global", "replicated")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:
@@ -105,6 +110,14 @@ class Config:
                 raise ConfigError(f"{sec}.{key} must be >= 1")
         if not self.data.shards:
             raise ConfigError("data.shards is required (a shard set directory)")
+        if not 0.0 < self.head.sample_rate <= 1.0:
+            raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
+        if self.head.negatives_every < 0 or self.head.negatives_share < 0:
+            raise ConfigError("head.negatives_every and head.negatives_share must be >= 0")
+        if self.head.negatives_every > 0 and self.head.mode != "local":
+            raise ConfigError("head.negatives_every adds cross-shard negatives to head.mode=local only")
+        if self.head.sample_rate < 1.0 and self.head.mode != "global":
+            raise ConfigError("head.sample_rate < 1 samples negative centres of head.mode=global only")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
         return self

@@ -104,13 +104,104 @@ class LocalClassifier(nn.Module):
         self.weight = nn.Parameter(torch.empty(width, dim).normal_(0, 0.01))
         self.margin = create_margin(loss, scale, margin)
 
-    def logits(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(B, D) features, (B,) local labels -> (B, width) logits with the margin applied."""
+    def logits(self, features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor = None) -> torch.Tensor:
+        """(B, D) features, (B,) local labels -> (B, width) logits with the margin applied.
+
+        ``weight`` (default: all of ``self.weight``) lets a caller score against a subset of the rows
+        (PartialFC's sampled centres); labels then index that subset.
+        """
+        weight = self.weight if weight is None else weight
         if self.margin.normalized:
-            cos = F.linear(F.normalize(features.float()), F.normalize(self.weight.float())).clamp(-1, 1)
+            cos = F.linear(F.normalize(features.float()), F.normalize(weight.float())).clamp(-1, 1)
             return self.margin(cos, labels)
-        return self.margin(F.linear(features.float(), self.weight.float()), labels)
+        return self.margin(F.linear(features.float(), weight.float()), labels)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy over the batch, on local labels."""
-        return F.cross_entropy(self.logits(features, labels), labels)
+        """Mean cross entropy over the batch, on local labels (``F.cross_entropy(self.logits(...))``, fused)."""
+        return margin_cross_entropy(features, self.weight, labels, self.margin)
+
+    def before_step(self, step: int) -> None:
+        """Called by the loop on every rank before each step; heads with periodic work override it."""
+
+    def extra_state_for_checkpoint(self) -> dict:
+        """Per-rank state beyond ``weight`` that a bitwise resume needs (none here)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+
+class _MarginSoftmaxCE(torch.autograd.Function):
+    """Mean cross entropy of margin logits ``s * m(cos(x, w))``, computed in ONE (M, W) buffer.
+
+    The unfused path (``F.normalize(w)``, linear, clamp, ``index_put``, ``* s``, ``log_softmax``, and their
+    backward) allocates about eight (M, W) and four (W, D) arrays per step; at 10^5-10^6 classes per rank
+    those allocations and passes over memory cost more than the matrix products. Here the cosines are
+    made in place in the matmul's output, turned into the softmax in place, and the backward reuses that
+    buffer for the gradient; the weight's normalisation is folded into column scalings, so the only
+    (W, D) array made is the weight's gradient. ``comm`` (None: local) makes the softmax span ranks:
+    allreduce of the row max, then of the row sum of exponentials and of the target logit, which only
+    the rank owning the class holds (Megatron-LM's vocab-parallel cross entropy).
+
+    Exact up to rounding, except that the clamp of the cosines to [-1, 1] passes gradient everywhere but
+    at the targets (non-target cosines leave [-1, 1] only by rounding error).
+    """
+
+    @staticmethod
+    def forward(ctx, xn, weight, labels, margin, normalized, comm, name):
+        # xn: (M, D) normalised features (raw for 'softmax'); weight: (W, D); labels: (M,) column, -1: elsewhere
+        m = xn.shape[0]
+        out = xn.matmul(weight.t())                                               # (M, W), the one buffer
+        norm = weight.norm(dim=1).clamp_min(1e-12) if normalized else None        # (W,)
+        rows = torch.nonzero(labels >= 0, as_tuple=True)[0]
+        cols = labels[rows]
+        scale = margin.scale if normalized else 1.0
+        if normalized:
+            out.div_(norm).clamp_(-1.0, 1.0)                                      # cosines
+            t_cos = out[rows, cols]
+            out[rows, cols] = margin.target_logit(t_cos)
+        else:
+            t_cos = out[rows, cols]
+        out.mul_(scale)                                                           # logits
+        target = torch.zeros(m, dtype=out.dtype, device=out.device)
+        target[rows] = out[rows, cols]
+        row_max = out.max(dim=1).values                                           # (M,)
+        if comm is not None:
+            row_max = comm.allreduce_tensor(row_max, "max", f"{name}.max")
+        out.sub_(row_max[:, None]).exp_()
+        sums = torch.stack([out.sum(dim=1), target])                              # (2, M)
+        if comm is not None:
+            sums = comm.allreduce_tensor(sums, "sum", f"{name}.sum")
+        out.div_(sums[0][:, None])                                                # softmax (this rank's columns)
+        ctx.save_for_backward(out, xn, weight, norm if normalized else xn.new_empty(0), rows, cols, t_cos)
+        ctx.margin, ctx.normalized, ctx.scale, ctx.m = margin, normalized, scale, m
+        return (sums[0].log() + row_max - sums[1]).mean()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        prob, xn, weight, norm, rows, cols, t_cos = ctx.saved_tensors
+        g = prob.clone() if torch.is_grad_enabled() else prob   # reuse the buffer unless double backward
+        g[rows, cols] -= 1.0
+        g.mul_(grad_out * ctx.scale / ctx.m)                     # d loss / d (logit / s), (M, W)
+        if ctx.normalized:
+            with torch.enable_grad():                            # the margin's slope at the targets (small)
+                t = t_cos.detach().requires_grad_(True)
+                slope, = torch.autograd.grad(ctx.margin.target_logit(t).sum(), t)
+            g[rows, cols] *= slope
+        grad_w = g.t().matmul(xn)                                # d / d (w / |w|) or d / d w, (W, D)
+        if ctx.normalized:
+            g.div_(norm)                                         # d / d raw product = d / d cos / |w_j|
+            # d/dw of w/|w|: (G - w (G.w) / |w|^2) / |w|, in place; the row dots by a batched matmul
+            dots = torch.bmm(grad_w.unsqueeze(1), weight.unsqueeze(2)).view(-1)   # (W,)
+            grad_w.addcmul_(weight, (dots / (norm * norm))[:, None], value=-1.0).div_(norm[:, None])
+        grad_x = g.matmul(weight)                                # (M, D)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def margin_cross_entropy(features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         margin: "MarginLoss", comm=None, name: str = "head") -> torch.Tensor:
+    """Mean CE of ``margin`` logits of (M, D) features against (W, D) rows; labels index the rows
+    (-1: the class lives on another rank, ``comm`` given). Equals ``F.cross_entropy(logits, labels)``."""
+    normalized = margin.normalized
+    x = F.normalize(features.float()) if normalized else features.float()
+    return _MarginSoftmaxCE.apply(x, weight.float(), labels, margin, normalized, comm, name)

@@ -26,16 +26,21 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from . import comm as comm_lib
-from .checkpoint import Checkpointer, classifier_file, read_meta, resolve_checkpoint, rng_state, set_rng_state
+from . import faults
+from .checkpoint import (Checkpointer, classifier_file, gather_classifier_rows, read_meta, resolve_checkpoint,
+                         rng_state, set_rng_state)
 from .config import Config, diff_configs, dump_config
 from .data import RankShardDataset, make_loader, prepare_batch
-from .heads import LocalClassifier
+from . import modes
 from .models import create_model
 from .shards import manifest_digest, read_manifest
 
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.shards")
+                    "data.verify_sha256", "data.shards", "eval.batch_size")
+# Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
+# so the result is no longer the uninterrupted run's; resume says so.
+RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float, power: float) -> float:
@@ -114,7 +119,7 @@ class Trainer:
         except Exception as e:  # reported with the rank, agreed below
             error = f"{type(e).__name__}: {e}"
         comm.agree(error, name="setup")
-        self.start_step = 0
+        self.start_step, self.resumed_from = 0, None
         if cfg.checkpoint.resume:
             self._resume()
         # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
@@ -150,26 +155,8 @@ class Trainer:
         if self.local_batches_per_epoch < cfg.optim.backward_passes_per_step:
             raise ValueError(f"rank {comm.rank}: {len(self.dataset)} samples make fewer than one step of "
                              f"{cfg.optim.backward_passes_per_step} x {cfg.data.batch_size}")
-        torch.manual_seed(cfg.train.seed)  # same backbone init everywhere (and broadcast anyway)
-        self.model_args = {"name": cfg.model.name, "in_shape": list(self.manifest.sample_shape),
-                           "embedding_dim": cfg.model.embedding_dim, "kwargs": dict(cfg.model.kwargs)}
-        self.backbone = create_model(cfg.model.name, in_shape=self.manifest.sample_shape,
-                                     embedding_dim=cfg.model.embedding_dim, **cfg.model.kwargs).to(self.device)
-        self.classifier = LocalClassifier(self.label_slice.width, cfg.model.embedding_dim, cfg.head.loss,
-                                          cfg.head.scale, cfg.head.margin)
-        init_classifier_rows(self.classifier.weight, self.label_slice.start, cfg.train.seed)
-        self.classifier.to(self.device)
-        torch.manual_seed(cfg.train.seed * 1_000_003 + comm.rank)  # per-rank stream (dropout)
-        o = cfg.optim
-        self.backbone_opt = comm.distributed_optimizer(
-            make_optimizer(self.backbone.parameters(), o.name, o.backbone_lr, o.backbone_momentum,
-                           o.backbone_weight_decay),
-            self.backbone, fp16_compression=o.fp16_compression, backward_passes_per_step=o.backward_passes_per_step)
-        # The classifier: a plain optimizer, local gradient only, never communicated.
-        self.classifier_opt = make_optimizer(self.classifier.parameters(), o.name, o.classifier_lr,
-                                             o.classifier_momentum, o.classifier_weight_decay)
-        self.loss_scale = LossScale(cfg.train.precision == "fp16")
-        self.skipped_steps = 0
+        self.all_slices = _all_slices(self.manifest, comm.size)
+        self._build_model(self.manifest.sample_shape, self.manifest.num_classes)
         # Verification during training runs on rank 0 only; its pair sets are read (and checked) here, so
         # a bad path fails before training, agreed like every other setup error.
         self.evaluator = None
@@ -178,6 +165,43 @@ class Trainer:
             self.evaluator = Evaluator.from_config(cfg.eval, cfg.out)
             for pairset in self.evaluator.sets:
                 check_input_shape(self.model_args, pairset)
+
+    def _build_model(self, sample_shape, num_classes: int) -> None:
+        """Backbone, the mode's classifier and the optimizers; the mode (``head.mode``, see modes.py)
+        decides only the head, its loss and which optimizer owns the classifier.
+
+        Needs ``self.label_slice`` and reads no data (the benchmark calls it with synthetic batches).
+        """
+        cfg, comm, o = self.cfg, self.comm, self.cfg.optim
+        torch.manual_seed(cfg.train.seed)  # same backbone init everywhere (and broadcast anyway)
+        self.model_args = {"name": cfg.model.name, "in_shape": list(sample_shape),
+                           "embedding_dim": cfg.model.embedding_dim, "kwargs": dict(cfg.model.kwargs)}
+        self.backbone = create_model(cfg.model.name, in_shape=sample_shape,
+                                     embedding_dim=cfg.model.embedding_dim, **cfg.model.kwargs).to(self.device)
+        widths = [sl.width for sl in self.all_slices] if getattr(self, "all_slices", None) else None
+        self.classifier = modes.create_head(cfg.head.mode, self.label_slice, num_classes, cfg.model.embedding_dim,
+                                            cfg.head, comm, slice_widths=widths, seed=cfg.train.seed)
+        init_classifier_rows(self.classifier.weight, self.classifier.row_start, cfg.train.seed)
+        self.classifier.to(self.device)
+        torch.manual_seed(cfg.train.seed * 1_000_003 + comm.rank)  # per-rank stream (dropout, sampling)
+        backbone_opt = make_optimizer(self.backbone.parameters(), o.name, o.backbone_lr, o.backbone_momentum,
+                                      o.backbone_weight_decay)
+        averaged: nn.Module = self.backbone
+        if cfg.head.mode == "replicated":
+            # Classic data parallel: the full classifier's gradient is averaged with the backbone's.
+            backbone_opt.add_param_group(modes.classifier_group(cfg.head.mode, self.classifier, o))
+            averaged = nn.ModuleDict({"backbone": self.backbone, "classifier": self.classifier})
+            self.classifier_opt = modes.NoOptimizer()
+        else:
+            # The classifier: a plain optimizer, local gradient only, never communicated.
+            self.classifier_opt = make_optimizer([modes.classifier_group(cfg.head.mode, self.classifier, o)],
+                                                 o.name, o.classifier_lr, o.classifier_momentum,
+                                                 o.classifier_weight_decay)
+        self.backbone_opt = comm.distributed_optimizer(
+            backbone_opt, averaged, fp16_compression=o.fp16_compression,
+            backward_passes_per_step=o.backward_passes_per_step)
+        self.loss_scale = LossScale(cfg.train.precision == "fp16")
+        self.skipped_steps = 0
 
     def _rank_shard_indices(self) -> List[int]:
         from .shards import rank_shards
@@ -189,7 +213,8 @@ class Trainer:
         f = lr_factor(step, self.total_steps, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
         for opt, peak in ((self.backbone_opt, o.backbone_lr), (self.classifier_opt, o.classifier_lr)):
             for g in opt.param_groups:
-                g["lr"] = peak * f
+                # lr_from: the classifier's group names its peak lr (it sits in backbone_opt in `replicated`)
+                g["lr"] = (getattr(o, g["lr_from"]) if "lr_from" in g else peak) * f
         return f
 
     def _autocast(self):
@@ -205,6 +230,7 @@ class Trainer:
         self.backbone.train(), self.classifier.train()
         self.backbone_opt.zero_grad()  # Horovod: set_to_none is torch 2 default
         self.classifier_opt.zero_grad(set_to_none=True)
+        self.classifier.before_step(step)        # the head's periodic work (cross-shard negatives), a collective
         t0, data_time, loss_sum = time.perf_counter(), 0.0, 0.0
         for _ in range(k):
             td = time.perf_counter()
@@ -212,7 +238,7 @@ class Trainer:
             data_time += time.perf_counter() - td
             with self._autocast():
                 features = self.backbone(x)                                         # (B, D)
-            loss = self.classifier(features.float(), y) / k                         # local softmax only
+            loss = self.classifier(features.float(), y) / k                         # the mode's loss
             (loss * self.loss_scale.scale).backward()
             loss_sum += loss.item()
         self.backbone_opt.synchronize()          # backbone grads are now the mean over ranks
@@ -250,11 +276,15 @@ class Trainer:
         samples_per_step = cfg.data.batch_size * cfg.optim.backward_passes_per_step * comm.size
         bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
                    dynamic_ncols=True, desc=f"train np={comm.size}")
+        if self.resumed_from and comm.is_main:
+            r = self.resumed_from
+            bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
         batches = iter(self.loader)
         last_log, last_t = self.start_step, time.perf_counter()
         ckpt_dir = None
         try:
             for step in range(self.start_step, self.total_steps):
+                faults.before_step(step, comm.rank)
                 out = self.train_step(step, batches)
                 done = step + 1
                 if done % cfg.train.log_every == 0 or done == self.total_steps:
@@ -313,12 +343,14 @@ class Trainer:
                 "label_start": self.label_slice.start, "label_end": self.label_slice.end,
                 "weight": self.classifier.weight.detach().cpu(), "optimizer": self.classifier_opt.state_dict(),
                 "rng": rng_state(), "loss_scale": vars(self.loss_scale), "skipped_steps": self.skipped_steps,
-                "backbone_digest": digest}
+                "backbone_digest": digest, "head_state": self.classifier.extra_state_for_checkpoint()}
 
     def checkpoint_meta(self, step: int) -> Dict[str, Any]:
         return {"format": "hvd_partialfc.checkpoint", "step": step, "total_steps": self.total_steps,
                 "world_size": self.comm.size, "num_classes": self.manifest.num_classes,
                 "slices": [[s.start, s.end] for s in _all_slices(self.manifest, self.comm.size)],
+                "shard_slices": [[s.start, s.end] for s in self.manifest.shard_slices()],
+                "loss_scale": vars(self.loss_scale), "skipped_steps": self.skipped_steps,
                 "classifier_files": [classifier_file(r, self.comm.size) for r in range(self.comm.size)],
                 "model": self.model_args, "embedding_dim": self.cfg.model.embedding_dim,
                 "manifest_sha256": self.manifest_sha256, "config": self.cfg.to_dict()}
@@ -342,31 +374,56 @@ class Trainer:
         comm.agree(error, name="resume")
 
     def _load(self, path: str) -> None:
+        """Restore the backbone, this rank's classifier rows, optimizer states, RNG and loss scale.
+
+        Same world size: each rank reads its own file (bitwise resume). Another world size (re-sharding,
+        when the shard count allows it): each rank cuts its new slice's rows and their optimizer state
+        out of the old files; RNG streams cannot be mapped and are re-seeded from (seed, rank, step).
+        """
         meta = read_meta(path)
-        if meta["world_size"] != self.comm.size:
-            raise ValueError(f"checkpoint was written by {meta['world_size']} ranks, this run has {self.comm.size}")
         if meta["manifest_sha256"] != self.manifest_sha256:
             raise ValueError("the shard set differs from the checkpoint's (manifest sha256 "
                              f"{meta['manifest_sha256'][:12]} != {self.manifest_sha256[:12]})")
         diffs = [d for d in diff_configs(meta["config"], self.cfg.to_dict())
                  if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
+        extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
+        diffs = [d for d in diffs if d not in extended]
+        if extended and self.comm.is_main:
+            print(f"resume: {'; '.join(extended)}: the run is extended, its lr schedule recomputed", flush=True)
         if diffs:
-            raise ValueError("incompatible config: " + "; ".join(diffs))
+            raise ValueError("incompatible config (field: checkpoint != now): " + "; ".join(diffs))
+        if len(set(meta["digests"])) != 1:
+            raise ValueError("the checkpoint's backbones differ across ranks; there is no single state to resume")
         bb = torch.load(os.path.join(path, "backbone.pt"), map_location="cpu", weights_only=False)
         self.backbone.load_state_dict(bb["state_dict"])
         self.backbone_opt.load_state_dict(bb["optimizer"])
-        mine = torch.load(os.path.join(path, classifier_file(self.comm.rank, self.comm.size)),
-                          map_location="cpu", weights_only=False)
-        if (mine["label_start"], mine["label_end"]) != (self.label_slice.start, self.label_slice.end):
-            raise ValueError(f"classifier file covers [{mine['label_start']}, {mine['label_end']}), "
-                             f"this rank owns [{self.label_slice.start}, {self.label_slice.end})")
+        start, end = self.label_slice.start, self.label_slice.end
+        if meta["world_size"] == self.comm.size:
+            mine = torch.load(os.path.join(path, classifier_file(self.comm.rank, self.comm.size)),
+                              map_location="cpu", weights_only=False)
+            if (mine["label_start"], mine["label_end"]) != (start, end):
+                raise ValueError(f"classifier file covers [{mine['label_start']}, {mine['label_end']}), "
+                                 f"this rank owns [{start}, {end})")
+        elif self.cfg.head.mode == "replicated":
+            # every rank's file holds the same full C x D matrix (its momentum lives in backbone.pt)
+            mine = torch.load(os.path.join(path, meta["classifier_files"][0]), map_location="cpu", weights_only=False)
+            mine.update({"rng": None, "label_start": start, "label_end": end})
+        else:
+            mine = gather_classifier_rows(path, meta, start, end)
+            mine["rng"] = None
         with torch.no_grad():
             self.classifier.weight.copy_(mine["weight"])
         self.classifier_opt.load_state_dict(mine["optimizer"])
-        set_rng_state(mine["rng"])
-        self.loss_scale.__dict__.update(mine["loss_scale"])
-        self.skipped_steps = mine["skipped_steps"]
+        if meta["world_size"] == self.comm.size:  # other ranks' centres mean nothing at another world size
+            self.classifier.load_extra_state(mine.get("head_state") or {})
+        if mine.get("rng") is not None:
+            set_rng_state(mine["rng"])
+        else:
+            torch.manual_seed((self.cfg.train.seed * 1_000_003 + self.comm.rank) * 10_007 + meta["step"])
+        self.loss_scale.__dict__.update(meta["loss_scale"])
+        self.skipped_steps = meta["skipped_steps"]
         self.start_step = meta["step"]
+        self.resumed_from = {"path": path, "step": meta["step"], "world_size": meta["world_size"]}
 
 
 def _all_slices(manifest, world_size: int):

@@ -32,7 +32,7 @@ fi
 t_data=$(date +%s)
 
 "$BIN/horovodrun" -np "$NP" --gloo "$BIN/hvd-partialfc" train --config configs/demo.yaml \
-    --shards "$DATA/train" --out "$RUN" --resume auto --set "eval.pairs=[$DATA/pairs.h5]"
+    --shards "$DATA/train" --out "$RUN" --resume auto --set "eval.pairs=[$DATA/pairs.h5]" "$@"
 t_train=$(date +%s)
 
 "$BIN/hvd-partialfc" eval --backbone "$RUN" --pairs "$DATA/pairs.h5" --baselines --out "$RUN/eval"

@@ -1,0 +1,357 @@
+"""``hvd-partialfc bench``: the three classifier modes side by side, and the limit, on synthetic data.
+
+    hvd-partialfc bench [--config configs/bench.yaml] [--classes 10000,100000,...] [--dims 128,512]
+                        [--modes local,global,replicated] [--np 2] [--steps 5] [--warmup 2] [--out DIR] [--plot]
+
+For every (classes, dim) point the driver (this process, no Horovod) launches one job per mode under
+``horovodrun -np N --gloo`` and one *limit* job: the same backbone and the same local classifier work
+(a slice of C / N classes) in a process that never initialises Horovod (its "optimizer" never
+communicates): what ``local`` would cost with free communication. Each job is a fresh process, so its
+peak RSS is its own. Every job runs the trainer's own ``Trainer.train_step`` (one loop for every mode)
+on synthetic batches held in memory (no disk), with one torch thread per rank.
+
+The step time is split with hooks, without touching the loop: data (``train_step``'s own figure),
+forward (backbone pre-hook to classifier post-hook), backward (to the gradient synchronisation), comm
+wait (the DistributedOptimizer's ``synchronize`` plus the time inside the head's collectives), optimizer
+(the rest of the step). Bytes per step are counted from the tensors handed to collectives: the gradients
+of the parameters the DistributedOptimizer holds, plus what ``Comm``'s tensor collectives counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+PHASES = ("data", "forward", "backward", "comm", "optimizer")
+
+
+# --- the worker: one rank of one job ----------------------------------------------------------------
+class _NoComm:
+    """The limit's stand-in for ``Comm``: one rank, no Horovod; the "distributed" optimizer is the plain one."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.local_rank, self.local_size = rank, size, rank, 1
+        self.sent_bytes, self.wait_s, self.is_main = 0, 0.0, rank == 0
+
+    def distributed_optimizer(self, optimizer, module, **_):
+        return _Unsynchronized(optimizer)
+
+
+class _Unsynchronized:
+    """A plain optimizer with the two methods the loop calls on Horovod's (nothing to wait for)."""
+
+    def __init__(self, optimizer):
+        self.__dict__["_opt"] = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self._opt, name)
+
+    def synchronize(self):
+        pass
+
+    def skip_synchronize(self):
+        from contextlib import nullcontext
+        return nullcontext()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+
+
+def _synthetic_batches(batch: int, in_shape: Sequence[int], width: int, seed: int, pool: int = 4):
+    """Endless batches from a small pool in memory: (features float32 (B, F), local labels (B,))."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(batch, *in_shape, generator=g) for _ in range(pool)]
+    ys = [torch.randint(0, width, (batch,), generator=g) for _ in range(pool)]
+    i = 0
+    while True:
+        yield xs[i % pool], ys[i % pool]
+        i += 1
+
+
+def _instrument(trainer) -> Dict[str, float]:
+    """Hooks that stamp the phase boundaries of ``train_step`` into the returned dict."""
+    marks: Dict[str, float] = {}
+    comm = trainer.comm
+
+    def stamp(key):
+        marks[key] = time.perf_counter()
+        marks[key + ".wait"] = comm.wait_s
+
+    trainer.backbone.register_forward_pre_hook(lambda *a: stamp("fwd0"))
+    trainer.classifier.register_forward_hook(lambda *a: stamp("fwd1"))
+    sync = trainer.backbone_opt.synchronize
+
+    def timed_sync():
+        stamp("sync0")
+        sync()
+        stamp("sync1")
+    trainer.backbone_opt.synchronize = timed_sync
+    return marks
+
+
+def run_worker(a) -> Dict[str, Any]:
+    """One rank of one job: build the trainer's components for ``a.mode``, run steps, measure."""
+    torch.set_num_threads(1)
+    from . import comm as comm_lib
+    from .config import load_config
+    from .partition import even_slices
+    from .train import Trainer
+    limit = a.mode == "limit"
+    comm = _NoComm(a.rank, a.np) if limit else comm_lib.init()
+    cfg = load_config(a.config or None, [*(a.set or []), "data.shards=synthetic", "train.device=cpu",
+                                         f"head.mode={'local' if limit else a.mode}", f"model.embedding_dim={a.dim}",
+                                         f"data.batch_size={a.batch}", "train.threads=1"])
+    rss_runtime = _peak_rss()
+    trainer = Trainer.__new__(Trainer)          # the trainer's own components, without shards on disk
+    trainer.cfg, trainer.comm, trainer.device = cfg, comm, torch.device("cpu")
+    trainer.label_slice = even_slices(a.classes, comm.size)[comm.rank]
+    trainer.manifest = SimpleNamespace(kind="features", num_classes=a.classes)
+    in_shape = [a.in_dim]
+    trainer._build_model(in_shape, a.classes)
+    trainer.total_steps = a.warmup + a.steps
+    held = [p for g in trainer.backbone_opt.param_groups for p in g["params"]]
+    grad_bytes = 0 if limit else comm_lib.gradient_bytes(held, cfg.optim.fp16_compression)
+    marks = _instrument(trainer)
+    batches = _synthetic_batches(a.batch, in_shape, trainer.label_slice.width, seed=comm.rank)
+    split = {k: 0.0 for k in PHASES}
+    total, sent = 0.0, 0
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup:
+            comm.sent_bytes = 0
+        t0, w0 = time.perf_counter(), comm.wait_s
+        out = trainer.train_step(step, batches)
+        t1 = time.perf_counter()
+        if step < a.warmup:
+            continue
+        waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0")}
+        head_wait_fwd = waits["fwd1"] - waits["fwd0"]
+        head_wait_bwd = waits["sync0"] - waits["fwd1"]
+        split["data"] += out["data_time"]
+        split["forward"] += marks["fwd1"] - marks["fwd0"] - head_wait_fwd
+        split["backward"] += marks["sync0"] - marks["fwd1"] - head_wait_bwd
+        split["comm"] += marks["sync1"] - marks["sync0"] + (comm.wait_s - w0)
+        split["optimizer"] += t1 - marks["sync1"]
+        total += t1 - t0
+    sent = comm.sent_bytes / a.steps + grad_bytes
+    return {"mode": a.mode, "rank": comm.rank, "np": comm.size, "classes": a.classes, "dim": a.dim,
+            "batch": a.batch, "width": trainer.label_slice.width if a.mode != "replicated" else a.classes,
+            "steps": a.steps, "step_s": total / a.steps, "samples_per_s": a.batch * a.steps / total,
+            "split_s": {k: v / a.steps for k, v in split.items()}, "bytes_per_step": int(sent),
+            "grad_bytes": grad_bytes, "peak_rss": _peak_rss(), "runtime_rss": rss_runtime,
+            "backbone_params": sum(p.numel() for p in trainer.backbone.parameters()),
+            "loss": out["loss"]}
+
+
+# --- the driver ------------------------------------------------------------------------------------
+def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int) -> List[Dict[str, Any]]:
+    """Run one job (N ranks under horovodrun, or the limit's single plain process); its per-rank records."""
+    job = os.path.join(out, "jobs", f"{mode}-C{classes}-D{dim}")
+    os.makedirs(job, exist_ok=True)
+    worker = [sys.executable, "-m", "hvd_partialfc.bench", "--worker", mode, "--classes", str(classes),
+              "--dim", str(dim), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
+              "--np", str(a.np), "--in-dim", str(a.in_dim), "--job", job]
+    if a.config:
+        worker += ["--config", os.path.abspath(a.config)]
+    for s in a.set or []:
+        worker += ["--set", s]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if a.cycle_time_ms > 0:  # Horovod's background thread wakes every cycle; on a full CPU it competes
+        env["HOROVOD_CYCLE_TIME"] = str(a.cycle_time_ms)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if mode == "limit":  # --limit-procs independent processes at once (rank r does slice r), no Horovod
+        procs = [subprocess.Popen(worker + ["--rank", str(r)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, env=env) for r in range(a.limit_procs)]
+        results = [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
+        rc, err = max(r for r, _ in results), "".join(e for _, e in results)
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(a.np), "--gloo"] + worker
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        rc, err = proc.returncode, proc.stderr
+    files = sorted(f for f in os.listdir(job) if f.startswith("rank-"))
+    if rc != 0 or not files:
+        raise RuntimeError(f"bench job {mode} C={classes} D={dim} failed ({rc}):\n{err[-3000:]}")
+    return [json.load(open(os.path.join(job, f))) for f in files]
+
+
+def _summarise(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per-job figures: mean over ranks of the per-rank figures (peak RSS: the largest rank's)."""
+    n = len(recs)
+    return {"mode": recs[0]["mode"], "classes": recs[0]["classes"], "dim": recs[0]["dim"], "ranks": n,
+            "width": recs[0]["width"], "samples_per_s": sum(r["samples_per_s"] for r in recs) / n,
+            "step_s": sum(r["step_s"] for r in recs) / n,
+            "split_s": {k: sum(r["split_s"][k] for r in recs) / n for k in PHASES},
+            "bytes_per_step": max(r["bytes_per_step"] for r in recs), "grad_bytes": recs[0]["grad_bytes"],
+            "peak_rss": max(r["peak_rss"] for r in recs), "runtime_rss": max(r["runtime_rss"] for r in recs),
+            "backbone_params": recs[0]["backbone_params"]}
+
+
+def run_bench(a) -> Dict[str, Any]:
+    from .estimate import backbone_figures, estimate
+    os.makedirs(a.out, exist_ok=True)
+    load0 = os.getloadavg()
+    cfg = _bench_config(a)
+    points: List[Dict[str, Any]] = []
+    for dim in a.dims:
+        bb = backbone_figures(cfg.model.name, dim, a.batch, [a.in_dim], cfg.model.kwargs)
+        for classes in a.classes:
+            for mode in ["limit"] + list(a.modes):
+                est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
+                               "local" if mode == "limit" else mode, optimizer=_opt_kind(cfg),
+                               sample_rate=cfg.head.sample_rate, bb=bb)
+                if mode == "limit":  # the limit holds a local slice of C / N classes
+                    est = estimate(-(-classes // a.np), 1, dim, a.batch, cfg.model.name, "local",
+                                   optimizer=_opt_kind(cfg), bb=bb)
+                jobs = a.limit_procs if mode == "limit" else a.np
+                if est["memory_total"] * jobs > a.max_memory_gb * 2 ** 30:
+                    points.append({"mode": mode, "classes": classes, "dim": dim, "skipped":
+                                   f"estimated {est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb"})
+                    print(f"skip {mode:>10} C={classes:>9,} D={dim}: {points[-1]['skipped']}", flush=True)
+                    continue
+                t0 = time.time()
+                s = _summarise(_launch(a, mode, classes, dim, a.out, a.timeout))
+                s["estimate"] = est["memory_total"]
+                s["estimate_err"] = est["memory_total"] / s["peak_rss"] - 1
+                points.append(s)
+                print(f"{mode:>10} C={classes:>9,} D={dim}: {s['samples_per_s']:8.1f} samples/s/rank  "
+                      f"step {s['step_s'] * 1e3:7.1f} ms  {s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
+                      f"peak RSS {s['peak_rss'] / 2 ** 20:7.0f} MB (estimate {s['estimate_err']:+.0%})  "
+                      f"[{time.time() - t0:.0f} s]", flush=True)
+    _ratios(points)
+    load = os.getloadavg()
+    result = {"command": " ".join(["hvd-partialfc"] + sys.argv[1:]), "np": a.np, "batch": a.batch,
+              "steps": a.steps, "warmup": a.warmup, "backbone": cfg.model.name, "in_dim": a.in_dim,
+              "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms, "load_average_before": load0,
+              "load_average_after": load, "cpus": os.cpu_count(), "points": points}
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    if a.plot:
+        plot(result, os.path.join(a.out, "bench.png"))
+    return result
+
+
+def _opt_kind(cfg) -> str:
+    if cfg.optim.name == "adamw":
+        return "adamw"
+    return "sgd" if cfg.optim.classifier_momentum > 0 else "sgd-nomomentum"
+
+
+def _bench_config(a):
+    from .config import load_config
+    return load_config(a.config or None, [*(a.set or []), "data.shards=synthetic"])
+
+
+def _ratios(points: List[Dict[str, Any]]) -> None:
+    by = {(p["mode"], p["classes"], p["dim"]): p for p in points if "skipped" not in p}
+    for p in by.values():
+        lim, loc = by.get(("limit", p["classes"], p["dim"])), by.get(("local", p["classes"], p["dim"]))
+        p["vs_limit"] = p["samples_per_s"] / lim["samples_per_s"] if lim else None
+        p["local_vs_this"] = loc["samples_per_s"] / p["samples_per_s"] if loc else None
+
+
+def markdown(result: Dict[str, Any]) -> str:
+    rows = ["| D | classes | mode | samples/s/rank | x limit | local / this | step ms: data / fwd / bwd / comm / opt "
+            "| MB sent/step | peak RSS MB | estimate |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        if "skipped" in p:
+            rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | skipped: {p['skipped']} | | | | | | |")
+            continue
+        sp = " / ".join(f"{p['split_s'][k] * 1e3:.1f}" for k in PHASES)
+        rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {p['samples_per_s']:.1f} | "
+                    f"{_fmt(p.get('vs_limit'))} | {_fmt(p.get('local_vs_this'))} | {sp} | "
+                    f"{p['bytes_per_step'] / 2 ** 20:.3f} | {p['peak_rss'] / 2 ** 20:.0f} | "
+                    f"{p['estimate_err']:+.1%} |")
+    return "\n".join(rows)
+
+
+def _fmt(v: Optional[float]) -> str:
+    return "" if v is None else f"{v:.2f}"
+
+
+def plot(result: Dict[str, Any], path: str) -> None:
+    """Throughput and peak RSS against the class count, one line per (mode, D)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    pts = [p for p in result["points"] if "skipped" not in p]
+    colors = {"limit": "tab:green", "local": "tab:blue", "global": "tab:orange", "replicated": "tab:red"}
+    for mode in sorted({p["mode"] for p in pts}):
+        for dim in sorted({p["dim"] for p in pts}):
+            sel = sorted((p for p in pts if p["mode"] == mode and p["dim"] == dim), key=lambda p: p["classes"])
+            if not sel:
+                continue
+            xs = [p["classes"] for p in sel]
+            style = "-" if dim == min(p["dim"] for p in pts) else "--"
+            kw = dict(marker="o", color=colors.get(mode), label=f"{mode} D={dim}")
+            axes[0].plot(xs, [p["samples_per_s"] for p in sel], style, **kw)
+            axes[1].plot(xs, [p["peak_rss"] / 2 ** 30 for p in sel], style, **kw)
+    for ax, ylabel in zip(axes, ("samples / s per rank", "peak RSS per rank (GB)")):
+        ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlabel("classes"), ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"np={result['np']}, batch {result['batch']}/rank, backbone {result['backbone']}, 1 thread/rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    ints = lambda s: [int(float(x)) for x in s.split(",")]  # noqa: E731  ("1e6" is fine)
+    p.add_argument("--config", default="configs/bench.yaml", help="backbone / head / optimizer settings")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--classes", type=ints, default=[10_000, 100_000, 200_000, 1_000_000])
+    p.add_argument("--dims", type=ints, default=[128, 512])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["local", "global", "replicated"])
+    p.add_argument("--np", type=int, default=2, help="ranks per job (horovodrun -np)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--in-dim", type=int, default=512, help="synthetic input feature size")
+    p.add_argument("--limit-procs", type=int, default=2,
+                   help="the limit runs this many independent processes at once (1: one process alone; "
+                        "--np: the same machine load as the Horovod jobs)")
+    p.add_argument("--cycle-time-ms", type=float, default=10.0,
+                   help="HOROVOD_CYCLE_TIME for the jobs (Horovod's default 1 ms wakes its background thread "
+                        "often enough to slow the training threads when every core is busy; 0: leave as is)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per job")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
+    p.add_argument("--max-memory-gb", type=float, default=16.0,
+                   help="skip a job whose estimated memory (all its ranks) exceeds this")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job")
+    p.add_argument("--out", default="bench-out")
+    p.add_argument("--plot", action="store_true", help="also write bench.png (needs matplotlib)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hvd_partialfc.bench")
+    add_arguments(p)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if not a.worker:
+        run_bench(a)
+        return 0
+    a.mode, a.classes = a.worker, a.classes[0]
+    rec = run_worker(a)
+    with open(os.path.join(a.job, f"rank-{rec['rank']}.json"), "w") as f:
+        json.dump(rec, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

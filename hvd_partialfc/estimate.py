@@ -1,0 +1,116 @@
+"""Per-rank memory and per-step traffic of the three classifier modes, from the sizes alone.
+
+    hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
+
+The model counts what this trainer allocates (fp32 training on one device; ``--dtype`` is the storage of
+the classifier, its gradient, its optimizer state and the logits):
+
+* classifier rows: W = ceil(C / N) for ``local`` / ``global``, W = C for ``replicated``;
+* classifier: weights, gradient and optimizer state (SGD momentum: 1 copy; AdamW: 2); the fused head
+  (``heads.margin_cross_entropy``) and the fused optimizer make no other (W, D) array, except, for
+  sampled ``global``, the sampled rows, their gradient and the scatter back into a (W, D) gradient;
+* logits: rows M (B for ``local`` / ``replicated``, B x N gathered rows for ``global``) x W columns
+  (x ``sample_rate`` for sampled ``global``) in ``LOGIT_COPIES`` buffer (the fused head makes the
+  cosines, the softmax and its gradient in the same buffer);
+* gathered features (``global``): the (M, D) features, their normalised copy and their gradient;
+* backbone: parameters, gradient, optimizer state, and activations (the leaf modules' outputs for one
+  batch, measured with a forward pass of 2 samples and scaled to B);
+* runtime: what a process holds regardless of the sizes: ~238 MB before any model exists (Python,
+  torch, Horovod) plus ~95 MB that appears with the first training step of any size (autograd engine,
+  BLAS/oneDNN buffers, allocator caches), both measured by the benchmark on this machine
+  (``runtime_rss`` in its JSON; ``--runtime-mb`` to change).
+
+Traffic: bytes this rank hands to collectives per step (what the benchmark counts): the averaged gradients
+(backbone; plus the full classifier for ``replicated``), and for ``global`` the gathered features and
+labels, the allreduce of the features. gradient, the row max and the sums of exponentials/targets.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+LOGIT_COPIES = 1
+RUNTIME_MB = 335.0
+DEFAULT_IN_SHAPE = {"mlp": [512], "resnet": [112, 112, 3], "resnet18": [112, 112, 3]}
+
+
+def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequence[int]] = None,
+                     kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
+    """Parameter count and activation bytes per batch of ``batch`` samples (fp32) of a registered backbone."""
+    from .models import create_model
+    shape = list(in_shape or DEFAULT_IN_SHAPE.get(name, [512]))
+    model = create_model(name, in_shape=shape, embedding_dim=dim, **(kwargs or {}))
+    params = sum(p.numel() for p in model.parameters())
+    outputs: List[int] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: outputs.append(o.numel()))
+             for m in model.modules() if not list(m.children())]
+    model.train()
+    with torch.no_grad():
+        model(torch.zeros(2, *([shape[-1]] + shape[:-1] if len(shape) == 3 else shape)))
+    for h in hooks:
+        h.remove()
+    return {"params": params, "activation_bytes": int(sum(outputs) * 4 * batch / 2), "in_shape": shape}
+
+
+def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str = "mlp", mode: str = "local",
+             dtype: str = "fp32", optimizer: str = "sgd", sample_rate: float = 1.0,
+             in_shape: Optional[Sequence[int]] = None, backbone_kwargs: Optional[Dict[str, Any]] = None,
+             runtime_mb: float = RUNTIME_MB, fp16_compression: bool = False,
+             bb: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+    """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode)."""
+    if mode not in ("local", "global", "replicated"):
+        raise ValueError(f"unknown mode {mode!r}; known: local, global, replicated")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    e = DTYPES[dtype]
+    width = classes if mode == "replicated" else math.ceil(classes / world_size)
+    rows = batch * world_size if mode == "global" else batch
+    cols = max(1, int(width * sample_rate)) if mode == "global" else width
+    bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)
+    state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
+    mem = {
+        "classifier weights": width * dim * e,
+        "classifier grads": width * dim * e,
+        "classifier optimizer state": state * width * dim * e,
+        "classifier temporaries": (2 * cols * dim + width * dim) * e if cols < width else 0,
+        "logits": LOGIT_COPIES * rows * cols * e,
+        "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
+        "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
+        "backbone activations": bb["activation_bytes"],
+        "runtime": int(runtime_mb * 2 ** 20),
+    }
+    grad_bytes = bb["params"] * (2 if fp16_compression else 4)
+    traffic = {"backbone gradient": grad_bytes}
+    if mode == "replicated":
+        traffic["classifier gradient"] = classes * dim * (2 if fp16_compression else 4)
+    if mode == "global":
+        traffic["features (allgather)"] = batch * dim * 4
+        traffic["labels (allgather)"] = batch * 8 + 8
+        traffic["feature gradient (allreduce)"] = rows * dim * 4
+        traffic["softmax max + sums (allreduce)"] = 3 * rows * 4
+    return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
+            "mode": mode, "dtype": dtype, "width": width, "logit_rows": rows, "memory_bytes": mem,
+            "memory_total": sum(mem.values()), "traffic_bytes": traffic, "traffic_total": sum(traffic.values()),
+            "backbone_params": bb["params"]}
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1024 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return str(n)
+
+
+def table(results: Sequence[Dict[str, Any]]) -> str:
+    """Markdown: one column per estimate, one row per memory component, then the totals and the traffic."""
+    head = "| per rank | " + " | ".join(f"{r['mode']} C={r['classes']:,} N={r['world_size']}" for r in results) + " |"
+    lines = [head, "|---" * (len(results) + 1) + "|"]
+    for key in results[0]["memory_bytes"]:
+        lines.append(f"| {key} | " + " | ".join(human(r["memory_bytes"][key]) for r in results) + " |")
+    lines.append("| **memory total** | " + " | ".join(f"**{human(r['memory_total'])}**" for r in results) + " |")
+    lines.append("| **traffic / step** | " + " | ".join(f"**{human(r['traffic_total'])}**" for r in results) + " |")
+    return "\n".join(lines)

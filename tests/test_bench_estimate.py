@@ -1,0 +1,58 @@
+"""The estimator's arithmetic, and a tiny benchmark run under real horovodrun (its figures, not its speed)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BIN, ROOT
+from hvd_partialfc.estimate import estimate
+
+BB = {"params": 1000, "activation_bytes": 0}
+
+
+def test_local_traffic_is_the_backbone_gradient_whatever_the_classes():
+    a = estimate(10_000, 8, 128, 64, mode="local", bb=BB)
+    b = estimate(10_000_000, 8, 128, 64, mode="local", bb=BB)
+    assert a["traffic_total"] == b["traffic_total"] == 4000
+    assert b["memory_bytes"]["classifier weights"] == 1_250_000 * 128 * 4
+
+
+def test_global_and_replicated_pay_in_classes_and_batch():
+    g = estimate(1_000_000, 8, 128, 64, mode="global", bb=BB)
+    r = estimate(1_000_000, 8, 128, 64, mode="replicated", bb=BB)
+    loc = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB)
+    assert g["memory_bytes"]["logits"] == 8 * loc["memory_bytes"]["logits"]     # B x N gathered rows
+    assert g["traffic_total"] > loc["traffic_total"] and g["memory_bytes"]["gathered features"] > 0
+    assert r["memory_bytes"]["classifier weights"] == 1_000_000 * 128 * 4       # the full matrix
+    assert r["traffic_bytes"]["classifier gradient"] == 1_000_000 * 128 * 4
+    half = estimate(1_000_000, 8, 128, 64, mode="local", dtype="bf16", bb=BB)
+    assert half["memory_bytes"]["classifier weights"] * 2 == loc["memory_bytes"]["classifier weights"]
+    with pytest.raises(ValueError, match="unknown mode"):
+        estimate(10, 2, 8, 4, mode="ring", bb=BB)
+
+
+def test_estimate_cli_prints_a_table():
+    out = subprocess.run([os.path.join(BIN, "hvd-partialfc"), "estimate", "--classes", "1e6", "--world-size", "8",
+                          "--dim", "128", "--batch", "32", "--backbone", "mlp", "--in-shape", "64"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert "| classifier weights |" in out and "local C=1,000,000 N=8" in out and "replicated" in out
+
+
+@pytest.mark.multirank
+def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
+    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "2000,4000", "--dims", "16", "--batch", "8",
+           "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
+           "--config", os.path.join(ROOT, "configs", "bench.yaml")]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
+    res = json.load(open(tmp_path / "bench.json"))
+    by = {(p["mode"], p["classes"]): p for p in res["points"]}
+    assert set(m for m, _ in by) == {"limit", "local", "global", "replicated"}
+    # local: exactly the backbone gradient, the same at both class counts
+    assert by["local", 2000]["bytes_per_step"] == by["local", 4000]["bytes_per_step"] == by["local", 2000]["grad_bytes"]
+    assert by["global", 4000]["bytes_per_step"] > by["local", 4000]["bytes_per_step"]
+    assert by["replicated", 4000]["bytes_per_step"] - by["replicated", 2000]["bytes_per_step"] == 2000 * 16 * 4
+    assert by["limit", 2000]["bytes_per_step"] == 0 and by["local", 2000]["vs_limit"] > 0
+    assert all(p["peak_rss"] > 0 and abs(p["estimate_err"]) < 1 for p in by.values())
+    assert "| 16 | 4,000 | replicated |" in open(tmp_path / "bench.md").read()

@@ -1,0 +1,135 @@
+"""Classifier modes (`head.mode`): `global` and `replicated` are exact, `local` == `global` at np=1.
+
+Multi-rank claims run under real horovodrun (Gloo); the sampling and config checks are unit tests with a
+one-rank fake of ``Comm`` (identity collectives).
+"""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MR, run_hvd
+from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.heads import LocalClassifier, margin_cross_entropy
+from hvd_partialfc.modes import GlobalSoftmaxHead
+
+SCEN = os.path.join(MR, "modes_scenarios.py")
+
+
+def _ranks(out, n):
+    return [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(n)]
+
+
+@pytest.mark.multirank
+def test_allgather_backward_sums_over_ranks(tmp_path):
+    out = tmp_path / "gather"
+    run_hvd(2, [SCEN, "gather", out])
+    for r in _ranks(out, 2):
+        for case in ("even", "uneven"):
+            assert r[case]["forward_err"] == 0.0
+            assert r[case]["grad_err"] < 1e-5 and r[case]["grad_norm"] > 1.0
+            assert r[case]["scaled_grad_err"] < 1e-5
+        assert r["hvd_allgather_grad"] == pytest.approx(1.0)   # Horovod's averages: 1, the sum is 2
+        assert r["sent_bytes"] > 0
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode,loss", [("global", "arcface"), ("global", "softmax"), ("replicated", "cosface")])
+def test_np2_mode_equals_full_softmax_on_union_batch(feature_shards, tmp_path, mode, loss):
+    out = tmp_path / f"exact-{mode}"
+    run_hvd(2, [SCEN, "exact", feature_shards, out, mode, loss])
+    for r in _ranks(out, 2):
+        assert r["classifier_shape"] == [40 if mode == "replicated" else 20, 128]
+        assert r["mean_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+        if mode == "global":   # the loss itself is global: the same number on every rank
+            assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+        assert r["backbone_grad_err"] < 1e-5 * max(1.0, r["backbone_grad_scale"])
+        assert r["classifier_grad_err"] < 1e-5 * max(1.0, r["classifier_grad_scale"])
+        # the classifier follows optim.classifier_lr whichever optimizer owns it (backbone_lr is 0.05)
+        assert r["lrs"] == pytest.approx([0.05, 0.1])
+
+
+@pytest.mark.multirank
+def test_np1_local_equals_global(feature_shards, tmp_path):
+    out = tmp_path / "np1"
+    run_hvd(1, [SCEN, "np1", feature_shards, out, 4])
+    r = _ranks(out, 1)[0]
+    assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
+    assert r["loss_max_abs_err"] < 1e-5
+
+
+class OneRank:
+    """Comm at world size 1: every collective is the identity (what Horovod does with one rank)."""
+    rank, size, sent_bytes, wait_s = 0, 1, 0, 0.0
+
+    def allgather_with_grad(self, t, name, grad_scale=1.0):
+        return t
+
+    def allgather_tensor(self, t, name):
+        return t.clone()
+
+    def allreduce_tensor(self, t, op, name):
+        return t.clone()
+
+
+@pytest.mark.parametrize("loss", ["softmax", "cosface", "arcface"])
+@pytest.mark.parametrize("comm", [None, OneRank()])
+def test_fused_margin_cross_entropy_equals_unfused(loss, comm):
+    # the fused head (one (M, W) buffer) against F.cross_entropy of the margin logits, values and gradients
+    torch.manual_seed(0)
+    head = LocalClassifier(30, 8, loss, scale=16.0, margin=0.4)
+    x = torch.randn(6, 8, requires_grad=True)
+    labels = torch.tensor([0, 3, 29, 1, 1, 5])
+    ours = margin_cross_entropy(x, head.weight, labels, head.margin, comm)
+    g_ours = torch.autograd.grad(ours, [x, head.weight])
+    ref = F.cross_entropy(head.logits(x, labels), labels)
+    g_ref = torch.autograd.grad(ref, [x, head.weight])
+    assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    for a, b in zip(g_ours, g_ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_rows_of_other_ranks_get_no_target():
+    # label -1: the row's class is on another rank; with one rank it is a row without a target
+    torch.manual_seed(0)
+    head = LocalClassifier(10, 4, "cosface", scale=8.0, margin=0.2)
+    x, labels = torch.randn(3, 4), torch.tensor([2, -1, 7])
+    lse = torch.logsumexp(head.logits(x, labels), dim=1)
+    ours = margin_cross_entropy(x, head.weight, labels, head.margin, OneRank())
+    tgt = head.logits(x, labels)
+    ref = (lse[0] - tgt[0, 2] + lse[1] + lse[2] - tgt[2, 7]) / 3
+    assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+
+
+def test_sampling_keeps_positives_and_rate_of_rows():
+    torch.manual_seed(0)
+    head = GlobalSoftmaxHead(100, 8, label_start=0, comm=OneRank(), sample_rate=0.2, loss="cosface",
+                             scale=16.0, margin=0.2)
+    labels = torch.tensor([3, 3, 50, 99, 7, 64])
+    loss = head(torch.randn(6, 8), labels)
+    loss.backward()
+    touched = (head.weight.grad.abs().sum(1) > 0).nonzero().flatten().tolist()
+    assert len(touched) == 20                       # 0.2 x 100 centres, positives included
+    assert set(labels.tolist()) <= set(touched)
+
+
+def test_sampled_loss_is_softmax_over_kept_rows():
+    torch.manual_seed(1)
+    head = GlobalSoftmaxHead(50, 8, label_start=0, comm=OneRank(), sample_rate=0.3, loss="softmax")
+    x, labels = torch.randn(5, 8), torch.tensor([1, 2, 40, 41, 2])
+    torch.manual_seed(7)
+    loss = head(x, labels)
+    torch.manual_seed(7)
+    weight, local = head._sample(labels)
+    assert float(loss.detach()) == pytest.approx(float(F.cross_entropy(x @ weight.t(), local).detach()), rel=1e-5)
+
+
+@pytest.mark.parametrize("sets,msg", [(["head.mode=ring"], "head.mode"),
+                                      (["head.sample_rate=0"], "sample_rate"),
+                                      (["head.sample_rate=0.5"], "global only")])
+def test_mode_config_is_validated(sets, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, ["data.shards=x", *sets])
+    assert load_config(None, ["data.shards=x", "head.mode=global", "head.sample_rate=0.1"]).head.mode == "global"
