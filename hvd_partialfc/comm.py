@@ -10,6 +10,7 @@ Contract:
 """
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -167,8 +168,20 @@ class Comm:
         hvd.shutdown()
 
 
+# Horovod's background thread negotiates every HOROVOD_CYCLE_TIME ms (default 1). On a CPU-only host the
+# ranks' compute threads share the cores with it, and a 1 ms cycle costs them: the demo model at np=2 on
+# 2 cores trains at 645 samples/s with 1 ms and 917 with 10 ms (docs/benchmarks.md has the same finding
+# for the classifier benchmark). GPU hosts keep Horovod's default (latency matters there, cores do not).
+CPU_CYCLE_TIME_MS = "10"
+
+
 def init() -> Comm:
-    """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1)."""
+    """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1).
+
+    Without CUDA, and unless the user set it, HOROVOD_CYCLE_TIME becomes ``CPU_CYCLE_TIME_MS``.
+    """
+    if not torch.cuda.is_available():
+        os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     hvd.init()
     return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
 
