@@ -11,7 +11,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -184,15 +183,6 @@ def init() -> Comm:
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     hvd.init()
     return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
-
-
-def host_name() -> str:
-    return socket.gethostname()
-
-
-def synchronize(optimizer: torch.optim.Optimizer) -> None:
-    """Wait for the averaged gradients (so they can be clipped/checked before the step)."""
-    optimizer.synchronize()
 
 
 def step_synchronized(optimizer: torch.optim.Optimizer, step_fn=None) -> None:

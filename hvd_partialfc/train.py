@@ -429,10 +429,3 @@ class Trainer:
 def _all_slices(manifest, world_size: int):
     from .partition import group_slices
     return group_slices(manifest.shard_slices(), world_size)
-
-
-def train(cfg: Config) -> str:
-    """Entry point of ``hvd-partialfc train``: returns the final checkpoint folder."""
-    comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
-    return trainer.fit()
