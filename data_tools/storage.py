@@ -5,7 +5,7 @@ Importers of image files do not read pixels themselves: they return *references*
 and, per ``--store``:
 
 * ``raw``:     decodes to uint8 of one ``sample_shape`` (H, W) or (H, W, C) (converted and resized with
-  bilinear filtering, exactly as the loader's `hvd_partialfc.data.decode_image` does for encoded samples);
+  bilinear filtering, exactly as the loader's `hvd_partialfc.shards.decode_image` does for encoded samples);
 * ``encoded``: keeps the original bytes, after checking that they decode (an unreadable file is found at
   build time, not in the middle of training); in-memory images (fonts, npz) are PNG-encoded.
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_partialfc.shards import ShardError
+from hvd_partialfc.shards import ShardError, decode_image
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,8 @@ def describe_ref(ref: Any, i: int) -> str:
 # --- decoding / encoding -------------------------------------------------------------------------------
 
 def decode_to_shape(blob: bytes, shape: Sequence[int]) -> np.ndarray:
-    """Decode bytes to uint8 of ``shape``: the same conversion as `hvd_partialfc.data.decode_image`."""
-    from PIL import Image
-    img = Image.open(io.BytesIO(blob))
-    img = img.convert("L" if len(shape) == 2 or shape[-1] == 1 else "RGB")
-    if (img.height, img.width) != (shape[0], shape[1]):
-        img = img.resize((shape[1], shape[0]), Image.BILINEAR)
-    return np.asarray(img, dtype=np.uint8).reshape(shape)
+    """Decode bytes to uint8 of ``shape``: the loader's own conversion (`hvd_partialfc.shards.decode_image`)."""
+    return decode_image(blob, shape)
 
 
 def probe_shape(blob: bytes) -> List[int]:

@@ -14,7 +14,6 @@ Contract:
 """
 from __future__ import annotations
 
-import io
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -24,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .partition import LabelSlice
-from .shards import Manifest, ShardError, rank_shards, read_manifest
+from .shards import Manifest, ShardError, decode_image, rank_shards, read_manifest
 
 
 class RankShardDataset:
@@ -97,17 +96,6 @@ class RankShardDataset:
             samples = np.stack(out)
         local_labels = self.labels[positions] - self.label_slice.start
         return torch.from_numpy(samples), torch.from_numpy(local_labels)
-
-
-def decode_image(blob: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-    """Decode encoded bytes (JPEG/PNG) to uint8 of the manifest's shape (H, W) or (H, W, C)."""
-    from PIL import Image
-    img = Image.open(io.BytesIO(blob.tobytes()))
-    img = img.convert("L" if len(shape) == 2 or shape[-1] == 1 else "RGB")
-    if shape and (img.height, img.width) != (shape[0], shape[1]):
-        img = img.resize((shape[1], shape[0]), Image.BILINEAR)
-    arr = np.asarray(img, dtype=np.uint8)
-    return arr.reshape(shape) if shape else arr
 
 
 class EpochBatchSampler(Sampler):

@@ -11,7 +11,6 @@ Both read into one `PairSet` with decoded uint8 images.
 """
 from __future__ import annotations
 
-import io
 import os
 import pickle
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from typing import List, Optional, Sequence
 
 import h5py
 import numpy as np
+
+from .shards import decode_image
 
 FORMAT = "hvd_partialfc.pairs"
 VERSION = 1
@@ -37,17 +38,6 @@ class PairSet:
         return len(self.same)
 
 
-def _decode(blob: bytes, shape: Optional[Sequence[int]] = None) -> np.ndarray:
-    from PIL import Image
-    img = Image.open(io.BytesIO(bytes(blob)))
-    if shape is not None:
-        img = img.convert("L" if len(shape) == 2 or shape[-1] == 1 else "RGB")
-        if (img.height, img.width) != (shape[0], shape[1]):
-            img = img.resize((shape[1], shape[0]), Image.BILINEAR)
-        return np.asarray(img, dtype=np.uint8).reshape(shape)
-    return np.asarray(img.convert("RGB") if img.mode not in ("L", "RGB") else img, dtype=np.uint8)
-
-
 def read_pairs(path: str) -> PairSet:
     """Read a ``.h5`` pair set or an LFW-style ``.bin`` file."""
     name = os.path.splitext(os.path.basename(path))[0]
@@ -60,8 +50,8 @@ def read_pairs(path: str) -> PairSet:
                 blobs, issame = pickle.load(f, encoding="bytes")
         if len(blobs) != 2 * len(issame):
             raise ValueError(f"{path}: {len(blobs)} images for {len(issame)} pairs (expected 2 per pair)")
-        first = _decode(blobs[0])
-        images = np.stack([_decode(b, first.shape) for b in blobs])
+        first = decode_image(blobs[0])
+        images = np.stack([decode_image(b, first.shape) for b in blobs])
         idx = np.arange(len(issame), dtype=np.int64)
         return PairSet(name, images, 2 * idx, 2 * idx + 1, np.asarray(issame, dtype=bool))
     with h5py.File(path, "r") as f:
@@ -71,7 +61,7 @@ def read_pairs(path: str) -> PairSet:
             images = f["images"][:]
         else:
             shape = [int(s) for s in f.attrs["sample_shape"]]
-            images = np.stack([_decode(b.tobytes(), shape) for b in f["encoded"][:]])
+            images = np.stack([decode_image(b, shape) for b in f["encoded"][:]])
         pairs = f["pairs"][:].astype(np.int64)
         same = f["same"][:].astype(bool)
     if pairs.ndim != 2 or pairs.shape[1] != 2 or len(pairs) != len(same):

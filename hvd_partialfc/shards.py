@@ -24,6 +24,7 @@ so a set that has a manifest is complete. `docs/data.md` (§1) is the human-read
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -123,6 +124,23 @@ class Manifest:
         except ValueError as e:
             raise ShardError(f"{where}: shard label ranges are invalid: {e}") from e
         return m
+
+
+def decode_image(blob: Any, shape: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Decode encoded bytes (JPEG/PNG; bytes or a uint8 array) to uint8 of ``shape`` (H, W) or (H, W, C).
+
+    The one conversion used by the loader, the pair-set reader and the shard builder: grayscale for
+    (H, W) or C = 1, RGB otherwise, bilinear resize when the size differs. Without ``shape``, the image's
+    own size, as grayscale or RGB.
+    """
+    from PIL import Image
+    img = Image.open(io.BytesIO(bytes(blob)))
+    if not shape:
+        return np.asarray(img if img.mode in ("L", "RGB") else img.convert("RGB"), dtype=np.uint8)
+    img = img.convert("L" if len(shape) == 2 or shape[-1] == 1 else "RGB")
+    if (img.height, img.width) != (shape[0], shape[1]):
+        img = img.resize((shape[1], shape[0]), Image.BILINEAR)
+    return np.asarray(img, dtype=np.uint8).reshape(shape)
 
 
 def sha256_file(path: str, chunk: int = 1 << 22) -> str:

@@ -159,14 +159,20 @@ def test_embed_normalised_batched_and_flip():
     assert not np.allclose(ef, e, atol=1e-3)
 
 
-def test_bin_round_trip_and_evaluate(tmp_path):
+def _png_blobs(images):
+    """PNG bytes of each uint8 image (what an LFW-style .bin holds)."""
     from PIL import Image
-    imgs = _images(40, seed=5)
-    blobs = []
-    for im in imgs:
+    out = []
+    for im in images:
         buf = io.BytesIO()
         Image.fromarray(im).save(buf, format="PNG")
-        blobs.append(buf.getvalue())
+        out.append(buf.getvalue())
+    return out
+
+
+def test_bin_round_trip_and_evaluate(tmp_path):
+    imgs = _images(40, seed=5)
+    blobs = _png_blobs(imgs)
     issame = [k % 2 == 0 for k in range(20)]
     write_bin(str(tmp_path / "tiny.bin"), blobs, issame)
     ps = read_pairs(str(tmp_path / "tiny.bin"))
@@ -268,14 +274,9 @@ def tiny_run(tmp_path_factory):
 
 def test_eval_cli_on_a_tiny_run(tiny_run, tmp_path, capsys):
     from hvd_partialfc.cli import main
-    from PIL import Image
     h5 = _write_h5_set(tmp_path / "held.h5", seed=8)
     imgs = _images(24, seed=9)
-    blobs = []
-    for im in imgs:
-        buf = io.BytesIO()
-        Image.fromarray(im).save(buf, format="PNG")
-        blobs.append(buf.getvalue())
+    blobs = _png_blobs(imgs)
     write_bin(str(tmp_path / "lfwlike.bin"), blobs, [k % 2 == 0 for k in range(12)])
     out = tmp_path / "report"
     rc = main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", h5, "--pairs", str(tmp_path / "lfwlike.bin"),
