@@ -4,7 +4,7 @@
     hvd-partialfc export RUN --rank K --out backbone.pt
     hvd-partialfc info   RUN [--json]
     hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
-    hvd-partialfc eval   --backbone FILE|RUN --pairs PAIRS [--pairs ...] [--flip] [--baselines]
+    hvd-partialfc eval   --backbone FILE|RUN [--pairs PAIRS ...] [--all-pairs SHARDS ...] [--flip] [--baselines]
                          [--batch-size N] [--threads N] [--out DIR]
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
@@ -89,16 +89,16 @@ def _eval(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        report = evaluate_files(args.backbone, args.pairs, flip=args.flip, baselines=args.baselines,
-                                batch_size=args.batch_size, out_dir=args.out)
-    except OSError as err:      # a missing or unreadable backbone / pair file: say which, no traceback
+        report = evaluate_files(args.backbone, args.pairs or [], flip=args.flip, baselines=args.baselines,
+                                batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [])
+    except (OSError, ValueError) as err:      # a missing or unreadable backbone / pair file: say which, no traceback
         print(f"hvd-partialfc eval: error: {err}", file=sys.stderr)
         return 2
     print(f"backbone {report['backbone']}  flip {'on' if args.flip else 'off'}")
     for table in report["tables"]:
         print()
         print(table)
-    print(f"\nwrote {report['files']['json']} and {report['files']['roc']}")
+    print("\nwrote " + " and ".join(f for f in report["files"].values() if f))
     return 0
 
 
@@ -150,7 +150,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     i.set_defaults(fn=_info)
     v = sub.add_parser("eval", help="open-set verification on pair sets: 10-fold acc, AUC, TAR@FAR, ROC plot")
     v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder or run folder")
-    v.add_argument("--pairs", action="append", required=True, help=".h5 pair set or LFW-style .bin (repeatable)")
+    v.add_argument("--pairs", action="append", help=".h5 pair set or LFW-style .bin (repeatable)")
+    v.add_argument("--all-pairs", action="append", metavar="SHARDS",
+                   help="a held-out shard set, verified over every pair of its samples (repeatable)")
     v.add_argument("--flip", action="store_true", help="add the mirror image's embedding (faces; not glyphs)")
     v.add_argument("--baselines", action="store_true", help="also raw pixels and the random-init backbone")
     v.add_argument("--batch-size", type=int, default=256)

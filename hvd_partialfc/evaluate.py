@@ -204,6 +204,76 @@ def verification_metrics(scores, same, fars: Sequence[float] = FARS, n_folds: in
     return _jsonable(out)
 
 
+ALL_PAIRS_FARS: Tuple[float, ...] = (1e-3, 1e-4, 1e-5)
+ALL_PAIRS_BINS = 200_000     # cosine in [-1, 1] in steps of 1e-5: finer than any FAR figure needs
+
+
+def all_pairs_metrics(embeddings, labels, fars: Sequence[float] = ALL_PAIRS_FARS, block: int = 2048,
+                      bins: int = ALL_PAIRS_BINS) -> Dict[str, Any]:
+    """1:1 verification over *every* pair of distinct samples of a labelled set (IJB-style "all pairs").
+
+    Why: a 6,000-pair protocol has 3,000 different pairs, so its TAR@FAR=1e-3 is set by the 3 highest
+    impostor scores and moves by points from one training seed to the next. n samples give n(n-1)/2
+    pairs (22,794 held-out glyphs: 2.6 x 10^8, of which ~10^6 same-class), so TAR@FAR=1e-3 rests on
+    ~2.6 x 10^5 impostors and even 1e-5 is measured. Same-class scores are kept exactly; different-class
+    scores go into a ``bins``-bin histogram over [-1, 1] (memory O(bins), not O(n^2)); the threshold of a
+    FAR is the lowest bin edge whose impostor tail is at most ``far`` (so the achieved FAR never exceeds
+    it), and the TAR counts the exact same-class scores at or above it.
+
+    ``embeddings``: (n, D) rows of unit length; ``labels``: (n,) ints. Returns ``pairs``, ``same_pairs``,
+    ``different_pairs``, ``auc`` and ``tar@far=...`` (with ``notes`` where a FAR is below 1 / #different).
+    """
+    e = torch.as_tensor(np.ascontiguousarray(embeddings), dtype=torch.float32)
+    y = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+    n = len(y)
+    if e.ndim != 2 or len(e) != n or n < 2:
+        raise ValueError(f"need (n, D) embeddings and (n,) labels with n >= 2; got {tuple(e.shape)} and {n}")
+    hist = torch.zeros(bins, dtype=torch.float64)
+    same_scores = []
+    cols = torch.arange(n)
+    for s in range(0, n, block):
+        rows = torch.arange(s, min(s + block, n))
+        sim = (e[rows] @ e.T).clamp_(-1.0, 1.0)                     # (b, n) cosine
+        upper = cols[None, :] > rows[:, None]                      # each unordered pair once
+        same = y[rows][:, None] == y[None, :]
+        same_scores.append(sim[upper & same])
+        hist += torch.histc(sim[upper & ~same], bins=bins, min=-1.0, max=1.0).double()
+    pos = torch.cat(same_scores).double().numpy()
+    n_neg, n_pos = int(hist.sum().item()), len(pos)
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("all-pairs verification needs at least two classes and a class with two samples")
+    tail = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0]).numpy()   # impostors in bins >= b
+    edges = np.linspace(-1.0, 1.0, bins + 1)
+    out: Dict[str, Any] = {"pairs": n_pos + n_neg, "same_pairs": n_pos, "different_pairs": n_neg}
+    # AUC from the histogram: P(impostor < genuine) + 1/2 P(same bin), genuine scores binned alike
+    pos_hist = np.histogram(pos, bins=bins, range=(-1.0, 1.0))[0].astype(np.float64)
+    below = np.r_[0.0, np.cumsum(hist.numpy())[:-1]]
+    out["auc"] = float((pos_hist * (below + 0.5 * hist.numpy())).sum() / (n_pos * n_neg))
+    notes = {}
+    for far in fars:
+        if n_neg * far < 1:
+            out[far_key(far)] = None
+            notes[far_key(far)] = f"{n_neg} different pairs; FAR {far_key(far)[8:]} needs at least {math.ceil(1 / far)}"
+            continue
+        b = int(np.flatnonzero(tail <= far * n_neg)[0])           # lowest bin whose tail is allowed
+        out[far_key(far)] = float(np.mean(pos >= edges[b]))
+    out["notes"] = notes
+    return out
+
+
+def evaluate_all_pairs(model: nn.Module, shard_dir: str, batch_size: int = 256, flip: bool = False,
+                       fars: Sequence[float] = ALL_PAIRS_FARS) -> Dict[str, Any]:
+    """`all_pairs_metrics` of a backbone on every sample of a (held-out) shard set, plus ``time_s``."""
+    from .data import RankShardDataset
+    t0 = time.perf_counter()
+    ds = RankShardDataset(shard_dir, 0, 1)
+    samples, labels = ds[list(range(len(ds)))]
+    e = embed(model, samples.numpy(), batch_size, flip)
+    out = all_pairs_metrics(e, labels.numpy(), fars)
+    out["samples"], out["time_s"] = len(labels), round(time.perf_counter() - t0, 3)
+    return out
+
+
 def _jsonable(obj: Any) -> Any:
     """Plain Python types; ±inf / NaN -> None (JSON has no infinities)."""
     if isinstance(obj, dict):
@@ -378,6 +448,15 @@ def format_table(name: str, rows: Dict[str, Dict[str, Any]], fars: Sequence[floa
     return "\n".join(lines)
 
 
+def format_all_pairs(shard_dir: str, m: Dict[str, Any]) -> str:
+    """One line per FAR of `all_pairs_metrics`, for the terminal."""
+    lines = [f"all pairs of {shard_dir}: {m['samples']} samples, {m['same_pairs']:,} same-class and "
+             f"{m['different_pairs']:,} different-class pairs, AUC {m['auc']:.4f}"]
+    for key in sorted((k for k in m if k.startswith("tar@far=")), key=lambda k: -float(k[8:])):
+        lines.append(f"  {key:<14} {'-' if m[key] is None else f'{m[key]:.4f}'}  {m['notes'].get(key, '')}")
+    return "\n".join(lines)
+
+
 def plot_roc(results: Dict[str, Dict[str, Dict[str, Any]]], path: str) -> str:
     """One panel per pair set, one step curve per model/baseline, log-scale FAR axis; written to ``path``."""
     import matplotlib
@@ -417,11 +496,16 @@ def default_out_dir(backbone: str) -> str:
 
 
 def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False, baselines: bool = False,
-                   batch_size: int = 256, out_dir: Optional[str] = None, seed: int = 0) -> Dict[str, Any]:
+                   batch_size: int = 256, out_dir: Optional[str] = None, seed: int = 0,
+                   all_pairs_dirs: Sequence[str] = ()) -> Dict[str, Any]:
     """Load a backbone (file, checkpoint or run) and pair sets, evaluate, write ``eval.json`` and
-    ``roc.png`` into ``out_dir``; returns the JSON dict with ``tables`` (one text table per set) added."""
+    ``roc.png`` into ``out_dir``; returns the JSON dict with ``tables`` (one text table per set) added.
+    ``all_pairs_dirs``: shard sets evaluated over all their pairs (`evaluate_all_pairs`), under
+    ``all_pairs`` (shard dir -> metrics) in the JSON."""
     from .export import load_backbone
     model, args = load_backbone(backbone)
+    if not pairs_paths and not all_pairs_dirs:
+        raise ValueError("nothing to evaluate: give pair sets and/or shard sets for all-pairs verification")
     sets = [read_pairs(p) for p in pairs_paths]
     _check_names(sets, pairs_paths)
     for s in sets:
@@ -433,15 +517,19 @@ def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False
         results[s.name] = {"backbone": evaluate_backbone(model, s, batch_size, flip)}
         if baselines:
             results[s.name].update(evaluate_baselines(args, s, batch_size, flip, seed))
+    all_pairs = {os.path.abspath(d): evaluate_all_pairs(model, d, batch_size, flip) for d in all_pairs_dirs}
     report = {"backbone": os.path.abspath(backbone), "model": args, "flip": flip, "batch_size": batch_size,
-              "pairs": {s.name: os.path.abspath(p) for s, p in zip(sets, pairs_paths)}, "sets": results}
+              "pairs": {s.name: os.path.abspath(p) for s, p in zip(sets, pairs_paths)}, "sets": results,
+              "all_pairs": all_pairs}
     json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "roc.png")
     with open(json_path + ".tmp", "w") as f:
         json.dump(_jsonable(report), f, indent=1)
     os.replace(json_path + ".tmp", json_path)
-    plot_roc(results, png_path)
-    report["files"] = {"json": json_path, "roc": png_path}
+    if results:
+        plot_roc(results, png_path)
+    report["files"] = {"json": json_path, "roc": png_path if results else None}
     report["tables"] = [format_table(name, rows) for name, rows in results.items()]
+    report["tables"] += [format_all_pairs(d, m) for d, m in all_pairs.items()]
     return report
 
 

@@ -302,3 +302,48 @@ def test_eval_cli_refuses_a_wrong_shape(tiny_run, tmp_path, capsys):
     write_pairs_h5(path, _images(4, size=48), np.array([[0, 1], [2, 3]] * 6), np.arange(12) % 2 == 0)
     assert main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", path]) == 2
     assert "backbone takes [32, 32]" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ all pairs
+
+def test_all_pairs_matches_the_exact_pair_metrics():
+    """The histogram form of every-pair verification equals `tar_at_far` / `roc_auc` over the explicit
+    upper triangle of pairs, including across block boundaries."""
+    rng = np.random.default_rng(0)
+    n, k = 700, 30
+    y = rng.integers(0, k, n)
+    e = rng.normal(size=(k, 16))[y] + 1.5 * rng.normal(size=(n, 16))
+    e /= np.linalg.norm(e, axis=1, keepdims=True)
+    m = ev.all_pairs_metrics(e, y, fars=(1e-2, 1e-3, 1e-6), block=64)
+    i, j = np.triu_indices(n, 1)
+    scores, same = (e[i] * e[j]).sum(1), y[i] == y[j]
+    assert (m["pairs"], m["same_pairs"]) == (len(scores), int(same.sum()))
+    for far in (1e-2, 1e-3):
+        assert m[ev.far_key(far)] == pytest.approx(ev.tar_at_far(scores, same, far)["tar"], abs=2.0 / same.sum())
+    assert m["auc"] == pytest.approx(ev.roc_auc(scores, same), abs=1e-5)
+    assert m["tar@far=1e-6"] is None and "needs at least 1000000" in m["notes"]["tar@far=1e-6"]
+
+
+def test_all_pairs_perfect_and_refusals():
+    y = np.repeat(np.arange(4), 3)
+    e = np.eye(8)[y]                                   # classes on orthogonal axes: perfect separation
+    m = ev.all_pairs_metrics(e, y, fars=(1e-1,))
+    assert m["auc"] == 1.0 and m["tar@far=1e-1"] == 1.0
+    with pytest.raises(ValueError, match="at least two classes"):
+        ev.all_pairs_metrics(e[:3], y[:3])
+    with pytest.raises(ValueError, match="n >= 2"):
+        ev.all_pairs_metrics(e[:1], y[:1])
+
+
+def test_eval_cli_all_pairs_of_a_shard_set(tiny_run, tmp_path, capsys):
+    from hvd_partialfc.cli import main
+    out = tmp_path / "ap"
+    assert main(["eval", "--backbone", str(tiny_run / "run"), "--all-pairs", str(tiny_run / "shards"),
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "200 samples, 1,900 same-class and 18,000 different-class pairs" in printed
+    report = json.loads((out / "eval.json").read_text())
+    (m,) = report["all_pairs"].values()
+    assert m["pairs"] == 200 * 199 // 2 and m["tar@far=1e-5"] is None and 0.0 <= m["auc"] <= 1.0
+    assert main(["eval", "--backbone", str(tiny_run / "run")]) == 2
+    assert "nothing to evaluate" in capsys.readouterr().err
