@@ -55,6 +55,10 @@ class OptimConfig:
     clip_grad_norm: float = 0.0  # > 0: clip the *averaged* backbone gradient to this norm
     fp16_compression: bool = False   # Horovod fp16 compression of the backbone gradient allreduce
     backward_passes_per_step: int = 1  # gradient accumulation; one allreduce per optimizer step
+    # local mode: the classifier's gradient is that of the mean loss over the *global* batch (scaled by
+    # 1/N: what np=1 and `global` mode compute, so classifier_lr means the same at any world size) or
+    # over the rank's own batch (N times larger at N ranks)
+    classifier_grad_mean: str = "global"  # global | local
 
 
 @dataclass
@@ -99,7 +103,8 @@ class Config:
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
                    ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
                    ("train", "on_nonfinite"): ("stop", "skip"),
-                   ("head", "mode"): ("local", "global", "replicated")}
+                   ("head", "mode"): ("local", "global", "replicated"),
+                   ("optim", "classifier_grad_mean"): ("global", "local")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:

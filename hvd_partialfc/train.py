@@ -202,6 +202,11 @@ class Trainer:
             backward_passes_per_step=o.backward_passes_per_step)
         self.loss_scale = LossScale(cfg.train.precision == "fp16")
         self.skipped_steps = 0
+        # `local` mode's loss is the mean over this rank's batch, so its classifier's gradient is N times
+        # the one np=1 (or `global` mode, whose loss is the mean over the gathered batch) computes for the
+        # same rows; "global" divides it back (`replicated` already averages it with the backbone's).
+        self.classifier_grad_scale = (1.0 / comm.size if cfg.head.mode == "local"
+                                      and o.classifier_grad_mean == "global" else 1.0)
 
     def _rank_shard_indices(self) -> List[int]:
         from .shards import rank_shards
@@ -245,8 +250,11 @@ class Trainer:
         bb_params = [p for p in self.backbone.parameters() if p.grad is not None]
         cls_params = [p for p in self.classifier.parameters() if p.grad is not None]
         if self.loss_scale.enabled:
-            for p in bb_params + cls_params:
+            for p in bb_params:
                 p.grad.div_(self.loss_scale.scale)
+        if self.loss_scale.enabled or self.classifier_grad_scale != 1.0:
+            for p in cls_params:
+                p.grad.mul_(self.classifier_grad_scale / self.loss_scale.scale)
         norm_t = torch.nn.utils.get_total_norm([p.grad for p in bb_params])  # identical on all ranks
         grad_norm = float(norm_t)
         finite = math.isfinite(grad_norm)

@@ -32,6 +32,10 @@ def test_np2_identity_averaged_update_no_leakage(image_shards, tmp_path, backend
     # the update applied = offline update from the mean of the two ranks' local gradients
     assert r0["local_grad_differs_from_mean"] and r1["local_grad_differs_from_mean"]
     assert r0["update_max_abs_err"] < 1e-5 and r1["update_max_abs_err"] < 1e-5
+    # each classifier's update = its local gradient of the global batch's mean loss (1/N of the local
+    # batch's mean), as np=1 and `global` mode compute it; not the N-times-larger local-mean gradient
+    assert r0["classifier_update_max_abs_err"] < 1e-6 and r1["classifier_update_max_abs_err"] < 1e-6
+    assert r1["classifier_update_vs_local_mean"] > 1e-4
     # parameters bitwise identical after every step
     assert r0["param_digests"] == r1["param_digests"] and len(set(r0["param_digests"])) == 4
     # BatchNorm buffers differ before averaging (each rank sees its own classes) ...

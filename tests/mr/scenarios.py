@@ -33,13 +33,17 @@ def buffer_digest(module):
     return state_dict_digest(dict(module.named_buffers()))
 
 
-def local_grads(trainer, batch):
-    """Gradients of the backbone from this rank's batch alone (a copy of the model, no Horovod hooks)."""
+def local_grads(trainer, batch, classifier=False):
+    """Gradients of the backbone (and, with ``classifier``, of the classifier's weight, under the key
+    ``"classifier"``) from this rank's batch alone: a copy of the model, no Horovod hooks."""
     bb, cls = copy.deepcopy(trainer.backbone), copy.deepcopy(trainer.classifier)
     bb.train(), cls.train()
     x, y = prepare_batch(*batch, trainer.device, trainer.manifest.kind)
     cls(bb(x), y).backward()
-    return {n: p.grad.detach().clone() for n, p in bb.named_parameters()}
+    out = {n: p.grad.detach().clone() for n, p in bb.named_parameters()}
+    if classifier:
+        out["classifier"] = cls.weight.grad.detach().clone()
+    return out
 
 
 def scenario_core(shards, out, steps):
@@ -57,7 +61,8 @@ def scenario_core(shards, out, steps):
 
     # Step 0: the applied backbone update equals the one from the mean of the ranks' local gradients.
     batch = next(batches)
-    grads = local_grads(trainer, batch)
+    grads = local_grads(trainer, batch, classifier=True)
+    g_cls = grads.pop("classifier")
     all_grads = comm.allgather_object({k: v.cpu() for k, v in grads.items()}, name="test.grads")
     p0 = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
     trainer.train_step(0, iter([batch]))
@@ -69,6 +74,11 @@ def scenario_core(shards, out, steps):
         expected = p0[n] - o.backbone_lr * (mean_grad + o.backbone_weight_decay * p0[n])
         worst = max(worst, float((p.detach() - expected).abs().max()))
     rec["update_max_abs_err"] = worst
+    # ... and the classifier's: its local gradient over the global batch's mean (1/N of the local mean's)
+    expected = w0 - o.classifier_lr * (g_cls / comm.size + o.classifier_weight_decay * w0)
+    rec["classifier_update_max_abs_err"] = float((trainer.classifier.weight.detach() - expected).abs().max())
+    rec["classifier_update_vs_local_mean"] = float((trainer.classifier.weight.detach() - (
+        w0 - o.classifier_lr * (g_cls + o.classifier_weight_decay * w0))).abs().max())
     rec["local_grad_differs_from_mean"] = any(
         float((grads[n] - sum(g[n] for g in all_grads) / len(all_grads)).abs().max()) > 1e-6 for n in grads)
 
