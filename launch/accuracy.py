@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,14 +30,20 @@ VARIANTS = {
 }
 
 
-def run_one(args, variant: str, np_: int, seed: int) -> dict:
-    name = f"{variant.replace('+', '_')}-np{np_}-seed{seed}"
+def run_name(variant: str, np_: int, seed: int, every: int = 0, share: int = 0) -> str:
+    """Folder of one run; negatives runs carry their K and share (``S0``: all centres)."""
+    tag = f"-K{every}-S{share}" if variant == "local+negatives" else ""
+    return f"{variant.replace('+', '_')}{tag}-np{np_}-seed{seed}"
+
+
+def run_one(args, variant: str, np_: int, seed: int, every: int = 0, share: int = 0) -> dict:
+    name = run_name(variant, np_, seed, every, share)
     out = os.path.join(args.out, name)
     evals = os.path.join(out, "eval.jsonl")
     if not (os.path.isfile(evals) and os.path.isfile(os.path.join(out, "done.json"))):
         sets = [f"data.batch_size={args.global_batch // np_}", f"train.steps={args.steps}", f"train.seed={seed}",
                 f"eval.pairs=[{args.pairs}]", "eval.every=0", f"checkpoint.every=0", "train.log_every=25"]
-        sets += [s.format(every=args.every, share=args.share) for s in VARIANTS[variant]]
+        sets += [s.format(every=every, share=share) for s in VARIANTS[variant]] + list(args.set)
         cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np_), "--gloo", os.path.join(BIN, "hvd-partialfc"), "train",
                "--config", args.config, "--shards", args.shards, "--out", out]
         for s in sets:
@@ -48,44 +55,90 @@ def run_one(args, variant: str, np_: int, seed: int) -> dict:
             raise SystemExit(f"{name} failed:\n{p.stderr[-4000:]}")
         with open(os.path.join(out, "done.json"), "w") as f:
             json.dump({"wall_s": time.time() - t0, "cmd": cmd}, f)
-    with open(evals) as f:
+    return load_row(args, name)
+
+
+NAME = re.compile(r"^(local|local_negatives-K(\d+)-S(\d+)|global)-np(\d+)-seed(\d+)$")
+
+
+def finished_runs(out_dir: str) -> list:
+    """Names of the finished runs in ``out_dir`` (the table and the trade-off cover all of them)."""
+    return sorted(n for n in os.listdir(out_dir)
+                  if NAME.match(n) and os.path.isfile(os.path.join(out_dir, n, "done.json")))
+
+
+def load_row(args, name: str) -> dict:
+    """One finished run's figures (final evaluation, median samples/s, wall time, traffic)."""
+    mt = NAME.match(name)
+    variant = "local+negatives" if mt.group(2) else mt.group(1)
+    every, share, np_, seed = (int(g or 0) for g in mt.groups()[1:])
+    out = os.path.join(args.out, name)
+    with open(os.path.join(out, "eval.jsonl")) as f:
         final = [json.loads(l) for l in f if l.strip()][-1]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(l) for l in f if l.strip() and "loss" in json.loads(l)]
     done = json.load(open(os.path.join(out, "done.json")))
     sps = sorted(m["samples_per_s"] for m in metrics)[len(metrics) // 2]
-    return {"variant": variant, "np": np_, "seed": seed, "acc": final["acc"], "acc_std": final["acc_std"],
-            "auc": final["auc"], "tar@far=1e-3": final["tar@far=1e-3"], "tar@far=1e-2": final["tar@far=1e-2"],
-            "samples_per_s": sps, "final_loss": metrics[-1]["loss"], "wall_s": done["wall_s"], "run": out}
+    row = {"variant": variant, "np": np_, "seed": seed, "every": every, "share": share, "acc": final["acc"],
+           "acc_std": final["acc_std"], "auc": final["auc"], "tar@far=1e-3": final["tar@far=1e-3"],
+           "tar@far=1e-2": final["tar@far=1e-2"], "samples_per_s": sps, "final_loss": metrics[-1]["loss"],
+           "wall_s": done["wall_s"], "run": out}
+    if args.heldout:
+        row.update(all_pairs(out, args.heldout))
+    row["classes_per_rank"] = args.num_classes // np_
+    t = traffic(np_, args.num_classes, args.grad_bytes, args.dim, args.global_batch, every, share)
+    row["extra_bytes_per_step"] = {"local": 0.0, "local+negatives": t["negatives"], "global": t["global"]}[variant]
+    row["extra_vs_backbone_grad"] = row["extra_bytes_per_step"] / args.grad_bytes
+    return row
 
 
-def traffic(args, np_: int, num_classes: int, grad_bytes: int, dim: int) -> dict:
+def all_pairs(run: str, heldout: str) -> dict:
+    """Every pair of the held-out set (`hvd_partialfc.evaluate.all_pairs_metrics`), once per run."""
+    out = os.path.join(run, "all-pairs")
+    path = os.path.join(out, "eval.json")
+    if not os.path.isfile(path):
+        p = subprocess.run([os.path.join(BIN, "hvd-partialfc"), "eval", "--backbone", run, "--all-pairs", heldout,
+                            "--out", out], cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"all-pairs evaluation of {run} failed:\n{p.stderr[-4000:]}")
+    m = next(iter(json.load(open(path))["all_pairs"].values()))
+    return {"ap_auc": m["auc"], "ap_tar@far=1e-3": m["tar@far=1e-3"], "ap_tar@far=1e-4": m["tar@far=1e-4"],
+            "ap_tar@far=1e-5": m["tar@far=1e-5"], "ap_pairs": m["pairs"]}
+
+
+def traffic(np_: int, num_classes: int, grad_bytes: int, dim: int, global_batch: int, every: int = 0,
+            share: int = 0) -> dict:
     """Bytes each rank sends per step, amortised: backbone gradient, plus the exchange or global's gathers."""
     width = -(-num_classes // np_)
-    share = min(args.share or width, width)
-    per_rank_batch = args.global_batch // np_
+    rows = min(share or width, width)
+    per_rank_batch = global_batch // np_
     return {"backbone_grad": grad_bytes,
-            "negatives": share * dim * 4 / args.every,
+            "negatives": rows * dim * 4 / every if every else 0.0,
             # global: features (B x D fp32) + labels + row counts + (max, sum, target) of the gathered batch
             # + the features' gradient allreduce (M x D) - the figures of hvd_partialfc.bench
             "global": per_rank_batch * dim * 4 + per_rank_batch * 8 + 8
-            + args.global_batch * 4 * 3 + args.global_batch * dim * 4}
+            + global_batch * 4 * 3 + global_batch * dim * 4}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shards", required=True)
     p.add_argument("--pairs", required=True)
+    p.add_argument("--heldout", help="held-out shard set: also verify over all its pairs (low-noise TAR)")
     p.add_argument("--out", default="runs/accuracy")
     p.add_argument("--config", default="configs/demo.yaml")
     p.add_argument("--np", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--global-batch", type=int, default=128)
-    p.add_argument("--every", type=int, default=50, help="negatives: exchange interval K")
-    p.add_argument("--share", type=int, default=0, help="negatives: centres per rank (0: all)")
+    p.add_argument("--every", type=int, nargs="+", default=[10],
+                   help="negatives: exchange intervals K (the first is the table's; all go to the trade-off)")
+    p.add_argument("--share", type=int, nargs="+", default=[0],
+                   help="negatives: centres per rank (0: all; the first is the table's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--cycle-time-ms", type=float, default=10.0)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run of OUT (keep one OUT per setting)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, ROOT)
@@ -96,64 +149,125 @@ def main() -> int:
     m = read_manifest(args.shards)
     model = create_model(cfg["model"]["name"], in_shape=m.sample_shape, embedding_dim=cfg["model"]["embedding_dim"],
                          **cfg["model"].get("kwargs", {}))
-    grad_bytes = sum(q.numel() * 4 for q in model.parameters())
-    rows = []
+    args.grad_bytes = sum(q.numel() * 4 for q in model.parameters())
+    args.dim, args.num_classes = cfg["model"]["embedding_dim"], m.num_classes
     for np_ in args.np:
         for seed in args.seeds:
             for v in args.variants:
-                r = run_one(args, v, np_, seed)
-                r["classes_per_rank"] = m.num_classes // np_
-                rows.append(r)
-                print(f"np={np_} seed={seed} {v:<16} acc {r['acc']:.4f} TAR@1e-3 {r['tar@far=1e-3']} "
-                      f"AUC {r['auc']:.4f} ({r['samples_per_s']:.0f} samples/s, {r['wall_s']:.0f} s)", flush=True)
-    tr = {np_: traffic(args, np_, m.num_classes, grad_bytes, cfg["model"]["embedding_dim"]) for np_ in args.np}
-    json.dump({"args": vars(args), "rows": rows, "traffic": tr, "num_classes": m.num_classes},
+                configs = [(k, s) for k in args.every for s in args.share] if v == "local+negatives" else [(0, 0)]
+                for every, share in configs:
+                    r = run_one(args, v, np_, seed, every, share)
+                    ap = (f" all-pairs TAR@1e-3 {r['ap_tar@far=1e-3']:.4f} @1e-4 {r['ap_tar@far=1e-4']:.4f}"
+                          if args.heldout else "")
+                    print(f"{run_name(v, np_, seed, every, share):<34} acc {r['acc']:.4f} "
+                          f"TAR@1e-3 {r['tar@far=1e-3']:.4f} AUC {r['auc']:.4f}{ap} "
+                          f"({r['samples_per_s']:.0f} samples/s, {r['wall_s']:.0f} s)", flush=True)
+    rows = [load_row(args, n) for n in finished_runs(args.out)]   # this call's runs and earlier ones
+    json.dump({"args": vars(args), "rows": rows, "num_classes": m.num_classes},
               open(os.path.join(args.out, "accuracy.json"), "w"), indent=1)
-    write_table(args, rows, tr, m.num_classes)
+    write_tables(args, rows, m.num_classes)
     return 0
 
 
-def write_table(args, rows, tr, num_classes) -> None:
+def _key(r: dict) -> tuple:
+    return (r["np"], r["variant"], r["every"], r["share"])
+
+
+def _label(r: dict) -> str:
+    if r["variant"] != "local+negatives":
+        return r["variant"]
+    return f"local + negatives (K={r['every']}, {'all' if not r['share'] else r['share']} centres)"
+
+
+def write_tables(args, rows, num_classes) -> None:
+    """OUT/accuracy.md: the table (local / negatives at the first K and share / global by np, seed means) and
+    the trade-off (every negatives setting against global), OUT/accuracy.png and OUT/tradeoff.png."""
     import numpy as np
-    lines = ["| np | classes/rank | mode | 10-fold acc | TAR@FAR=1e-3 | AUC | vs global: acc / TAR | extra bytes/step vs backbone grad | samples/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
     by = {}
     for r in rows:
-        by.setdefault((r["np"], r["variant"]), []).append(r)
-    for np_ in args.np:
-        g = by.get((np_, "global"))
-        g_acc = np.mean([r["acc"] for r in g]) if g else None
-        g_tar = np.mean([r["tar@far=1e-3"] for r in g]) if g else None
-        for v in args.variants:
-            rs = by.get((np_, v))
+        by.setdefault(_key(r), []).append(r)
+    metrics = [("acc", "10-fold acc"), ("tar@far=1e-3", "TAR@1e-3 (6k pairs)"), ("auc", "AUC")]
+    if args.heldout:
+        metrics += [("ap_tar@far=1e-3", "all-pairs TAR@1e-3"), ("ap_tar@far=1e-4", "all-pairs TAR@1e-4")]
+
+    def cell(rs, key):
+        v = [r[key] for r in rs]
+        return f"{np.mean(v):.4f}" + (f" ±{np.std(v):.4f}" if len(v) > 1 else "")
+
+    def rel(rs, g, key):
+        return np.mean([r[key] for r in rs]) / np.mean([r[key] for r in g]) if g else float("nan")
+
+    head = "| np | classes/rank | mode | seeds | " + " | ".join(t for _, t in metrics) + \
+           " | vs global: " + " / ".join(t.split(" (")[0] for _, t in metrics[:2] + metrics[3:]) + \
+           " | extra bytes/step vs backbone grad | samples/s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    main_keys = [("local", 0, 0), ("local+negatives", args.every[0], args.share[0]), ("global", 0, 0)]
+    nps = sorted({r["np"] for r in rows})
+    for np_ in nps:
+        g = by.get((np_, "global", 0, 0))
+        for v, k, s in main_keys:
+            rs = by.get((np_, v, k, s))
             if not rs:
                 continue
-            acc, tar = np.mean([r["acc"] for r in rs]), np.mean([r["tar@far=1e-3"] for r in rs])
-            spread = f" (±{np.std([r['acc'] for r in rs]):.4f} over {len(rs)} seeds)" if len(rs) > 1 else ""
-            extra = {"local": 0.0, "local+negatives": tr[np_]["negatives"], "global": tr[np_]["global"]}[v]
-            rel = f"{extra / tr[np_]['backbone_grad']:.2%}"
-            vs = f"{acc / g_acc:.3f} / {tar / g_tar:.3f}" if g_acc else "–"
-            lines.append(f"| {np_} | {num_classes // np_} | {v} | {acc:.4f}{spread} | {tar:.4f} | "
-                         f"{np.mean([r['auc'] for r in rs]):.4f} | {vs} | {rel} | {np.mean([r['samples_per_s'] for r in rs]):.0f} |")
+            vs = " / ".join(f"{rel(rs, g, key):.3f}" for key, _ in metrics[:2] + metrics[3:])
+            lines.append(f"| {np_} | {num_classes // np_} | {_label(rs[0])} | {len(rs)} | "
+                         + " | ".join(cell(rs, key) for key, _ in metrics)
+                         + f" | {vs} | {rs[0]['extra_vs_backbone_grad']:.2%} | "
+                         f"{np.mean([r['samples_per_s'] for r in rs]):.0f} |")
+    lines += ["", "Trade-off: every negatives setting, against `global` at the same np (seed means)", "",
+              "| np | K | centres shared per rank | seeds | extra bytes/step vs backbone grad | "
+              + " | ".join(f"{t} vs global" for _, t in metrics) + " |",
+              "|---|---|---|---|---|" + "---|" * len(metrics)]
+    for key in sorted(k for k in by if k[1] == "local+negatives"):
+        rs, g = by[key], by.get((key[0], "global", 0, 0))
+        lines.append(f"| {key[0]} | {key[2]} | {key[3] or 'all'} | {len(rs)} | {rs[0]['extra_vs_backbone_grad']:.2%} | "
+                     + " | ".join(f"{rel(rs, g, m_):.3f}" for m_, _ in metrics) + " |")
     open(os.path.join(args.out, "accuracy.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    tar = "ap_tar@far=1e-3" if args.heldout else "tar@far=1e-3"
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "tar@far=1e-3", "TAR@FAR=1e-3"), (axes[1], "acc", "10-fold accuracy")):
-        for v in args.variants:
-            xs = [np_ for np_ in args.np if (np_, v) in by]
-            ax.plot([num_classes // x for x in xs], [np.mean([r[key] for r in by[(x, v)]]) for x in xs],
-                    marker="o", label=v)
+    for ax, key, title in ((axes[0], tar, "TAR@FAR=1e-3" + (" (all pairs)" if args.heldout else "")),
+                           (axes[1], "acc", "10-fold accuracy")):
+        for v, k, s in main_keys:
+            xs = [np_ for np_ in nps if (np_, v, k, s) in by]
+            if xs:
+                ax.errorbar([num_classes // x for x in xs], [np.mean([r[key] for r in by[(x, v, k, s)]]) for x in xs],
+                            yerr=[np.std([r[key] for r in by[(x, v, k, s)]]) for x in xs], marker="o", capsize=3,
+                            label=_label(by[(xs[0], v, k, s)][0]))
         ax.set_xscale("log")
         ax.invert_xaxis()
         ax.set_xlabel("classes per rank (np = 2, 4, 8 →)")
         ax.set_title(f"held-out {title}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for np_ in sorted({k[0] for k in by if k[1] == "local+negatives"}):
+        g = by.get((np_, "global", 0, 0))
+        pts = sorted((rs[0]["extra_vs_backbone_grad"] * 100, rel(rs, g, tar), k) for k, rs in by.items()
+                     if k[0] == np_ and k[1] == "local+negatives")
+        loc = by.get((np_, "local", 0, 0))
+        line = ax.plot([p_[0] for p_ in pts], [p_[1] for p_ in pts], marker="o", label=f"np={np_} negatives")[0]
+        for x, y, k in pts:
+            ax.annotate(f"K={k[2]}" + (f",S={k[3]}" if k[3] else ""), (x, y), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        if loc:
+            ax.axhline(rel(loc, g, tar), color=line.get_color(), ls=":", lw=1, label=f"np={np_} local (no exchange)")
+    ax.axhline(0.99, color="k", ls="--", lw=1, label="target: 99% of global")
+    ax.axvline(1.0, color="r", ls="--", lw=1, label="traffic budget: 1%")
+    ax.set_xscale("log")
+    ax.set_xlabel("amortised extra bytes per step, % of the backbone gradient")
+    ax.set_ylabel(f"{tar} relative to global")
+    ax.set_title("cross-shard negatives: accuracy against traffic")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "tradeoff.png"), dpi=110)
 
 
 if __name__ == "__main__":
