@@ -114,6 +114,11 @@ def _estimate(args) -> int:
     results = [estimate(args.classes, args.world_size, args.dim, args.batch, args.backbone, m, args.dtype,
                         optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape)
                for m in modes]
+    if args.negatives_every:
+        results.insert(1 if "local" in modes else 0, estimate(
+            args.classes, args.world_size, args.dim, args.batch, args.backbone, "local", args.dtype,
+            optimizer=args.optimizer, in_shape=args.in_shape, negatives_every=args.negatives_every,
+            negatives_share=args.negatives_share))
     print(json.dumps(results, indent=1) if args.json else table(results))
     return 0
 
@@ -174,6 +179,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
     s.add_argument("--sample-rate", type=float, default=1.0, help="global: PartialFC's sampled fraction")
+    s.add_argument("--negatives-every", type=int, default=0, help="also local + cross-shard negatives every K steps")
+    s.add_argument("--negatives-share", type=int, default=0, help="centres each rank shares (0: its whole slice)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_estimate)
     args = p.parse_args(argv)

@@ -1,6 +1,7 @@
 """Per-rank memory and per-step traffic of the three classifier modes, from the sizes alone.
 
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
+                           [--negatives-every K [--negatives-share S]]
 
 The model counts what this trainer allocates (fp32 training on one device; ``--dtype`` is the storage of
 the classifier, its gradient, its optimizer state and the logits):
@@ -21,8 +22,9 @@ the classifier, its gradient, its optimizer state and the logits):
   (``runtime_rss`` in its JSON; ``--runtime-mb`` to change).
 
 Traffic: bytes this rank hands to collectives per step (what the benchmark counts): the averaged gradients
-(backbone; plus the full classifier for ``replicated``), and for ``global`` the gathered features and
-labels, the allreduce of the features. gradient, the row max and the sums of exponentials/targets.
+(backbone; plus the full classifier for ``replicated``), for ``global`` the gathered features and
+labels, the allreduce of the features' gradient, the row max and the sums of exponentials/targets, and
+for cross-shard negatives this rank's shared centres once every K steps (amortised).
 """
 from __future__ import annotations
 
@@ -59,16 +61,27 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
              dtype: str = "fp32", optimizer: str = "sgd", sample_rate: float = 1.0,
              in_shape: Optional[Sequence[int]] = None, backbone_kwargs: Optional[Dict[str, Any]] = None,
              runtime_mb: float = RUNTIME_MB, fp16_compression: bool = False,
-             bb: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
-    """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode)."""
+             bb: Optional[Dict[str, int]] = None, negatives_every: int = 0,
+             negatives_share: int = 0) -> Dict[str, Any]:
+    """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode).
+
+    ``negatives_every`` = K > 0 (``local`` only): cross-shard negatives; the other ranks' shared centres
+    ((N - 1) x share rows, share = ``negatives_share`` or the whole slice) are held as a buffer and are
+    extra logit columns, and the all-gather of this rank's share is amortised over K steps.
+    """
     if mode not in ("local", "global", "replicated"):
         raise ValueError(f"unknown mode {mode!r}; known: local, global, replicated")
+    if negatives_every and mode != "local":
+        raise ValueError("cross-shard negatives (negatives_every) belong to mode local")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     e = DTYPES[dtype]
     width = classes if mode == "replicated" else math.ceil(classes / world_size)
     rows = batch * world_size if mode == "global" else batch
     cols = max(1, int(width * sample_rate)) if mode == "global" else width
+    share = min(negatives_share or width, width) if negatives_every else 0
+    remote = (world_size - 1) * share                  # frozen remote centres (rows), fp32 buffer
+    cols += remote
     bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
     mem = {
@@ -78,6 +91,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         "classifier temporaries": (2 * cols * dim + width * dim) * e if cols < width else 0,
         "logits": LOGIT_COPIES * rows * cols * e,
         "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
+        "remote centres (negatives)": remote * dim * 4,
         "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
         "backbone activations": bb["activation_bytes"],
         "runtime": int(runtime_mb * 2 ** 20),
@@ -91,8 +105,10 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         traffic["labels (allgather)"] = batch * 8 + 8
         traffic["feature gradient (allreduce)"] = rows * dim * 4
         traffic["softmax max + sums (allreduce)"] = 3 * rows * 4
+    if negatives_every:
+        traffic["centres (allgather, amortised)"] = share * dim * 4 / negatives_every
     return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
-            "mode": mode, "dtype": dtype, "width": width, "logit_rows": rows, "memory_bytes": mem,
+            "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype, "width": width, "logit_rows": rows, "memory_bytes": mem,
             "memory_total": sum(mem.values()), "traffic_bytes": traffic, "traffic_total": sum(traffic.values()),
             "backbone_params": bb["params"]}
 

@@ -33,6 +33,19 @@ def test_global_and_replicated_pay_in_classes_and_batch():
         estimate(10, 2, 8, 4, mode="ring", bb=BB)
 
 
+def test_negatives_cost_their_buffer_columns_and_amortised_gather():
+    loc = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB)
+    full = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB, negatives_every=50)
+    some = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB, negatives_every=10, negatives_share=1000)
+    assert full["memory_bytes"]["remote centres (negatives)"] == 7 * 125_000 * 128 * 4   # the other 7 slices
+    assert full["memory_bytes"]["logits"] == 64 * 1_000_000 * 4                         # W + remote columns
+    assert full["traffic_bytes"]["centres (allgather, amortised)"] == 125_000 * 128 * 4 / 50
+    assert some["memory_bytes"]["remote centres (negatives)"] == 7 * 1000 * 128 * 4
+    assert some["traffic_total"] - loc["traffic_total"] == 1000 * 128 * 4 / 10
+    with pytest.raises(ValueError, match="belong to mode local"):
+        estimate(10, 2, 8, 4, mode="global", bb=BB, negatives_every=5)
+
+
 def test_estimate_cli_prints_a_table():
     out = subprocess.run([os.path.join(BIN, "hvd-partialfc"), "estimate", "--classes", "1e6", "--world-size", "8",
                           "--dim", "128", "--batch", "32", "--backbone", "mlp", "--in-shape", "64"],
