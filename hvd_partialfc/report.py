@@ -132,6 +132,11 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
                      f"{_fmt(m.get('best_threshold'))} |")
     for key, reason in model.get("notes", {}).items():
         lines.append(f"\n{key}: not reported, {reason}.")
+    for shard_dir, m in ev.get("all_pairs", {}).items():   # `eval --all-pairs`: every pair of the set
+        lines += ["", f"Every pair of the **{m['samples']:,} held-out samples** ({m['same_pairs']:,} same, "
+                  f"{m['different_pairs']:,} different; `{shard_dir}`), trained backbone: AUC {m['auc']:.4f}, "
+                  + ", ".join(f"{k.replace('tar@far=', 'TAR@FAR=')} {_fmt(v)}" for k, v in m.items()
+                              if k.startswith("tar@far=")) + "."]
     lines += ["", "![ROC](eval/roc.png)", ""]
     curves = plot_curves(run, os.path.join(run, "curves.png"))
     if curves:

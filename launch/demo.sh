@@ -35,7 +35,8 @@ t_data=$(date +%s)
     --shards "$DATA/train" --out "$RUN" --resume auto --set "eval.pairs=[$DATA/pairs.h5]" "$@"
 t_train=$(date +%s)
 
-"$BIN/hvd-partialfc" eval --backbone "$RUN" --pairs "$DATA/pairs.h5" --baselines --out "$RUN/eval"
+"$BIN/hvd-partialfc" eval --backbone "$RUN" --pairs "$DATA/pairs.h5" --baselines --all-pairs "$DATA/heldout" \
+    --out "$RUN/eval"
 "$BIN/python" -m hvd_partialfc.report "$RUN" --pairs "$DATA/pairs.h5" \
     --note "wall time=set-up $((t_setup - t0)) s, data $((t_data - t_setup)) s, training $((t_train - t_data)) s, evaluation $(( $(date +%s) - t_train )) s" \
     --note "machine=$(nproc) cores, $NP ranks (horovodrun --gloo)" >/dev/null

@@ -347,3 +347,18 @@ def test_eval_cli_all_pairs_of_a_shard_set(tiny_run, tmp_path, capsys):
     assert m["pairs"] == 200 * 199 // 2 and m["tar@far=1e-5"] is None and 0.0 <= m["auc"] <= 1.0
     assert main(["eval", "--backbone", str(tiny_run / "run")]) == 2
     assert "nothing to evaluate" in capsys.readouterr().err
+
+
+def test_demo_report_from_a_run_and_its_evaluation(tiny_run, tmp_path):
+    """`hvd_partialfc.report` (what `make demo` writes last): tables, all-pairs line, figures, run facts."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.report import write_report
+    h5 = _write_h5_set(tmp_path / "held.h5", seed=8)
+    out = tmp_path / "eval"
+    assert main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", h5, "--baselines",
+                 "--all-pairs", str(tiny_run / "shards"), "--out", str(out)]) == 0
+    text = open(write_report(str(tiny_run / "run"), h5, str(out), {"machine": "test"})).read()
+    for part in ("| trained backbone |", "baseline: raw pixels", "Every pair of the **200 held-out samples**",
+                 "TAR@FAR=1e-3", "digests agree on all ranks: True", "* machine: test", "![pairs](pairs.png)"):
+        assert part in text, part
+    assert (tiny_run / "run" / "pairs.png").is_file() and (tiny_run / "run" / "curves.png").is_file()
