@@ -51,7 +51,10 @@ def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequenc
              for m in model.modules() if not list(m.children())]
     model.train()
     with torch.no_grad():
-        model(torch.zeros(2, *([shape[-1]] + shape[:-1] if len(shape) == 3 else shape)))
+        # the model's input as data.prepare_batch makes it: features (F,), images (H, W) -> (1, H, W),
+        # (H, W, C) -> (C, H, W)
+        chw = {1: shape, 2: [1] + shape, 3: [shape[-1]] + shape[:-1]}[len(shape)]
+        model(torch.zeros(2, *chw))
     for h in hooks:
         h.remove()
     return {"params": params, "activation_bytes": int(sum(outputs) * 4 * batch / 2), "in_shape": shape}

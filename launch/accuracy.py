@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 VARIANTS = {
-    "local": [],
+    "local": ["head.negatives_every=0"],
     "local+negatives": ["head.negatives_every={every}", "head.negatives_share={share}"],
     "global": ["head.mode=global"],
 }
@@ -37,6 +37,8 @@ def run_name(variant: str, np_: int, seed: int, every: int = 0, share: int = 0) 
 
 
 def run_one(args, variant: str, np_: int, seed: int, every: int = 0, share: int = 0) -> dict:
+    if share >= -(-args.num_classes // np_):
+        share = 0                # every rank shares its whole slice: the same run as "all"
     name = run_name(variant, np_, seed, every, share)
     out = os.path.join(args.out, name)
     evals = os.path.join(out, "eval.jsonl")
@@ -89,7 +91,20 @@ def load_row(args, name: str) -> dict:
     t = traffic(np_, args.num_classes, args.grad_bytes, args.dim, args.global_batch, every, share)
     row["extra_bytes_per_step"] = {"local": 0.0, "local+negatives": t["negatives"], "global": t["global"]}[variant]
     row["extra_vs_backbone_grad"] = row["extra_bytes_per_step"] / args.grad_bytes
+    row["extra_memory_bytes"] = extra_memory(args, variant, np_, every, share)
     return row
+
+
+def extra_memory(args, variant: str, np_: int, every: int, share: int) -> int:
+    """Per-rank bytes above bare `local` (`hvd_partialfc.estimate`): the negatives' buffer and extra logit
+    columns, or `global`'s gathered features and (B x N, W) logits."""
+    from hvd_partialfc.estimate import estimate
+    kw = dict(classes=args.num_classes, world_size=np_, dim=args.dim, batch=args.global_batch // np_,
+              bb=args.bb_figures)
+    base = estimate(mode="local", **kw)["memory_total"]
+    if variant == "local+negatives":
+        return estimate(mode="local", negatives_every=every, negatives_share=share, **kw)["memory_total"] - base
+    return estimate(mode=variant, **kw)["memory_total"] - base
 
 
 def all_pairs(run: str, heldout: str) -> dict:
@@ -150,6 +165,9 @@ def main() -> int:
     model = create_model(cfg["model"]["name"], in_shape=m.sample_shape, embedding_dim=cfg["model"]["embedding_dim"],
                          **cfg["model"].get("kwargs", {}))
     args.grad_bytes = sum(q.numel() * 4 for q in model.parameters())
+    from hvd_partialfc.estimate import backbone_figures
+    args.bb_figures = backbone_figures(cfg["model"]["name"], cfg["model"]["embedding_dim"], 1, m.sample_shape,
+                                       cfg["model"].get("kwargs", {}))
     args.dim, args.num_classes = cfg["model"]["embedding_dim"], m.num_classes
     for np_ in args.np:
         for seed in args.seeds:
@@ -163,10 +181,16 @@ def main() -> int:
                           f"TAR@1e-3 {r['tar@far=1e-3']:.4f} AUC {r['auc']:.4f}{ap} "
                           f"({r['samples_per_s']:.0f} samples/s, {r['wall_s']:.0f} s)", flush=True)
     rows = [load_row(args, n) for n in finished_runs(args.out)]   # this call's runs and earlier ones
-    json.dump({"args": vars(args), "rows": rows, "num_classes": m.num_classes},
+    json.dump({"args": {k: v for k, v in vars(args).items() if k != "bb_figures"}, "rows": rows, "num_classes": m.num_classes},
               open(os.path.join(args.out, "accuracy.json"), "w"), indent=1)
     write_tables(args, rows, m.num_classes)
     return 0
+
+
+def _main_key(args, np_: int) -> tuple:
+    """The negatives setting of the table at ``np_``: the first --every / --share ("all" when >= the slice)."""
+    share = args.share[0] if args.share[0] < -(-args.num_classes // np_) else 0
+    return (np_, "local+negatives", args.every[0], share)
 
 
 def _key(r: dict) -> tuple:
@@ -199,28 +223,33 @@ def write_tables(args, rows, num_classes) -> None:
 
     head = "| np | classes/rank | mode | seeds | " + " | ".join(t for _, t in metrics) + \
            " | vs global: " + " / ".join(t.split(" (")[0] for _, t in metrics[:2] + metrics[3:]) + \
-           " | extra bytes/step vs backbone grad | samples/s |"
+           " | extra bytes/step vs backbone grad | extra memory/rank | samples/s |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    main_keys = [("local", 0, 0), ("local+negatives", args.every[0], args.share[0]), ("global", 0, 0)]
     nps = sorted({r["np"] for r in rows})
+
+    def main_keys(np_):
+        return [(np_, "local", 0, 0), _main_key(args, np_), (np_, "global", 0, 0)]
+
     for np_ in nps:
         g = by.get((np_, "global", 0, 0))
-        for v, k, s in main_keys:
-            rs = by.get((np_, v, k, s))
+        for key in main_keys(np_):
+            rs = by.get(key)
             if not rs:
                 continue
             vs = " / ".join(f"{rel(rs, g, key):.3f}" for key, _ in metrics[:2] + metrics[3:])
             lines.append(f"| {np_} | {num_classes // np_} | {_label(rs[0])} | {len(rs)} | "
                          + " | ".join(cell(rs, key) for key, _ in metrics)
                          + f" | {vs} | {rs[0]['extra_vs_backbone_grad']:.2%} | "
+                         f"{rs[0]['extra_memory_bytes'] / 2 ** 20:.2f} MB | "
                          f"{np.mean([r['samples_per_s'] for r in rs]):.0f} |")
     lines += ["", "Trade-off: every negatives setting, against `global` at the same np (seed means)", "",
-              "| np | K | centres shared per rank | seeds | extra bytes/step vs backbone grad | "
+              "| np | K | centres shared per rank | seeds | extra bytes/step vs backbone grad | extra memory/rank | "
               + " | ".join(f"{t} vs global" for _, t in metrics) + " |",
-              "|---|---|---|---|---|" + "---|" * len(metrics)]
+              "|---|---|---|---|---|---|" + "---|" * len(metrics)]
     for key in sorted(k for k in by if k[1] == "local+negatives"):
         rs, g = by[key], by.get((key[0], "global", 0, 0))
         lines.append(f"| {key[0]} | {key[2]} | {key[3] or 'all'} | {len(rs)} | {rs[0]['extra_vs_backbone_grad']:.2%} | "
+                     f"{rs[0]['extra_memory_bytes'] / 2 ** 20:.2f} MB | "
                      + " | ".join(f"{rel(rs, g, m_):.3f}" for m_, _ in metrics) + " |")
     open(os.path.join(args.out, "accuracy.md"), "w").write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -231,12 +260,12 @@ def write_tables(args, rows, num_classes) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((axes[0], tar, "TAR@FAR=1e-3" + (" (all pairs)" if args.heldout else "")),
                            (axes[1], "acc", "10-fold accuracy")):
-        for v, k, s in main_keys:
-            xs = [np_ for np_ in nps if (np_, v, k, s) in by]
-            if xs:
-                ax.errorbar([num_classes // x for x in xs], [np.mean([r[key] for r in by[(x, v, k, s)]]) for x in xs],
-                            yerr=[np.std([r[key] for r in by[(x, v, k, s)]]) for x in xs], marker="o", capsize=3,
-                            label=_label(by[(xs[0], v, k, s)][0]))
+        for i, name in enumerate(("local", "local + negatives", "global")):
+            keys = [main_keys(x)[i] for x in nps if main_keys(x)[i] in by]
+            if keys:
+                ax.errorbar([num_classes // k[0] for k in keys], [np.mean([r[key] for r in by[k]]) for k in keys],
+                            yerr=[np.std([r[key] for r in by[k]]) for k in keys], marker="o", capsize=3,
+                            label=name if i != 1 else f"{name} (K={args.every[0]}, share {args.share[0] or 'all'})")
         ax.set_xscale("log")
         ax.invert_xaxis()
         ax.set_xlabel("classes per rank (np = 2, 4, 8 →)")

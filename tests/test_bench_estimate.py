@@ -33,6 +33,14 @@ def test_global_and_replicated_pay_in_classes_and_batch():
         estimate(10, 2, 8, 4, mode="ring", bb=BB)
 
 
+def test_backbone_figures_for_features_grey_and_colour_images():
+    from hvd_partialfc.estimate import backbone_figures
+    grey = backbone_figures("resnet", 32, 4, [32, 32], {"width": 8})       # (H, W): one channel
+    rgb = backbone_figures("resnet", 32, 4, [32, 32, 3], {"width": 8})
+    assert 0 < grey["params"] < rgb["params"] and grey["activation_bytes"] > 0
+    assert backbone_figures("mlp", 32, 4, [64])["params"] > 0
+
+
 def test_negatives_cost_their_buffer_columns_and_amortised_gather():
     loc = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB)
     full = estimate(1_000_000, 8, 128, 64, mode="local", bb=BB, negatives_every=50)
