@@ -109,7 +109,8 @@ def run_worker(a) -> Dict[str, Any]:
     comm = _NoComm(a.rank, a.np) if limit else comm_lib.init()
     cfg = load_config(a.config or None, [*(a.set or []), "data.shards=synthetic", "train.device=cpu",
                                          f"head.mode={'local' if limit else a.mode}", f"model.embedding_dim={a.dim}",
-                                         f"data.batch_size={a.batch}", "train.threads=1"])
+                                         f"data.batch_size={a.batch}", "train.threads=1",
+                                         "head.negatives_every=0"])   # the bare method (estimate has negatives)
     rss_runtime = _peak_rss()
     trainer = Trainer.__new__(Trainer)          # the trainer's own components, without shards on disk
     trainer.cfg, trainer.comm, trainer.device = cfg, comm, torch.device("cpu")

@@ -35,8 +35,11 @@ class HeadConfig:
     margin: float = 0.5         # m (radians for arcface, cosine for cosface)
     mode: str = "local"         # local (the method) | global (exact model-parallel softmax) | replicated (DP)
     sample_rate: float = 1.0    # global only: fraction of negative centres kept per step (PartialFC); 1 = all
-    negatives_every: int = 0    # local only: share class centres across ranks every K steps as frozen negatives (0: off)
-    negatives_share: int = 0    # centres each rank shares per exchange (0: its whole slice)
+    # local mode: every K steps the ranks all-gather class centres, used as frozen negative columns
+    # (cross-shard negatives, docs/accuracy.md; 0: off). global / replicated already contrast all classes
+    # and do not use it. Defaults picked from the measurements there.
+    negatives_every: int = 50
+    negatives_share: int = 1024  # centres each rank shares per exchange, a random subset (0: its whole slice)
 
 
 @dataclass
@@ -119,8 +122,6 @@ class Config:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
         if self.head.negatives_every < 0 or self.head.negatives_share < 0:
             raise ConfigError("head.negatives_every and head.negatives_share must be >= 0")
-        if self.head.negatives_every > 0 and self.head.mode != "local":
-            raise ConfigError("head.negatives_every adds cross-shard negatives to head.mode=local only")
         if self.head.sample_rate < 1.0 and self.head.mode != "global":
             raise ConfigError("head.sample_rate < 1 samples negative centres of head.mode=global only")
         if self.train.steps < 0 or self.train.epochs <= 0:

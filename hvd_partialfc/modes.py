@@ -58,6 +58,16 @@ class CrossShardNegativesHead(LocalHead):
         self.register_buffer("remote", torch.zeros(0, dim), persistent=False)   # (R, D), no gradient
         self.exchanges = 0
 
+    def describe(self, backbone_grad_bytes: int) -> str:
+        """One line for the start of a run: the exchange's cost, amortised, against the backbone gradient."""
+        dim = self.weight.shape[1]
+        remote = sum(self.shares) - self.shares[self.comm.rank]
+        per_step = self.shares[self.comm.rank] * dim * 4 / self.every
+        return (f"cross-shard negatives: every {self.every} steps, {self.shares[self.comm.rank]} of "
+                f"{self.width} centres shared per rank, {remote} remote centres held "
+                f"({remote * dim * 4 / 2 ** 20:.1f} MB); {per_step:,.0f} B/step amortised = "
+                f"{per_step / max(backbone_grad_bytes, 1):.2%} of the backbone gradient")
+
     def before_step(self, step: int) -> None:
         # Every rank takes the same decision: same config, and ``remote`` is empty on all ranks or none
         # (fresh start, or a resume at another world size).

@@ -30,7 +30,12 @@ def test_exchange_uneven_slices_frozen_remote_local_classifier(tmp_path, share):
 
 
 def test_negatives_config_is_checked():
-    with pytest.raises(ConfigError, match="head.mode=local only"):
-        load_config(None, ["data.shards=/x", "head.negatives_every=10", "head.mode=global"])
+    # on by default in local mode (docs/accuracy.md picks K and the share); the other modes do not use it
+    cfg = load_config(None, ["data.shards=/x"])
+    assert (cfg.head.negatives_every, cfg.head.negatives_share) == (50, 1024)
+    from hvd_partialfc.modes import GlobalSoftmaxHead, create_head
+    from hvd_partialfc.partition import LabelSlice
+    g = load_config(None, ["data.shards=/x", "head.mode=global"])
+    assert type(create_head("global", LabelSlice(0, 0, 4), 8, 3, g.head, comm=None)) is GlobalSoftmaxHead
     with pytest.raises(ConfigError, match=">= 0"):
         load_config(None, ["data.shards=/x", "head.negatives_every=-1"])

@@ -49,7 +49,8 @@ def local_grads(trainer, batch, classifier=False):
 def scenario_core(shards, out, steps):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
                              "model.name=resnet", "model.kwargs={width: 8}", "optim.schedule=constant",
-                             "head.loss=arcface", "head.scale=16", "optim.backbone_lr=0.05"])
+                             "head.loss=arcface", "head.scale=16", "optim.backbone_lr=0.05",
+                             "head.negatives_every=0"])   # the bare method's update (negatives: scenario_negatives)
     comm = comm_lib.init()
     trainer = Trainer(cfg, comm)
     rec = {"rank": comm.rank, "size": comm.size, "slice": [trainer.label_slice.start, trainer.label_slice.end],
