@@ -111,7 +111,8 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     if negatives_every:
         traffic["centres (allgather, amortised)"] = share * dim * 4 / negatives_every
     return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
-            "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype, "width": width, "logit_rows": rows, "memory_bytes": mem,
+            "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype,
+            "width": width, "logit_rows": rows, "memory_bytes": mem,
             "memory_total": sum(mem.values()), "traffic_bytes": traffic, "traffic_total": sum(traffic.values()),
             "backbone_params": bb["params"]}
 
