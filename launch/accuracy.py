@@ -281,7 +281,8 @@ def write_tables(args, rows, num_classes) -> None:
         pts = sorted((rs[0]["extra_vs_backbone_grad"] * 100, rel(rs, g, tar), k) for k, rs in by.items()
                      if k[0] == np_ and k[1] == "local+negatives")
         loc = by.get((np_, "local", 0, 0))
-        line = ax.plot([p_[0] for p_ in pts], [p_[1] for p_ in pts], marker="o", label=f"np={np_} negatives")[0]
+        line = ax.plot([p_[0] for p_ in pts], [p_[1] for p_ in pts], marker="o", ls="none",
+                       label=f"np={np_} negatives")[0]
         for x, y, k in pts:
             ax.annotate(f"K={k[2]}" + (f",S={k[3]}" if k[3] else ""), (x, y), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
@@ -291,7 +292,7 @@ def write_tables(args, rows, num_classes) -> None:
     ax.axvline(1.0, color="r", ls="--", lw=1, label="traffic budget: 1%")
     ax.set_xscale("log")
     ax.set_xlabel("amortised extra bytes per step, % of the backbone gradient")
-    ax.set_ylabel(f"{tar} relative to global")
+    ax.set_ylabel(("all-pairs " if args.heldout else "") + "TAR@FAR=1e-3 relative to global")
     ax.set_title("cross-shard negatives: accuracy against traffic")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
