@@ -1,14 +1,18 @@
 #!/usr/bin/env python
 """The accuracy table of docs/accuracy.md: what local-only softmax loses against exact global softmax, and
-what cross-shard negatives win back, by world size (classes per rank).
+what cross-shard negatives win back, by world size (classes per rank), and their trade-off against K and S.
 
     .venv/bin/python launch/accuracy.py --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \
-        --out runs/accuracy --np 2 4 8 --steps 600 [--seeds 0 1]
+        --heldout data/demo-fonts/heldout --out runs/accuracy --np 2 4 8 --seeds 0 1 --every 50 --share 1024
+    # trade-off points: --np 8 --variants local+negatives --every 10 200   (or --share 100 25)
 
 Every run: the same backbone, steps, global batch (``--global-batch``, split evenly over ranks), schedule
-and seed; only ``head.mode`` / ``head.negatives_*`` and the world size change. Each run evaluates its final
-backbone on the held-out pairs (BatchNorm buffers averaged first). Results: OUT/accuracy.json, OUT/accuracy.md,
-OUT/accuracy.png. Runs already finished are reused (delete OUT/<run> to redo one).
+and seed; only ``head.mode`` / ``head.negatives_*`` and the world size change (``local`` is the bare method,
+``head.negatives_every=0``). Each run evaluates its final backbone on the held-out pairs (BatchNorm buffers
+averaged first) and, with ``--heldout``, on every pair of the held-out shard set. Results, rebuilt from every
+finished run in OUT: OUT/accuracy.json, OUT/accuracy.md (the table at the first --every / --share, and the
+trade-off of all negatives runs), OUT/accuracy.png, OUT/tradeoff.png. Finished runs are reused (delete
+OUT/<run> to redo one).
 """
 from __future__ import annotations
 
