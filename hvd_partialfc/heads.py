@@ -104,17 +104,13 @@ class LocalClassifier(nn.Module):
         self.weight = nn.Parameter(torch.empty(width, dim).normal_(0, 0.01))
         self.margin = create_margin(loss, scale, margin)
 
-    def logits(self, features: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor = None) -> torch.Tensor:
-        """(B, D) features, (B,) local labels -> (B, width) logits with the margin applied.
-
-        ``weight`` (default: all of ``self.weight``) lets a caller score against a subset of the rows
-        (PartialFC's sampled centres); labels then index that subset.
-        """
-        weight = self.weight if weight is None else weight
+    def logits(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(B, D) features, (B,) local labels -> (B, width) logits with the margin applied (the unfused
+        reference of `margin_cross_entropy`)."""
         if self.margin.normalized:
-            cos = F.linear(F.normalize(features.float()), F.normalize(weight.float())).clamp(-1, 1)
+            cos = F.linear(F.normalize(features.float()), F.normalize(self.weight.float())).clamp(-1, 1)
             return self.margin(cos, labels)
-        return self.margin(F.linear(features.float(), weight.float()), labels)
+        return self.margin(F.linear(features.float(), self.weight.float()), labels)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the batch, on local labels (``F.cross_entropy(self.logits(...))``, fused)."""
