@@ -285,7 +285,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
                    dynamic_ncols=True, desc=f"train np={comm.size}")
         if comm.is_main and comm.size > 1 and hasattr(self.classifier, "describe"):
-            bar.write(self.classifier.describe(sum(p.numel() * 4 for p in self.backbone.parameters())))
+            bar.write(self.classifier.describe(comm_lib.gradient_bytes(self.backbone.parameters(),
+                                                                       cfg.optim.fp16_compression)))
         if self.resumed_from and comm.is_main:
             r = self.resumed_from
             bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
