@@ -92,23 +92,27 @@ def load_row(args, name: str) -> dict:
     if args.heldout:
         row.update(all_pairs(out, args.heldout))
     row["classes_per_rank"] = args.num_classes // np_
-    t = traffic(np_, args.num_classes, args.grad_bytes, args.dim, args.global_batch, every, share)
-    row["extra_bytes_per_step"] = {"local": 0.0, "local+negatives": t["negatives"], "global": t["global"]}[variant]
-    row["extra_vs_backbone_grad"] = row["extra_bytes_per_step"] / args.grad_bytes
-    row["extra_memory_bytes"] = extra_memory(args, variant, np_, every, share)
+    row.update(extra_cost(args, variant, np_, every, share))
     return row
 
 
-def extra_memory(args, variant: str, np_: int, every: int, share: int) -> int:
-    """Per-rank bytes above bare `local` (`hvd_partialfc.estimate`): the negatives' buffer and extra logit
-    columns, or `global`'s gathered features and (B x N, W) logits."""
+def extra_cost(args, variant: str, np_: int, every: int, share: int) -> dict:
+    """Per-rank bytes above bare `local`, from `hvd_partialfc.estimate`: traffic per step (the negatives'
+    all-gather amortised over K, or `global`'s gathers: features, labels, row statistics, the features'
+    gradient) and memory (the negatives' buffer and extra logit columns, or `global`'s gathered features
+    and (B x N, W) logits)."""
     from hvd_partialfc.estimate import estimate
     kw = dict(classes=args.num_classes, world_size=np_, dim=args.dim, batch=args.global_batch // np_,
               bb=args.bb_figures)
-    base = estimate(mode="local", **kw)["memory_total"]
+    base = estimate(mode="local", **kw)
     if variant == "local+negatives":
-        return estimate(mode="local", negatives_every=every, negatives_share=share, **kw)["memory_total"] - base
-    return estimate(mode=variant, **kw)["memory_total"] - base
+        est = estimate(mode="local", negatives_every=every, negatives_share=share, **kw)
+    else:
+        est = estimate(mode=variant, **kw)
+    grad_bytes = base["traffic_bytes"]["backbone gradient"]
+    extra = est["traffic_total"] - base["traffic_total"]
+    return {"extra_bytes_per_step": extra, "extra_vs_backbone_grad": extra / grad_bytes,
+            "extra_memory_bytes": est["memory_total"] - base["memory_total"]}
 
 
 def all_pairs(run: str, heldout: str) -> dict:
@@ -123,20 +127,6 @@ def all_pairs(run: str, heldout: str) -> dict:
     m = next(iter(json.load(open(path))["all_pairs"].values()))
     return {"ap_auc": m["auc"], "ap_tar@far=1e-3": m["tar@far=1e-3"], "ap_tar@far=1e-4": m["tar@far=1e-4"],
             "ap_tar@far=1e-5": m["tar@far=1e-5"], "ap_pairs": m["pairs"]}
-
-
-def traffic(np_: int, num_classes: int, grad_bytes: int, dim: int, global_batch: int, every: int = 0,
-            share: int = 0) -> dict:
-    """Bytes each rank sends per step, amortised: backbone gradient, plus the exchange or global's gathers."""
-    width = -(-num_classes // np_)
-    rows = min(share or width, width)
-    per_rank_batch = global_batch // np_
-    return {"backbone_grad": grad_bytes,
-            "negatives": rows * dim * 4 / every if every else 0.0,
-            # global: features (B x D fp32) + labels + row counts + (max, sum, target) of the gathered batch
-            # + the features' gradient allreduce (M x D) - the figures of hvd_partialfc.bench
-            "global": per_rank_batch * dim * 4 + per_rank_batch * 8 + 8
-            + global_batch * 4 * 3 + global_batch * dim * 4}
 
 
 def main() -> int:
@@ -161,15 +151,11 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, ROOT)
+    from hvd_partialfc.estimate import backbone_figures
     from hvd_partialfc.shards import read_manifest
-    from hvd_partialfc.models import create_model
     import yaml
     cfg = yaml.safe_load(open(args.config))
     m = read_manifest(args.shards)
-    model = create_model(cfg["model"]["name"], in_shape=m.sample_shape, embedding_dim=cfg["model"]["embedding_dim"],
-                         **cfg["model"].get("kwargs", {}))
-    args.grad_bytes = sum(q.numel() * 4 for q in model.parameters())
-    from hvd_partialfc.estimate import backbone_figures
     args.bb_figures = backbone_figures(cfg["model"]["name"], cfg["model"]["embedding_dim"], 1, m.sample_shape,
                                        cfg["model"].get("kwargs", {}))
     args.dim, args.num_classes = cfg["model"]["embedding_dim"], m.num_classes
