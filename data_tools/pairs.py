@@ -19,7 +19,7 @@ from hvd_partialfc.shards import ShardError, read_manifest
 
 def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, List[str]]:
     """(uint8 images (M, H, W[, C]) at ``positions`` (all when None), global labels (all), class names)."""
-    from .storage import decode_to_shape
+    from hvd_partialfc.shards import decode_image
     m = read_manifest(shard_dir)
     labels = []
     for s in m.shards:
@@ -37,7 +37,7 @@ def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tu
         with h5py.File(os.path.join(shard_dir, s.file), "r") as f:
             block = f[m.kind][np.sort(local)]
         if m.kind == "encoded":
-            block = np.stack([decode_to_shape(b.tobytes(), m.sample_shape) for b in block])
+            block = np.stack([decode_image(b, m.sample_shape) for b in block])
         elif m.kind != "images":
             raise ShardError(f"{shard_dir}: pairs need image samples, the set holds {m.kind}")
         out.append(block)

@@ -67,11 +67,6 @@ def describe_ref(ref: Any, i: int) -> str:
 
 # --- decoding / encoding -------------------------------------------------------------------------------
 
-def decode_to_shape(blob: bytes, shape: Sequence[int]) -> np.ndarray:
-    """Decode bytes to uint8 of ``shape``: the loader's own conversion (`hvd_partialfc.shards.decode_image`)."""
-    return decode_image(blob, shape)
-
-
 def probe_shape(blob: bytes) -> List[int]:
     """The decoded shape of an image: (H, W) for grayscale, (H, W, 3) otherwise."""
     from PIL import Image
@@ -122,8 +117,8 @@ def _convert(task: Tuple[Any, str, Optional[Tuple[int, ...]]]) -> Tuple[bool, An
             return True, encode_png(ref)
         blob = read_ref(ref)
         if store == "raw":
-            return True, decode_to_shape(blob, shape)
-        decode_to_shape(blob, shape)                       # check that it decodes; keep the original bytes
+            return True, decode_image(blob, shape)
+        decode_image(blob, shape)                          # check that it decodes; keep the original bytes
         return True, blob
     except Exception as e:  # noqa: BLE001 - any failure to read/decode one image is reported per image
         return False, f"{type(e).__name__}: {e}"
