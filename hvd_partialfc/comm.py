@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import horovod.torch as hvd
 
-from .checkpoint import state_digest
+from .digest import state_digest
 
 
 class RankFailure(RuntimeError):

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .checkpoint import read_meta, resolve_checkpoint, state_dict_digest
+from .checkpoint import read_meta, resolve_checkpoint
+from .digest import state_dict_digest
 
 
 class ExportError(RuntimeError):

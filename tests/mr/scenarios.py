@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hvd_partialfc import comm as comm_lib  # noqa: E402
-from hvd_partialfc.checkpoint import state_dict_digest  # noqa: E402
+from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
 from hvd_partialfc.heads import LocalClassifier  # noqa: E402
