@@ -4,6 +4,7 @@
     hvd-partialfc export RUN --rank K --out backbone.pt
     hvd-partialfc info   RUN [--json]
     hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
+    hvd-partialfc upgrade RUN|CKPT                  (checkpoints written before format 2, once)
     hvd-partialfc eval   --backbone FILE|RUN [--pairs PAIRS ...] [--all-pairs SHARDS ...] [--flip] [--baselines]
                          [--batch-size N] [--threads N] [--out DIR]
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
@@ -38,17 +39,25 @@ def _train(args) -> int:
     from .train import Trainer
     comm = comm_lib.init()
     try:
-        ckpt = Trainer(cfg, comm).fit()
+        trainer = Trainer(cfg, comm)
+        ckpt = trainer.fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
         # Errors we raise on purpose carry their explanation; anything else also gets its traceback.
+        from .checkpoint import CheckpointError
         from .comm import RankFailure
         from .config import ConfigError
         from .shards import ShardError
-        if not isinstance(e, (RankFailure, ConfigError, ShardError)):
+        from .train import NonFiniteError
+        if not isinstance(e, (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)):
             traceback.print_exc()
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    if trainer.stopped_by:
+        from .preempt import EXIT_PREEMPTED
+        print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
+              f"{EXIT_PREEMPTED} (resume with --resume auto)", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     if comm.is_main:
         print(f"done: {ckpt}")
     comm.shutdown()
@@ -66,6 +75,13 @@ def _reshard(args) -> int:
     from .checkpoint import reshard_checkpoint
     out = reshard_checkpoint(args.checkpoint, args.out, args.world_size)
     print(f"wrote {out} for {args.world_size} ranks; resume with --resume {out}")
+    return 0
+
+
+def _upgrade(args) -> int:
+    from .checkpoint import upgrade_run
+    done = upgrade_run(args.run)
+    print("\n".join(f"upgraded {d}" for d in done) if done else f"{args.run}: already the current format")
     return 0
 
 
@@ -149,6 +165,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--world-size", type=int, required=True)
     r.add_argument("--out", required=True, help="new checkpoint folder (resume from it with --resume)")
     r.set_defaults(fn=_reshard)
+    u = sub.add_parser("upgrade", help="convert checkpoints written before format 2 (loads them with full "
+                                       "unpickling: only for checkpoints you wrote)")
+    u.add_argument("run", help="run folder (every checkpoint) or checkpoint folder")
+    u.set_defaults(fn=_upgrade)
     i = sub.add_parser("info", help="summary of a run: ranks, label slices, classifier shapes, digests")
     i.add_argument("run")
     i.add_argument("--json", action="store_true")

@@ -74,6 +74,9 @@ class TrainConfig:
     log_every: int = 10
     on_nonfinite: str = "stop"  # stop | skip a step whose averaged backbone gradient is not finite
     threads: int = 0            # torch intra-op threads per rank (0: cores / ranks on the host, on CPU)
+    # stop with an error after this many skipped steps in a row (fp16 loss-scale back-offs, on_nonfinite=
+    # skip, or one rank's non-finite classifier gradient); 0: never stop
+    max_consecutive_skips: int = 50
 
 
 @dataclass
@@ -81,6 +84,7 @@ class CheckpointConfig:
     every: int = 0              # steps between checkpoints (0: only at the end)
     keep: int = 2               # checkpoints kept (the final one always)
     resume: str = ""            # "" | auto | path of a checkpoint folder
+    every_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last one (0: off)
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Config:
             raise ConfigError("head.negatives_every and head.negatives_share must be >= 0")
         if self.head.sample_rate < 1.0 and self.head.mode != "global":
             raise ConfigError("head.sample_rate < 1 samples negative centres of head.mode=global only")
+        if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
+            raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
         return self

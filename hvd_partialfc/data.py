@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .partition import LabelSlice
+from .seeds import LOADER_WORKERS, derive_seed
 from .shards import Manifest, ShardError, decode_image, rank_shards, read_manifest
 
 
@@ -113,7 +114,7 @@ class EpochBatchSampler(Sampler):
         self.steps_per_epoch = num_samples // batch_size
 
     def _perm(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 10_007 + epoch)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, self.rank, epoch))
         return torch.randperm(self.num_samples, generator=g)
 
     def __iter__(self) -> Iterator[List[int]]:
@@ -133,9 +134,12 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
                 start: int = 0, pin_memory: bool = False) -> Tuple[DataLoader, int]:
     """(endless DataLoader over the rank's samples, steps per epoch on this rank)."""
     sampler = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
+    # Its own generator: ``iter(loader)`` draws the workers' base seed from it, not from torch's global
+    # one, which then stays exactly where a checkpoint restored it (dropout, sampled heads resume bitwise).
+    generator = torch.Generator().manual_seed(derive_seed(seed, dataset.rank, start, LOADER_WORKERS))
     loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=workers,
                         pin_memory=pin_memory, persistent_workers=workers > 0,
-                        prefetch_factor=4 if workers > 0 else None)
+                        prefetch_factor=4 if workers > 0 else None, generator=generator)
     return loader, sampler.steps_per_epoch
 
 

@@ -12,10 +12,10 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 import torch.nn as nn
 
-from .checkpoint import read_meta, resolve_checkpoint
+from .checkpoint import load_file, read_meta, resolve_checkpoint
+from . import atomic
 from .digest import state_dict_digest
 
 
@@ -33,7 +33,7 @@ def run_summary(path: str) -> Dict[str, Any]:
         entry: Dict[str, Any] = {"rank": r, "label_start": meta["slices"][r][0], "label_end": meta["slices"][r][1],
                                  "digest": meta["digests"][r], "file": name}
         if os.path.isfile(f):
-            state = torch.load(f, map_location="cpu", weights_only=False)
+            state = load_file(f, "classifier checkpoint")
             entry["classifier_shape"] = list(state["weight"].shape)
         else:
             entry["classifier_shape"] = None
@@ -54,24 +54,26 @@ def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
         detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
         raise ExportError(f"{ckpt}: the ranks' backbones differ ({detail}); refusing to export one as the model")
     src = os.path.join(ckpt, "backbone.pt")
-    state = torch.load(src, map_location="cpu", weights_only=False)
+    state = load_file(src, "backbone checkpoint")
     actual = state_dict_digest(state["state_dict"])
     if actual != digests[rank]:
         raise ExportError(f"{src}: digest {actual[:12]} does not match rank {rank}'s recorded {digests[rank][:12]}")
     payload = {"format": "hvd_partialfc.exported_backbone", "model": state["model"],
                "state_dict": state["state_dict"], "digest": actual, "step": meta["step"], "rank": rank}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    torch.save(payload, out)
+    atomic.torch_save(payload, out)
     return {"out": os.path.abspath(out), "digest": actual, "step": meta["step"], "rank": rank,
             "model": state["model"]}
 
 
-def load_backbone(path: str, map_location: str = "cpu") -> Tuple[nn.Module, Dict[str, Any]]:
-    """Rebuild a backbone from an exported file, a checkpoint folder or a run folder (eval mode)."""
+def load_backbone(path: str) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Rebuild a backbone (on CPU, eval mode) from an exported file, a checkpoint folder or a run folder.
+
+    The file is read with ``weights_only=True``: a downloaded file cannot run code here."""
     from .models import create_model
     if os.path.isdir(path):
         path = os.path.join(resolve_checkpoint(path), "backbone.pt")
-    state = torch.load(path, map_location=map_location, weights_only=False)
+    state = load_file(path, "backbone file")
     m = state["model"]
     model = create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"], **m["kwargs"])
     model.load_state_dict(state["state_dict"])

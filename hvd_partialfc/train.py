@@ -25,19 +25,20 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
+from . import checkpoint as ckpt
 from . import comm as comm_lib
 from . import faults
-from .checkpoint import (Checkpointer, classifier_file, gather_classifier_rows, read_meta, resolve_checkpoint,
-                         rng_state, set_rng_state)
 from .config import Config, diff_configs, dump_config
 from .data import RankShardDataset, make_loader, prepare_batch
 from . import modes
 from .models import create_model
+from .preempt import StopSignals
+from .seeds import RESHARD_RESEED, derive_seed
 from .shards import manifest_digest, read_manifest
 
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.shards", "eval.batch_size")
+                    "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
@@ -83,6 +84,10 @@ def init_classifier_rows(weight: torch.Tensor, start: int, seed: int, block: int
 
 class NonFiniteError(RuntimeError):
     pass
+
+
+class SkippedStepsError(NonFiniteError):
+    """Too many steps in a row skipped (``train.max_consecutive_skips``): the run is no longer training."""
 
 
 class LossScale:
@@ -131,7 +136,13 @@ class Trainer:
         self.loader, _ = make_loader(self.dataset, cfg.data.batch_size, cfg.train.seed, cfg.data.workers,
                                      start=self.start_step * cfg.optim.backward_passes_per_step,
                                      pin_memory=self.device.type == "cuda")
-        self.checkpointer = Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm)
+        run_info = {"num_classes": self.manifest.num_classes, "embedding_dim": cfg.model.embedding_dim,
+                    "shard_slices": [[s.start, s.end] for s in self.manifest.shard_slices()],
+                    "manifest_sha256": self.manifest_sha256, "config": cfg.to_dict()}
+        self.checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
+        # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
+        self.checkpointer.prepare(self.start_step, log=lambda m: print(m, flush=True))
+        self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
 
     # --- construction -------------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -201,7 +212,10 @@ class Trainer:
             backbone_opt, averaged, fp16_compression=o.fp16_compression,
             backward_passes_per_step=o.backward_passes_per_step)
         self.loss_scale = LossScale(cfg.train.precision == "fp16")
-        self.skipped_steps = 0
+        self.skipped_steps = 0             # steps whose averaged backbone gradient was not finite (all ranks)
+        self.consecutive_skips = 0
+        self.classifier_skipped_steps = 0  # this rank's classifier steps skipped for a non-finite gradient
+        self.classifier_consecutive_skips = 0
         # `local` mode's loss is the mean over this rank's batch, so its classifier's gradient is N times
         # the one np=1 (or `global` mode, whose loss is the mean over the gathered batch) computes for the
         # same rows; "global" divides it back (`replicated` already averages it with the backbone's).
@@ -246,40 +260,72 @@ class Trainer:
             loss = self.classifier(features.float(), y) / k                         # the mode's loss
             (loss * self.loss_scale.scale).backward()
             loss_sum += loss.item()
-        self.backbone_opt.synchronize()          # backbone grads are now the mean over ranks
-        bb_params = [p for p in self.backbone.parameters() if p.grad is not None]
-        cls_params = [p for p in self.classifier.parameters() if p.grad is not None]
+        self.backbone_opt.synchronize()          # averaged grads are now the mean over ranks
+        # Averaged: the backbone's (and in `replicated` the classifier's, which the same DistributedOptimizer
+        # averages): identical on all ranks, so the finite check and the clipping decide the same everywhere.
+        averaged = [p for p in self.backbone_opt_params() if p.grad is not None]
+        local = [p for p in self.classifier_opt_params() if p.grad is not None]
         if self.loss_scale.enabled:
-            for p in bb_params:
+            for p in averaged:
                 p.grad.div_(self.loss_scale.scale)
         if self.loss_scale.enabled or self.classifier_grad_scale != 1.0:
-            for p in cls_params:
+            for p in local:
                 p.grad.mul_(self.classifier_grad_scale / self.loss_scale.scale)
-        norm_t = torch.nn.utils.get_total_norm([p.grad for p in bb_params])  # identical on all ranks
+        norm_t = torch.nn.utils.get_total_norm([p.grad for p in averaged])  # identical on all ranks
         grad_norm = float(norm_t)
         finite = math.isfinite(grad_norm)
         self.loss_scale.update(finite)
         if finite:
+            self.consecutive_skips = 0
             if self.cfg.optim.clip_grad_norm > 0:
-                torch.nn.utils.clip_grads_with_norm_(bb_params, self.cfg.optim.clip_grad_norm, norm_t)
+                torch.nn.utils.clip_grads_with_norm_(averaged, self.cfg.optim.clip_grad_norm, norm_t)
             comm_lib.step_synchronized(self.backbone_opt)
-            cls_norm = float(torch.nn.utils.get_total_norm([p.grad for p in cls_params]))
-            if math.isfinite(cls_norm):  # local decision: the classifier is local
-                self.classifier_opt.step()
+            if local:
+                cls_norm = float(torch.nn.utils.get_total_norm([p.grad for p in local]))
+                if math.isfinite(cls_norm):  # local decision: the classifier is local
+                    self.classifier_opt.step()
+                    self.classifier_consecutive_skips = 0
+                else:
+                    self.classifier_skipped_steps += 1
+                    self.classifier_consecutive_skips += 1
+                    self._check_skips(self.classifier_consecutive_skips, step, "this rank's classifier gradient")
         elif self.loss_scale.enabled or self.cfg.train.on_nonfinite == "skip":
             self.skipped_steps += 1      # every rank skips: the averaged norm is the same everywhere
+            self.consecutive_skips += 1
+            self._check_skips(self.consecutive_skips, step, "the averaged gradient")
         else:
             raise NonFiniteError(f"rank {self.comm.rank}: non-finite backbone gradient at step {step} "
                                  f"(local loss {loss_sum}); set train.on_nonfinite=skip to skip such steps")
         return {"loss": loss_sum, "grad_norm": grad_norm, "lr_factor": lr_f,
                 "data_time": data_time, "step_time": time.perf_counter() - t0}
 
+    def _check_skips(self, consecutive: int, step: int, what: str) -> None:
+        limit = self.cfg.train.max_consecutive_skips
+        if limit and consecutive >= limit:
+            scale = f"; fp16 loss scale now {self.loss_scale.scale:g}" if self.loss_scale.enabled else ""
+            raise SkippedStepsError(
+                f"rank {self.comm.rank}: {consecutive} steps in a row skipped up to step {step}: {what} is not "
+                f"finite{scale}. The run is not training; stopping (train.max_consecutive_skips="
+                f"{limit}). Lower the learning rate, check the data, or resume from an earlier checkpoint")
+
+    def backbone_opt_params(self) -> List[nn.Parameter]:
+        """The parameters the averaging optimizer steps (backbone; + classifier in `replicated`)."""
+        return [p for g in self.backbone_opt.param_groups for p in g["params"]]
+
+    def classifier_opt_params(self) -> List[nn.Parameter]:
+        """The parameters of the local classifier optimizer (none in `replicated`)."""
+        return [p for g in self.classifier_opt.param_groups for p in g["params"]]
+
     # --- the loop -----------------------------------------------------------------------------------
     def fit(self) -> str:
+        """Train to ``total_steps`` (or until a stop signal, then ``self.stopped_by`` names it); returns the
+        last checkpoint folder."""
         cfg, comm = self.cfg, self.comm
         if comm.is_main:
             os.makedirs(cfg.out, exist_ok=True)
             dump_config(cfg, os.path.join(cfg.out, "config.yaml"))
+        if self.start_step >= self.total_steps:
+            return self._nothing_to_train()
         metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if comm.is_main else None
         samples_per_step = cfg.data.batch_size * cfg.optim.backward_passes_per_step * comm.size
         bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
@@ -290,37 +336,74 @@ class Trainer:
         if self.resumed_from and comm.is_main:
             r = self.resumed_from
             bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
-        batches = iter(self.loader)
         last_log, last_t = self.start_step, time.perf_counter()
-        ckpt_dir = None
+        last_save = time.monotonic()
+        every_s = 60.0 * cfg.checkpoint.every_minutes
+        ckpt_dir, vote = None, None
         try:
-            for step in range(self.start_step, self.total_steps):
-                faults.before_step(step, comm.rank)
-                out = self.train_step(step, batches)
-                done = step + 1
-                if done % cfg.train.log_every == 0 or done == self.total_steps:
-                    mean_loss = comm.allreduce_scalar(out["loss"], "average", name="log.loss")
-                    now = time.perf_counter()
-                    sps = samples_per_step * (done - last_log) / max(now - last_t, 1e-9)
-                    last_log, last_t = done, now
-                    if metrics:
-                        rec = {"step": done, "loss": mean_loss, "rank0_loss": out["loss"],
-                               "lr": cfg.optim.backbone_lr * out["lr_factor"], "grad_norm": out["grad_norm"],
-                               "samples_per_s": sps, "skipped_steps": self.skipped_steps, "time": time.time()}
-                        metrics.write(json.dumps(rec) + "\n")
-                        metrics.flush()
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{cfg.optim.backbone_lr * out['lr_factor']:.4g}",
-                                    sps=f"{sps:.0f}")
-                bar.update(1)
-                self.maybe_evaluate(done, final=done == self.total_steps, bar=bar, metrics=metrics)
-                ckpt_dir = self.checkpointer.maybe_save(done, self, final=done == self.total_steps) or ckpt_dir
+            with StopSignals() as signals:
+                batches = iter(self.loader)   # after the handlers: forked workers inherit them
+                for step in range(self.start_step, self.total_steps):
+                    faults.before_step(step, comm.rank)
+                    out = self.train_step(step, batches)
+                    done = step + 1
+                    final = done == self.total_steps
+                    # The vote started after the previous step: did any rank get a stop signal, is rank 0's
+                    # time-based checkpoint due? Every rank reads the same answer at the same step.
+                    stop, time_due = (v > 0 for v in vote.result()) if vote is not None else (False, False)
+                    vote = None
+                    if not final and not stop:
+                        due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
+                        vote = comm.vote_async([signals.received is not None, due], name="step")
+                    if done % cfg.train.log_every == 0 or final:
+                        last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar)
+                    bar.update(1)
+                    self.maybe_evaluate(done, final=final, bar=bar, metrics=metrics)
+                    if self.checkpointer.due(done, final) or stop or time_due:
+                        ckpt_dir = self.save_checkpoint(done)
+                        last_save = time.monotonic()
+                    if stop:
+                        self.stopped_by = signals.received or "a stop signal on another rank"
+                        bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
+                                  f"resume with --resume auto")
+                        break
         finally:
             bar.close()
             if metrics:
                 metrics.close()
-        if ckpt_dir is None:  # resumed at the end already: nothing left to train
-            ckpt_dir = self.checkpointer.save(self.total_steps, self)
         return ckpt_dir
+
+    def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
+             metrics, bar) -> Tuple[int, float]:
+        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks)."""
+        cfg = self.cfg
+        mean_loss = self.comm.allreduce_scalar(out["loss"], "average", name="log.loss")
+        cls_skips = int(self.comm.allreduce_scalar(self.classifier_skipped_steps, "sum", name="log.cls_skips"))
+        now = time.perf_counter()
+        sps = samples_per_step * (done - last_log) / max(now - last_t, 1e-9)
+        lr = cfg.optim.backbone_lr * out["lr_factor"]
+        if metrics:
+            rec = {"step": done, "loss": mean_loss, "rank0_loss": out["loss"], "lr": lr,
+                   "grad_norm": out["grad_norm"], "samples_per_s": sps, "skipped_steps": self.skipped_steps,
+                   "classifier_skipped_steps": cls_skips, "time": time.time()}
+            if self.loss_scale.enabled:
+                rec["loss_scale"] = self.loss_scale.scale
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}")
+        return done, now
+
+    def _nothing_to_train(self) -> str:
+        """Resumed at (or past) the last step: nothing is rewritten. A checkpoint loaded from elsewhere or
+        re-sharded to this world size is saved into this run (that is a new file, not a rewrite)."""
+        r = self.resumed_from
+        own = r and r["world_size"] == self.comm.size and os.path.realpath(os.path.dirname(r["path"])) == \
+            os.path.realpath(self.checkpointer.base)
+        if own:
+            if self.comm.is_main:
+                print(f"nothing to train: {r['path']} is at step {r['step']} of {self.total_steps}", flush=True)
+            return r["path"]
+        return self.save_checkpoint(self.start_step)
 
     def eval_due(self, step: int, final: bool) -> bool:
         """The same answer on every rank (it depends on the config only): evaluation needs a collective."""
@@ -343,55 +426,45 @@ class Trainer:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in self.evaluator.summary(records).items()))
         return records
 
-    # --- checkpoint contents --------------------------------------------------------------------------
-    def backbone_state(self) -> Dict[str, Any]:
-        return {"format": "hvd_partialfc.backbone", "model": self.model_args,
-                "state_dict": {k: v.detach().cpu() for k, v in self.backbone.state_dict().items()},
-                "optimizer": self.backbone_opt.state_dict()}
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def training_state(self) -> ckpt.TrainingState:
+        """What a checkpoint saves and restores, passed explicitly to ``checkpoint.py``."""
+        return ckpt.TrainingState(
+            backbone=self.backbone, backbone_opt=self.backbone_opt, head=self.classifier,
+            head_opt=self.classifier_opt, label_slice=(self.label_slice.start, self.label_slice.end),
+            slices=[(s.start, s.end) for s in self.all_slices], rank=self.comm.rank, world_size=self.comm.size,
+            model_args=self.model_args, replicated=self.cfg.head.mode == "replicated",
+            counters={"loss_scale": dict(vars(self.loss_scale)), "skipped_steps": self.skipped_steps,
+                      "consecutive_skips": self.consecutive_skips,
+                      "classifier_skipped_steps": self.classifier_skipped_steps})
 
-    def rank_state(self, digest: str) -> Dict[str, Any]:
-        return {"rank": self.comm.rank, "world_size": self.comm.size,
-                "label_start": self.label_slice.start, "label_end": self.label_slice.end,
-                "weight": self.classifier.weight.detach().cpu(), "optimizer": self.classifier_opt.state_dict(),
-                "rng": rng_state(), "loss_scale": vars(self.loss_scale), "skipped_steps": self.skipped_steps,
-                "backbone_digest": digest, "head_state": self.classifier.extra_state_for_checkpoint()}
-
-    def checkpoint_meta(self, step: int) -> Dict[str, Any]:
-        return {"format": "hvd_partialfc.checkpoint", "step": step, "total_steps": self.total_steps,
-                "world_size": self.comm.size, "num_classes": self.manifest.num_classes,
-                "slices": [[s.start, s.end] for s in _all_slices(self.manifest, self.comm.size)],
-                "shard_slices": [[s.start, s.end] for s in self.manifest.shard_slices()],
-                "loss_scale": vars(self.loss_scale), "skipped_steps": self.skipped_steps,
-                "classifier_files": [classifier_file(r, self.comm.size) for r in range(self.comm.size)],
-                "model": self.model_args, "embedding_dim": self.cfg.model.embedding_dim,
-                "manifest_sha256": self.manifest_sha256, "config": self.cfg.to_dict()}
+    def save_checkpoint(self, step: int) -> str:
+        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step)."""
+        return self.checkpointer.save(step, self.training_state(), self.total_steps)
 
     def _resume(self) -> None:
-        """Load the checkpoint named by checkpoint.resume ('auto': the run's latest, if any)."""
+        """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any), agree on it
+        across ranks, and load it. Each stage is agreed, so a rank's error stops every rank."""
         cfg, comm = self.cfg, self.comm
         error, path = None, None
         try:
-            if cfg.checkpoint.resume == "auto":
-                try:
-                    path = resolve_checkpoint(cfg.out)
-                except FileNotFoundError:
-                    path = None
-            else:
-                path = resolve_checkpoint(cfg.checkpoint.resume)
+            path = ckpt.find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
+                else ckpt.resolve_checkpoint(cfg.checkpoint.resume)
+        except Exception as e:
+            error = f"cannot resume from {cfg.checkpoint.resume} (run {cfg.out}): {type(e).__name__}: {e}"
+        comm.agree(error, name="resume.find")
+        path = ckpt.agree_on_resume(comm, path)
+        error = None
+        try:
             if path:
                 self._load(path)
         except Exception as e:
-            error = f"cannot resume from {path or cfg.checkpoint.resume}: {type(e).__name__}: {e}"
+            error = f"cannot resume from {path}: {type(e).__name__}: {e}"
         comm.agree(error, name="resume")
 
     def _load(self, path: str) -> None:
-        """Restore the backbone, this rank's classifier rows, optimizer states, RNG and loss scale.
-
-        Same world size: each rank reads its own file (bitwise resume). Another world size (re-sharding,
-        when the shard count allows it): each rank cuts its new slice's rows and their optimizer state
-        out of the old files; RNG streams cannot be mapped and are re-seeded from (seed, rank, step).
-        """
-        meta = read_meta(path)
+        """Check that ``path`` continues this run (shard set, config), then restore it (``checkpoint.load``)."""
+        meta = ckpt.read_meta(path)
         if meta["manifest_sha256"] != self.manifest_sha256:
             raise ValueError("the shard set differs from the checkpoint's (manifest sha256 "
                              f"{meta['manifest_sha256'][:12]} != {self.manifest_sha256[:12]})")
@@ -403,36 +476,14 @@ class Trainer:
             print(f"resume: {'; '.join(extended)}: the run is extended, its lr schedule recomputed", flush=True)
         if diffs:
             raise ValueError("incompatible config (field: checkpoint != now): " + "; ".join(diffs))
-        if len(set(meta["digests"])) != 1:
-            raise ValueError("the checkpoint's backbones differ across ranks; there is no single state to resume")
-        bb = torch.load(os.path.join(path, "backbone.pt"), map_location="cpu", weights_only=False)
-        self.backbone.load_state_dict(bb["state_dict"])
-        self.backbone_opt.load_state_dict(bb["optimizer"])
-        start, end = self.label_slice.start, self.label_slice.end
-        if meta["world_size"] == self.comm.size:
-            mine = torch.load(os.path.join(path, classifier_file(self.comm.rank, self.comm.size)),
-                              map_location="cpu", weights_only=False)
-            if (mine["label_start"], mine["label_end"]) != (start, end):
-                raise ValueError(f"classifier file covers [{mine['label_start']}, {mine['label_end']}), "
-                                 f"this rank owns [{start}, {end})")
-        elif self.cfg.head.mode == "replicated":
-            # every rank's file holds the same full C x D matrix (its momentum lives in backbone.pt)
-            mine = torch.load(os.path.join(path, meta["classifier_files"][0]), map_location="cpu", weights_only=False)
-            mine.update({"rng": None, "label_start": start, "label_end": end})
-        else:
-            mine = gather_classifier_rows(path, meta, start, end)
-            mine["rng"] = None
-        with torch.no_grad():
-            self.classifier.weight.copy_(mine["weight"])
-        self.classifier_opt.load_state_dict(mine["optimizer"])
-        if meta["world_size"] == self.comm.size:  # other ranks' centres mean nothing at another world size
-            self.classifier.load_extra_state(mine.get("head_state") or {})
-        if mine.get("rng") is not None:
-            set_rng_state(mine["rng"])
-        else:
-            torch.manual_seed((self.cfg.train.seed * 1_000_003 + self.comm.rank) * 10_007 + meta["step"])
-        self.loss_scale.__dict__.update(meta["loss_scale"])
-        self.skipped_steps = meta["skipped_steps"]
+        state = self.training_state()
+        meta = ckpt.load(path, state)
+        c = state.counters
+        self.loss_scale.__dict__.update(c["loss_scale"])
+        self.skipped_steps, self.consecutive_skips = c["skipped_steps"], c.get("consecutive_skips", 0)
+        self.classifier_skipped_steps = c.get("classifier_skipped_steps", 0)
+        if not meta["rng_restored"]:  # another world size: streams cannot be mapped, re-seed them
+            torch.manual_seed(derive_seed(self.cfg.train.seed, self.comm.rank, meta["step"], RESHARD_RESEED))
         self.start_step = meta["step"]
         self.resumed_from = {"path": path, "step": meta["step"], "world_size": meta["world_size"]}
 

@@ -86,8 +86,8 @@ def load_ckpt(run):
     from hvd_partialfc.checkpoint import read_meta, resolve_checkpoint
     ck = resolve_checkpoint(run)
     meta = read_meta(ck)
-    bb = torch.load(os.path.join(ck, "backbone.pt"), weights_only=False)
-    cls = [torch.load(os.path.join(ck, f), weights_only=False) for f in meta["classifier_files"]]
+    bb = torch.load(os.path.join(ck, "backbone.pt"), weights_only=True)
+    cls = [torch.load(os.path.join(ck, f), weights_only=True) for f in meta["classifier_files"]]
     return meta, bb, cls
 
 
@@ -152,7 +152,7 @@ def test_reshard_to_another_world_size(shards4, tmp_path, old_np, new_np):
     subprocess.run([CLI, "reshard", run, "--world-size", str(new_np), "--out", out], check=True, capture_output=True)
     from hvd_partialfc.checkpoint import read_meta
     m = read_meta(out)
-    rows = [torch.load(os.path.join(out, f), weights_only=False)["weight"] for f in m["classifier_files"]]
+    rows = [torch.load(os.path.join(out, f), weights_only=True)["weight"] for f in m["classifier_files"]]
     assert torch.equal(torch.cat(rows), old_w)
 
 

@@ -79,7 +79,7 @@ def test_cli_train_loss_falls_then_info_and_export(feature_shards, tmp_path):
     out = tmp_path / "backbone.pt"
     subprocess.run([CLI, "export", run, "--rank", "1", "--out", str(out)], check=True, capture_output=True)
     # the exported file loads with plain torch (no Horovod in this process) and rebuilds the model
-    code = ("import torch, sys; d = torch.load(sys.argv[1], weights_only=False); "
+    code = ("import torch, sys; d = torch.load(sys.argv[1], weights_only=True); "
             "from hvd_partialfc.export import load_backbone; m, a = load_backbone(sys.argv[1]); "
             "assert 'horovod' not in sys.modules; print(a['name'], d['digest'][:8])")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)

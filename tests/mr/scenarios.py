@@ -88,7 +88,7 @@ def scenario_core(shards, out, steps):
         trainer.train_step(step, batches)
         rec["param_digests"].append(param_digest(trainer.backbone))
     rec["buffer_digest_before_averaging"] = buffer_digest(trainer.backbone)
-    ckpt = trainer.checkpointer.save(steps, trainer)
+    ckpt = trainer.save_checkpoint(steps)
     rec["full_digest_after_checkpoint"] = state_dict_digest(trainer.backbone.state_dict())
     rec["classifier_max_change"] = float((trainer.classifier.weight.detach() - w0).abs().max())
     rec["checkpoint"] = ckpt

@@ -1,0 +1,41 @@
+"""Stop requests from the scheduler: SIGTERM (Slurm preemption, cloud spot reclaim, ``scancel``) and SIGUSR1
+(Slurm's ``--signal=USR1@SECONDS`` ahead of the time limit). Not a collective; no Horovod.
+
+A handler only records the signal; the training loop reads ``received`` at its step boundary, where the
+ranks agree on it (``Comm.vote_async``), write a checkpoint together and exit with ``EXIT_PREEMPTED``. A
+signal that reaches one rank only (a node's agent, a test) is enough: the vote is a max over ranks.
+DataLoader workers forked while the handler is installed inherit it and keep running, so the step that
+is in flight when the signal comes completes.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Dict, Optional
+
+SIGNALS = ("SIGTERM", "SIGUSR1")
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requeues the job on it
+
+
+class StopSignals:
+    """Context manager: installs the handlers on entry (main thread only), restores the old ones on exit."""
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self._old: Dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in SIGNALS:
+                sig = getattr(signal, name)
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
