@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence
 import h5py
 import numpy as np
 
+from .atomic import atomic_path
 from .shards import decode_image
 
 FORMAT = "hvd_partialfc.pairs"
@@ -73,9 +74,8 @@ def read_pairs(path: str) -> PairSet:
 
 def write_pairs_h5(path: str, images: np.ndarray, pairs: np.ndarray, same: np.ndarray,
                    labels: Optional[np.ndarray] = None, class_names: Optional[List[str]] = None) -> None:
-    """Write a ``.h5`` pair set (raw uint8 images)."""
-    tmp = path + ".tmp"
-    with h5py.File(tmp, "w") as f:
+    """Write a ``.h5`` pair set (raw uint8 images), atomically."""
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
         f.create_dataset("images", data=np.asarray(images, dtype=np.uint8))
         f.create_dataset("pairs", data=np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
         f.create_dataset("same", data=np.asarray(same, dtype=bool))
@@ -85,12 +85,12 @@ def write_pairs_h5(path: str, images: np.ndarray, pairs: np.ndarray, same: np.nd
         f.attrs["version"] = VERSION
         if class_names is not None:
             f.attrs["class_names"] = np.array(class_names, dtype=h5py.string_dtype())
-    os.replace(tmp, path)
 
 
 def write_bin(path: str, encoded_images: Sequence[bytes], issame: Sequence[bool]) -> None:
-    """Write an LFW-style ``.bin``: images 2k and 2k+1 form pair k."""
+    """Write an LFW-style ``.bin`` (what InsightFace writes: a pickle of (list of bytes, list of bools)),
+    atomically: images 2k and 2k+1 form pair k."""
     if len(encoded_images) != 2 * len(issame):
         raise ValueError(f"{len(encoded_images)} images for {len(issame)} pairs (expected 2 per pair)")
-    with open(path, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         pickle.dump((list(encoded_images), list(bool(s) for s in issame)), f, protocol=4)

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import h5py
 import numpy as np
 
+from .atomic import write_text
 from .partition import LabelSlice, check_partition, group_slices
 
 FORMAT = "hvd_partialfc.shards"
@@ -273,12 +274,7 @@ class AtomicShardDir:
 
 
 def write_manifest(shard_dir: str, manifest: Manifest) -> None:
-    tmp = os.path.join(shard_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f, indent=1, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(shard_dir, MANIFEST))
+    write_text(os.path.join(shard_dir, MANIFEST), json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
 
 
 def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], slices: Sequence[LabelSlice],
