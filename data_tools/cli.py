@@ -64,16 +64,16 @@ def _build(args) -> int:
 
 def inspect_shard_set(path: str, verify_sha256: bool = True) -> dict:
     """Validate a shard set (manifest, label ranges, every label, counts, sha256) and summarise it."""
-    import h5py
     from hvd_partialfc.partition import imbalance
-    from hvd_partialfc.shards import ShardError, check_shard_file, read_manifest
+    from hvd_partialfc.shards import ShardError, check_shard_file, open_shard, read_manifest, read_shard_labels
     m = read_manifest(path)
     rows = []
     for i, s in enumerate(m.shards):
         check_shard_file(path, m, i, verify_sha256=verify_sha256)
-        with h5py.File(os.path.join(path, s.file), "r") as f:
+        file = os.path.join(path, s.file)
+        with open_shard(file) as f:
             shape = list(f[m.kind].shape[1:])
-            present = len(set(f["labels"][:].tolist()))
+        present = len(set(read_shard_labels(file).tolist()))
         if m.kind != "encoded" and shape != list(m.sample_shape):
             raise ShardError(f"{s.file}: sample shape {shape}, manifest says {m.sample_shape}")
         if present != s.label_end - s.label_start:

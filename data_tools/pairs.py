@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
-import h5py
 import numpy as np
 
 from hvd_partialfc.pairs import read_pairs, write_bin, write_pairs_h5
-from hvd_partialfc.shards import ShardError, read_manifest
+from hvd_partialfc.shards import ShardError, open_shard, read_manifest, read_shard_labels, unreadable_shard
 
 
 def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, List[str]]:
@@ -23,8 +22,7 @@ def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tu
     m = read_manifest(shard_dir)
     labels = []
     for s in m.shards:
-        with h5py.File(os.path.join(shard_dir, s.file), "r") as f:
-            labels.append(f["labels"][:])
+        labels.append(read_shard_labels(os.path.join(shard_dir, s.file)))
     labels = np.concatenate(labels)
     if positions is None:
         return np.zeros((0,)), labels, m.class_names
@@ -34,8 +32,12 @@ def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tu
         local = positions[(positions >= offsets[i]) & (positions < offsets[i + 1])] - offsets[i]
         if not len(local):
             continue
-        with h5py.File(os.path.join(shard_dir, s.file), "r") as f:
-            block = f[m.kind][np.sort(local)]
+        path = os.path.join(shard_dir, s.file)
+        with open_shard(path) as f:
+            try:
+                block = f[m.kind][np.sort(local)]
+            except (KeyError, OSError) as e:
+                raise unreadable_shard(path, "samples", e) from e
         if m.kind == "encoded":
             block = np.stack([decode_image(b, m.sample_shape) for b in block])
         elif m.kind != "images":

@@ -1,8 +1,9 @@
 """The dedicated per-rank loader: rank r reads only the samples of its own label slice.
 
 Contract:
-* a rank opens only its block of shards (`shards.rank_shards`), checks on construction that every label
-  lies in its slice (an error names the file and the rank), and yields *local* labels ``y - start``;
+* a rank opens only its block of shards (`shards.rank_shards`), checks on construction that each file
+  opens and that every label lies in its slice (an error names the rank, the file and what to do), and
+  yields *local* labels ``y - start``;
 * batches are drawn from a permutation seeded by (base seed, rank, epoch): reproducible, different per
   rank, and a position (the number of batches drawn) is all that is needed to resume exactly;
 * the stream is endless (epochs follow each other), so the trainer decides the number of steps and every
@@ -22,9 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .partition import LabelSlice
 from .seeds import LOADER_WORKERS, derive_seed
-from .shards import Manifest, ShardError, decode_image, rank_shards, read_manifest
+from .shards import (Manifest, ShardError, decode_image, open_shard, rank_shards, read_manifest, read_shard_labels,
+                     unreadable_shard)
 
 
 class RankShardDataset:
@@ -43,10 +44,7 @@ class RankShardDataset:
         self.kind = self.manifest.kind
         labels, sizes = [], []
         for path in self.files:
-            if not os.path.isfile(path):
-                raise ShardError(f"rank {rank}: missing shard file {path}")
-            with h5py.File(path, "r") as f:
-                y = f["labels"][:].astype(np.int64)
+            y = read_shard_labels(path, rank)   # missing, truncated, not HDF5: named with the rank
             bad = (y < self.label_slice.start) | (y >= self.label_slice.end)
             if bad.any():
                 i = int(np.flatnonzero(bad)[0])
@@ -65,7 +63,7 @@ class RankShardDataset:
 
     def _open(self) -> List[h5py.File]:
         if self._handles is None or self._pid != os.getpid():
-            self._handles = [h5py.File(p, "r") for p in self.files]
+            self._handles = [open_shard(p, self.rank) for p in self.files]
             self._pid = os.getpid()
         return self._handles
 
@@ -80,7 +78,10 @@ class RankShardDataset:
             local = positions[where] - self.offsets[s]
             order = np.argsort(local, kind="stable")
             uniq, inverse = np.unique(local[order], return_inverse=True)   # h5py wants increasing indices
-            block = handles[s][self.kind][uniq]
+            try:
+                block = handles[s][self.kind][uniq]
+            except (KeyError, OSError) as e:   # a file damaged (or replaced) after start-up
+                raise unreadable_shard(self.files[s], "samples", e, self.rank) from e
             for k, w in enumerate(where[order]):
                 out[w] = block[inverse[k]]
         if self.kind == "encoded":

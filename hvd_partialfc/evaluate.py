@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .atomic import write_text
 from .data import prepare_batch
 from .pairs import PairSet, read_pairs
 
@@ -522,9 +523,7 @@ def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False
               "pairs": {s.name: os.path.abspath(p) for s, p in zip(sets, pairs_paths)}, "sets": results,
               "all_pairs": all_pairs}
     json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "roc.png")
-    with open(json_path + ".tmp", "w") as f:
-        json.dump(_jsonable(report), f, indent=1)
-    os.replace(json_path + ".tmp", json_path)
+    write_text(json_path, json.dumps(_jsonable(report), indent=1))
     if results:
         plot_roc(results, png_path)
     report["files"] = {"json": json_path, "roc": png_path if results else None}

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import h5py
 import numpy as np
 
+from .atomic import write_text
 from .partition import LabelSlice, check_partition, group_slices
 
 FORMAT = "hvd_partialfc.shards"
@@ -45,6 +46,16 @@ SAMPLE_KINDS = ("images", "encoded", "features")
 
 class ShardError(ValueError):
     """A shard set that is missing, corrupt, or does not fit the run (the message names the file)."""
+
+
+def _rebuild_hint(shard_dir: str) -> str:
+    """What to do about a damaged shard set, and the command that checks every file of it."""
+    return (f"copy the set again or rebuild it with `hvd-partialfc-shards build`; "
+            f"check it with `hvd-partialfc-shards inspect {shard_dir}`")
+
+
+def _where(path: str, rank: Optional[int]) -> str:
+    return f"rank {rank}: {path}" if rank is not None else path
 
 
 def shard_name(index: int, count: int) -> str:
@@ -104,6 +115,9 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: Dict[str, Any], where: str = MANIFEST) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ShardError(f"{where}: not a hvd_partialfc shard manifest (a JSON {type(d).__name__}, "
+                             f"not an object); {_rebuild_hint(os.path.dirname(where) or '.')}")
         try:
             if d.get("format") != FORMAT:
                 raise ShardError(f"{where}: not a hvd_partialfc shard manifest (format={d.get('format')!r})")
@@ -115,8 +129,9 @@ class Manifest:
                     shards=[ShardEntry(**s) for s in d["shards"]], partition=d.get("partition", {}),
                     class_names=list(d.get("class_names", [])), source=d.get("source", {}),
                     skipped=list(d.get("skipped", [])))
-        except (KeyError, TypeError) as e:
-            raise ShardError(f"{where}: malformed manifest ({e!r})") from e
+        except (KeyError, TypeError, ValueError) as e:
+            raise ShardError(f"{where}: malformed manifest ({type(e).__name__}: {e}); "
+                             f"{_rebuild_hint(os.path.dirname(where) or '.')}") from e
         if m.kind not in SAMPLE_KINDS:
             raise ShardError(f"{where}: unknown sample kind {m.kind!r} (known: {', '.join(SAMPLE_KINDS)})")
         try:
@@ -159,15 +174,51 @@ def manifest_digest(shard_dir: str) -> str:
 
 
 def read_manifest(shard_dir: str) -> Manifest:
+    """The manifest of ``shard_dir``; a missing, unreadable or malformed one is a `ShardError` naming the
+    file and what to do. No rank in the message: the trainer's agreement step adds it."""
     path = os.path.join(shard_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise ShardError(f"{shard_dir}: no {MANIFEST} (not a shard set, or its build did not finish)")
-    with open(path) as f:
-        try:
+        raise ShardError(f"{shard_dir}: no {MANIFEST} (not a shard set, or its build did not finish); "
+                         f"give a folder written by `hvd-partialfc-shards build`")
+    try:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ShardError(f"{path}: not valid JSON ({e})") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:   # the builder writes it last, atomically
+        raise ShardError(f"{path}: not valid JSON ({e}); the manifest was damaged after the build: "
+                         f"{_rebuild_hint(shard_dir)}") from e
     return Manifest.from_json(d, where=path)
+
+
+def open_shard(path: str, rank: Optional[int] = None) -> h5py.File:
+    """Open one shard file read-only (usable as ``with open_shard(p) as f``).
+
+    A missing, truncated or non-HDF5 file is a `ShardError` that names the rank (when given), the file
+    and the command that checks the set: h5py's own message names neither, and a run of hundreds of
+    ranks needs both to find the one bad file.
+    """
+    where, shard_dir = _where(path, rank), os.path.dirname(path) or "."
+    if not os.path.isfile(path):
+        raise ShardError(f"{where}: missing shard file; {_rebuild_hint(shard_dir)}")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise ShardError(f"{where}: cannot open shard file (h5py: {e}); the file is truncated or not "
+                         f"HDF5; {_rebuild_hint(shard_dir)}") from e
+
+
+def unreadable_shard(path: str, what: str, err: BaseException, rank: Optional[int] = None) -> ShardError:
+    """The error for a shard that opens but whose ``what`` ("labels", "samples", ...) cannot be read."""
+    return ShardError(f"{_where(path, rank)}: cannot read its {what} ({type(err).__name__}: {err}); the file "
+                      f"is damaged; {_rebuild_hint(os.path.dirname(path) or '.')}")
+
+
+def read_shard_labels(path: str, rank: Optional[int] = None) -> np.ndarray:
+    """The global labels (int64 (N,)) of one shard file, errors explained as in `open_shard`."""
+    with open_shard(path, rank) as f:
+        try:
+            return f["labels"][:].astype(np.int64)
+        except (KeyError, OSError) as e:
+            raise unreadable_shard(path, "labels", e, rank) from e
 
 
 def rank_shards(manifest: Manifest, rank: int, world_size: int) -> tuple:
@@ -184,14 +235,12 @@ def check_shard_file(shard_dir: str, manifest: Manifest, index: int, verify_sha2
     """Validate one shard against its manifest entry: attributes, sizes, label range of every label."""
     entry = manifest.shards[index]
     path = os.path.join(shard_dir, entry.file)
-    if not os.path.isfile(path):
-        raise ShardError(f"{path}: missing shard file")
+    labels = read_shard_labels(path)    # a missing, truncated or non-HDF5 file fails here, named
     if verify_sha256:
         digest = sha256_file(path)
         if digest != entry.sha256:
             raise ShardError(f"{path}: sha256 {digest[:12]}… does not match the manifest's {entry.sha256[:12]}…")
-    with h5py.File(path, "r") as f:
-        labels = f["labels"][:]
+    with open_shard(path) as f:
         if manifest.kind not in f:
             raise ShardError(f"{path}: no '{manifest.kind}' dataset")
         n = f[manifest.kind].shape[0]
@@ -273,12 +322,7 @@ class AtomicShardDir:
 
 
 def write_manifest(shard_dir: str, manifest: Manifest) -> None:
-    tmp = os.path.join(shard_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f, indent=1, ensure_ascii=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(shard_dir, MANIFEST))
+    write_text(os.path.join(shard_dir, MANIFEST), json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
 
 
 def write_shard_set(out: str, kind: str, samples: Any, labels: Sequence[int], slices: Sequence[LabelSlice],

@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 
@@ -302,6 +303,29 @@ def test_eval_cli_refuses_a_wrong_shape(tiny_run, tmp_path, capsys):
     write_pairs_h5(path, _images(4, size=48), np.array([[0, 1], [2, 3]] * 6), np.arange(12) % 2 == 0)
     assert main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", path]) == 2
     assert "backbone takes [32, 32]" in capsys.readouterr().err
+
+
+class _Touch:
+    """Unpickling this runs ``touch PATH`` (what a malicious LFW.bin can do to a plain ``pickle.load``)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_eval_cli_refuses_a_bin_holding_code(tiny_run, tmp_path):
+    made = tmp_path / "made-by-the-pickle"
+    bad = tmp_path / "LFW.bin"
+    bad.write_bytes(pickle.dumps((_png_blobs(_images(2)), [True], _Touch(made)), protocol=2))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli", "eval", "--backbone", str(tiny_run / "run"),
+                        "--pairs", str(bad), "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=root)
+    assert p.returncode != 0 and not made.exists()
+    assert f"{bad}: refused to load: the pickle asks for {os.system.__module__}.system" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+    assert not (tmp_path / "out" / "eval.json").exists()
 
 
 # ------------------------------------------------------------------------------------------ all pairs

@@ -1,6 +1,7 @@
 """Shard format and the dedicated per-rank loader (plain pytest, no Horovod)."""
 import json
 import os
+import re
 
 import h5py
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from conftest import build_shards, make_feature_npz, make_image_npz
+from data_tools.cli import main as shards_main
 from hvd_partialfc.data import EpochBatchSampler, RankShardDataset, make_loader, prepare_batch
 from hvd_partialfc.shards import ShardError, check_shard_file, rank_shards, read_manifest
 
@@ -59,6 +61,56 @@ def test_sha256_mismatch_detected(four_shards):
         f["features"][0, 0] += 1
     with pytest.raises(ShardError, match="sha256"):
         check_shard_file(four_shards, m, 0, verify_sha256=True)
+
+
+INSPECT = ("copy the set again or rebuild it with `hvd-partialfc-shards build`; "
+           "check it with `hvd-partialfc-shards inspect ")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_unreadable_shard_names_rank_file_and_command(four_shards, damage, capsys):
+    m = read_manifest(four_shards)
+    path = os.path.join(four_shards, m.shards[1].file)
+    data = open(path, "rb").read()
+    ok = RankShardDataset(four_shards, 1, 4)                  # opened before the damage (a long run)
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2] if damage == "truncated" else os.urandom(len(data)))
+    expected = (re.escape(f"rank 1: {path}: cannot open shard file (h5py: ") + ".*"
+                + re.escape(f"); the file is truncated or not HDF5; {INSPECT}{four_shards}`"))
+    with pytest.raises(ShardError, match=f"^{expected}$"):
+        RankShardDataset(four_shards, 1, 4)                   # at start-up
+    with pytest.raises(ShardError, match=f"^{expected}$"):
+        ok[[0, 1]]                                            # in a reader (a DataLoader worker) afterwards
+    with pytest.raises(ShardError, match=f"^{re.escape(path)}: cannot open shard file"):
+        check_shard_file(four_shards, m, 1)
+    RankShardDataset(four_shards, 0, 4)                       # the other ranks' files are not involved
+    assert shards_main(["inspect", four_shards]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: cannot open shard file" in err and "Traceback" not in err
+
+
+def test_missing_shard_names_rank_and_file(four_shards):
+    path = os.path.join(four_shards, "shard-00002-of-00004.h5")
+    os.unlink(path)
+    with pytest.raises(ShardError, match=f"^{re.escape(f'rank 1: {path}: missing shard file; {INSPECT}')}"):
+        RankShardDataset(four_shards, 1, 2)
+
+
+def test_manifest_errors_name_the_file_and_what_to_do(tmp_path, four_shards):
+    path = os.path.join(four_shards, "manifest.json")
+    text = open(path).read()
+    for content, says in [(text[:len(text) // 2], "not valid JSON"), (b"\x89HDF\xff\xfe", "not valid JSON"),
+                          ("[1, 2]", "not a hvd_partialfc shard manifest (a JSON list, not an object)"),
+                          (text.replace('"num_classes"', '"classes"'), "malformed manifest (KeyError: 'num_classes')"),
+                          (text.replace('"num_classes": 12', '"num_classes": "twelve"'), "malformed manifest (ValueError")]:
+        with open(path, "wb") as f:
+            f.write(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ShardError) as err:
+            read_manifest(four_shards)
+        assert str(err.value).startswith(f"{path}: {says}") and f"{INSPECT}{four_shards}`" in str(err.value)
+    os.unlink(path)
+    with pytest.raises(ShardError, match=f"^{re.escape(four_shards)}: no manifest.json .*`hvd-partialfc-shards build`"):
+        read_manifest(four_shards)
 
 
 def test_manifest_must_be_complete(tmp_path, four_shards):

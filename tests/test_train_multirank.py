@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -127,6 +128,27 @@ def test_label_outside_slice_fails_on_every_rank(tmp_path, backend):
     assert proc.returncode != 0
     assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
     assert "shard-00001-of-00002.h5 holds label 1" in text and "rank 1:" in text
+
+
+def test_truncated_shard_on_one_rank_fails_on_every_rank(tmp_path):
+    # h5py alone says "truncated file: eof = ..." without a file name; every rank must name the file, the
+    # rank that holds it and the command that checks the set, and exit at start-up.
+    shards = build_shards(make_feature_npz(tmp_path / "t.npz", [12] * 8), tmp_path / "s", 2)
+    path = os.path.join(shards, "shard-00001-of-00002.h5")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+    t0 = time.monotonic()
+    proc = _train_cli(2, shards, str(tmp_path / "run"), "model.name=mlp", "data.batch_size=8", steps=5,
+                      check=False, timeout=90)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
+    assert f"rank 1: {path}: cannot open shard file (h5py: " in text
+    assert "the file is truncated or not HDF5; copy the set again" in text
+    assert f"`hvd-partialfc-shards inspect {shards}`" in text
+    ranks_output = [line for line in text.splitlines() if line.startswith(("[0]", "[1]"))]
+    assert not any("Traceback" in line for line in ranks_output)   # (horovodrun itself prints one)
+    assert not os.path.exists(os.path.join(tmp_path, "run", "checkpoints"))
 
 
 @pytest.mark.parametrize("options", [
