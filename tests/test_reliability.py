@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, make_feature_npz, read_json_lines, run_hvd
+from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, make_feature_npz, read_json_lines, run_hvd  # noqa: F401
 
 pytestmark = pytest.mark.multirank
 CLI = os.path.join(BIN, "hvd-partialfc")
@@ -128,6 +128,24 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     assert p.returncode != 0 and "shard set differs" in p.stdout + p.stderr
     p = train(2, shards4, resumed, ["checkpoint.resume=auto", "head.margin=0.3"], steps=20, check=False, timeout=90)
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
+
+
+def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path):
+    # Dropout and PartialFC's sampled negatives both draw from torch's global stream. Creating the
+    # DataLoader's iterator must not draw from it after the checkpoint restored it (it did: the resumed
+    # stream was one draw ahead, so dropout masks and sampled centres differed after a resume).
+    sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", "head.mode=global",
+            "head.sample_rate=0.5"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    train(2, image_shards, straight, sets, steps=16)
+    p = train(2, image_shards, resumed, sets, steps=16, fault="raise@10", check=False)
+    assert p.returncode != 0 and latest(resumed) == "step-00000010"
+    train(2, image_shards, resumed, sets + ["checkpoint.resume=auto"], steps=16)
+    (m1, bb1, c1), (m2, bb2, c2) = load_ckpt(straight), load_ckpt(resumed)
+    assert m1["step"] == m2["step"] == 16
+    assert tensors_equal(bb1["state_dict"], bb2["state_dict"]) and m1["digests"] == m2["digests"]
+    for a, b in zip(c1, c2):
+        assert tensors_equal(a["weight"], b["weight"]) and tensors_equal(a["optimizer"]["state"], b["optimizer"]["state"])
 
 
 @pytest.mark.parametrize("old_np,new_np", [(2, 1), (1, 2), (4, 2)])
