@@ -56,6 +56,17 @@ def image_shards(tmp_path_factory):
     return build_shards(make_image_npz(d / "i.npz", 12, 16), d / "shards", 2)
 
 
+def launch_env(fault=None):
+    """The environment of a launched job: this checkout first on the path, Open MPI as root allowed, and
+    ``HVD_PARTIALFC_FAULT`` set to ``fault`` (or unset)."""
+    e = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    e.pop("HVD_PARTIALFC_FAULT", None)
+    if fault:
+        e["HVD_PARTIALFC_FAULT"] = fault
+    return e
+
+
 def run_hvd(np_, args, backend="gloo", timeout=180, env=None, check=True):
     """Run ``python args...`` under ``horovodrun -np np_ --backend``; return the CompletedProcess."""
     cmd = [HOROVODRUN, "-np", str(np_), f"--{backend}", sys.executable, *map(str, args)]

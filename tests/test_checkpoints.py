@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, make_feature_npz, read_json_lines, run_hvd
+from conftest import HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd
 
 CLI = [sys.executable, "-m", "hvd_partialfc.cli"]
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
@@ -27,21 +27,12 @@ def shards2(tmp_path_factory):
     return build_shards(make_feature_npz(d / "f.npz", [16] * 12, seed=5), d / "s2", 2)
 
 
-def _env(fault=None):
-    e = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
-             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    e.pop("HVD_PARTIALFC_FAULT", None)
-    if fault:
-        e["HVD_PARTIALFC_FAULT"] = fault
-    return e
-
-
 def train1(shards, out, steps, sets=(), fault=None, check=True, timeout=120):
     """One rank, no launcher (Horovod alone: size 1)."""
     args = CLI + ["train", "--shards", shards, "--out", str(out), "--steps", str(steps)]
     for s in list(BASE) + list(sets):
         args += ["--set", s]
-    p = subprocess.run(args, capture_output=True, text=True, env=_env(fault), cwd=ROOT, timeout=timeout)
+    p = subprocess.run(args, capture_output=True, text=True, env=launch_env(fault), cwd=ROOT, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}")
     return p
@@ -130,7 +121,7 @@ def test_checkpoint_files_with_code_are_refused(shards2, tmp_path):
     exported = tmp_path / "downloaded.pt"
     torch.save(bb, exported)
     for args in (["info", str(run)], ["eval", "--backbone", str(exported), "--pairs", str(tmp_path / "x.h5")]):
-        p = subprocess.run(CLI + args, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=60)
+        p = subprocess.run(CLI + args, capture_output=True, text=True, env=launch_env(), cwd=ROOT, timeout=60)
         assert p.returncode != 0 and "refused to load" in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert not marker.exists()
     p = train1(shards2, run, 8, ["checkpoint.resume=auto"], check=False)
@@ -162,7 +153,7 @@ def test_format1_checkpoint_upgrades_then_resumes_bitwise(shards2, tmp_path):
         torch.load(ck / "classifier-00000-of-00001.pt", weights_only=True)
     p = train1(shards2, run, 8, ["checkpoint.every=4", "checkpoint.resume=auto"], check=False)
     assert p.returncode != 0 and "hvd-partialfc upgrade" in p.stderr and "format 1" in p.stderr
-    p = subprocess.run(CLI + ["upgrade", str(run)], capture_output=True, text=True, env=_env(), cwd=ROOT)
+    p = subprocess.run(CLI + ["upgrade", str(run)], capture_output=True, text=True, env=launch_env(), cwd=ROOT)
     assert p.returncode == 0 and "upgraded" in p.stdout, p.stderr
     train1(shards2, run, 8, ["checkpoint.every=4", "checkpoint.resume=auto"])
     a = torch.load(straight / "checkpoints" / "step-00000008" / "classifier-00000-of-00001.pt", weights_only=True)
@@ -214,7 +205,7 @@ def test_replicated_checkpoint_reshards(shards2, tmp_path):
                 *sum((["--set", s] for s in BASE + ["head.mode=replicated"]), [])])
     new = str(tmp_path / "new")
     p = subprocess.run(CLI + ["reshard", run, "--world-size", "1", "--out", new], capture_output=True,
-                       text=True, env=_env(), cwd=ROOT)
+                       text=True, env=launch_env(), cwd=ROOT)
     assert p.returncode == 0, p.stderr
     old = torch.load(os.path.join(run, "checkpoints", "step-00000004", "classifier-00000-of-00002.pt"),
                      weights_only=True)
@@ -237,7 +228,7 @@ def test_ranks_resolving_different_checkpoints_stop(shards2, tmp_path):
                    + sum((["--set", s] for s in BASE), []))
     t0 = time.time()
     p = subprocess.run([HOROVODRUN, "-np", "2", "--gloo", "sh", "-c", cmd], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=120)
+                       env=launch_env(), cwd=ROOT, timeout=120)
     text = p.stdout + p.stderr
     assert p.returncode != 0 and time.time() - t0 < 60
     assert "ranks resolved different checkpoints" in text
@@ -255,7 +246,7 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, sig):
     cmd = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", shards2,
            "--out", str(run), "--steps", "100000", "--set", "checkpoint.every_minutes=0.01",
            "--set", "checkpoint.keep=1000"] + sum((["--set", s] for s in BASE), [])
-    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 90
         while len(steps_in(run)) < 2:  # time-based checkpoints (every 0.6 s) appear without checkpoint.every
@@ -276,5 +267,5 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, sig):
     assert 0 < meta["step"] < 100000 and meta["identical"]
     assert any(int(s[5:]) % 5 for s in steps_in(run)) or len(steps_in(run)) > 2
     p = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(meta["step"] + 2)] + cmd[cmd.index("--steps") + 2:]
-                       + ["--resume", "auto"], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+                       + ["--resume", "auto"], env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and f"at step {meta['step']}" in p.stdout + p.stderr, p.stderr[-3000:]

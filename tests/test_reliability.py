@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, make_feature_npz, read_json_lines, run_hvd  # noqa: F401
+from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd
 
 pytestmark = pytest.mark.multirank
 CLI = os.path.join(BIN, "hvd-partialfc")
@@ -33,19 +33,10 @@ def _cmd(np_, shards, out, sets, steps, backend="gloo"):
     return args
 
 
-def _env(fault=None):
-    e = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
-             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    e.pop("HVD_PARTIALFC_FAULT", None)
-    if fault:
-        e["HVD_PARTIALFC_FAULT"] = fault
-    return e
-
-
 def train(np_, shards, out, sets=(), steps=20, fault=None, check=True, timeout=150, backend="gloo"):
     t0 = time.time()
     p = subprocess.run(_cmd(np_, shards, out, list(BASE) + list(sets), steps, backend), capture_output=True,
-                       text=True, env=_env(fault), cwd=ROOT, timeout=timeout)
+                       text=True, env=launch_env(fault), cwd=ROOT, timeout=timeout)
     p.elapsed = time.time() - t0
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -54,7 +45,7 @@ def train(np_, shards, out, sets=(), steps=20, fault=None, check=True, timeout=1
 
 def kill_job_when(np_, shards, out, sets, steps, fault, ready, timeout=120):
     """Start a job, wait until ``ready()``, then SIGKILL horovodrun and every process under it."""
-    proc = subprocess.Popen(_cmd(np_, shards, out, list(BASE) + list(sets), steps), env=_env(fault), cwd=ROOT,
+    proc = subprocess.Popen(_cmd(np_, shards, out, list(BASE) + list(sets), steps), env=launch_env(fault), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
     try:
