@@ -168,7 +168,9 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
 
 def test_evaluation_during_training_np2(image_shards, tmp_path):
     # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
-    from hvd_partialfc.pairs import write_pairs_h5
+    from hvd_partialfc.evaluate import evaluate_backbone
+    from hvd_partialfc.export import load_backbone
+    from hvd_partialfc.pairs import read_pairs, write_pairs_h5
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
     pairs = rng.integers(0, 40, size=(60, 2))
@@ -181,6 +183,14 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     assert all(0.0 <= e["auc"] <= 1.0 for e in evals)
     info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
     assert info["digests_agree"]
+    # the final evaluation saw the averaged statistics: it scores as the final checkpoint's backbone (whose
+    # BatchNorm buffers are the pooled ones, checked in the core scenario) does offline; rank 0's own
+    # statistics would move every score, hence the best threshold
+    model, _ = load_backbone(run)
+    ref = evaluate_backbone(model, read_pairs(str(tmp_path / "held.h5")), roc=False)
+    assert evals[-1]["best_threshold"] == pytest.approx(ref["best_threshold"], abs=1e-5)
+    assert evals[-1]["auc"] == pytest.approx(ref["auc"], abs=1e-9)
+    assert evals[-1]["acc"] == pytest.approx(ref["acc"], abs=1e-9)
     # a pair set that does not exist: an agreed error before training, on every rank
     proc = _train_cli(2, image_shards, str(tmp_path / "bad"), "data.batch_size=8", "model.kwargs={width: 8}",
                       f"eval.pairs=[{tmp_path / 'missing.h5'}]", steps=3, check=False, timeout=90)
