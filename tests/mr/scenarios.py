@@ -2,7 +2,8 @@
 
 Each scenario writes ``OUT/rank-<r>.json`` with what it observed; the pytest side asserts on those.
 
-    python scenarios.py core  SHARDS OUT STEPS      # identity, averaged update, no classifier leakage
+    python scenarios.py core  SHARDS OUT STEPS      # identical starts, averaged update, no classifier leakage,
+                                                    # pooled BatchNorm statistics
     python scenarios.py np1   SHARDS OUT STEPS      # trainer == a plain single-process PyTorch loop
 """
 from __future__ import annotations
@@ -11,12 +12,14 @@ import copy
 import json
 import os
 import sys
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hvd_partialfc import comm as comm_lib  # noqa: E402
+from hvd_partialfc import train as train_lib  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
@@ -46,51 +49,127 @@ def local_grads(trainer, batch, classifier=False):
     return out
 
 
+def _perturbed_create_model(rank, record):
+    """``create_model`` whose backbone starts *rank-dependent*: noise on every parameter and buffer
+    (BatchNorm running mean, variance and count included). The trainer seeds every rank alike, so without
+    this the ranks would start equal with or without the broadcast. Records the pre-broadcast digest."""
+    def create(*args, **kwargs):
+        model = create_model(*args, **kwargs)
+        g = torch.Generator().manual_seed(1_000 + rank)
+        with torch.no_grad():
+            for _, p in model.named_parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+            for name, b in model.named_buffers():
+                if name.endswith("running_var"):
+                    b.mul_(1 + 0.5 * torch.rand(b.shape, generator=g))       # stays positive
+                elif b.is_floating_point():
+                    b.add_(0.1 * torch.randn(b.shape, generator=g))
+                else:
+                    b.add_(rank + 1)                                          # num_batches_tracked
+        record["init_digest_before_broadcast"] = state_dict_digest(model.state_dict())
+        record["init_buffer_digest_before_broadcast"] = buffer_digest(model)
+        return model
+    return create
+
+
+def _bn_stats(module):
+    """{layer name: (running_mean, running_var)} of every BatchNorm layer that tracks statistics."""
+    return {n: (m.running_mean.detach().clone().cpu(), m.running_var.detach().clone().cpu())
+            for n, m in module.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats}
+
+
+def _sgd_direction(buf, grad, param, momentum, weight_decay):
+    """torch.optim.SGD's step direction (no dampening, no Nesterov): d = g + wd p; buf = d at the first
+    step, momentum buf + d afterwards. The step is ``param - lr * buf``."""
+    d = grad + weight_decay * param
+    return d if buf is None else momentum * buf + d
+
+
 def scenario_core(shards, out, steps):
+    """Identical starts (ranks built *different*, then broadcast), the averaged backbone update and the
+    local classifier update over two momentum steps (both ranks training), BatchNorm pooling."""
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
                              "model.name=resnet", "model.kwargs={width: 8}", "optim.schedule=constant",
                              "head.loss=arcface", "head.scale=16", "optim.backbone_lr=0.05",
                              "head.negatives_every=0"])   # the bare method's update (negatives: scenario_negatives)
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
-    rec = {"rank": comm.rank, "size": comm.size, "slice": [trainer.label_slice.start, trainer.label_slice.end],
-           "classifier_shape": list(trainer.classifier.weight.shape)}
-    if comm.rank == 0:  # rank 0's classifier must not move while rank 1 trains its own
-        cfg.optim.classifier_lr = 0.0
-    w0 = trainer.classifier.weight.detach().clone()
+    rec = {"rank": comm.rank, "size": comm.size}
+    with mock.patch.object(train_lib, "create_model", _perturbed_create_model(comm.rank, rec)):
+        trainer = Trainer(cfg, comm)
+    rec["init_digest_after_broadcast"] = state_dict_digest(trainer.backbone.state_dict())
+    rec.update({"slice": [trainer.label_slice.start, trainer.label_slice.end],
+                "classifier_shape": list(trainer.classifier.weight.shape)})
+    w_init = trainer.classifier.weight.detach().clone()
+    # the classifier starts from its own rows of the global init (never broadcast from another rank)
+    ref = torch.empty_like(w_init)
+    init_classifier_rows(ref, trainer.label_slice.start, cfg.train.seed)
+    rec["classifier_init_max_abs_err"] = float((w_init - ref).abs().max())
     batches = iter(trainer.loader)
 
-    # Step 0: the applied backbone update equals the one from the mean of the ranks' local gradients.
-    batch = next(batches)
-    grads = local_grads(trainer, batch, classifier=True)
-    g_cls = grads.pop("classifier")
-    all_grads = comm.allgather_object({k: v.cpu() for k, v in grads.items()}, name="test.grads")
-    p0 = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
-    trainer.train_step(0, iter([batch]))
-    o = cfg.optim
-    worst = 0.0
-    for n, p in trainer.backbone.named_parameters():
-        mean_grad = sum(g[n] for g in all_grads) / len(all_grads)
-        # SGD, first step: momentum buffer = grad (+ weight decay); lr factor 1 (constant schedule)
-        expected = p0[n] - o.backbone_lr * (mean_grad + o.backbone_weight_decay * p0[n])
-        worst = max(worst, float((p.detach() - expected).abs().max()))
-    rec["update_max_abs_err"] = worst
-    # ... and the classifier's: its local gradient over the global batch's mean (1/N of the local mean's)
-    expected = w0 - o.classifier_lr * (g_cls / comm.size + o.classifier_weight_decay * w0)
-    rec["classifier_update_max_abs_err"] = float((trainer.classifier.weight.detach() - expected).abs().max())
-    rec["classifier_update_vs_local_mean"] = float((trainer.classifier.weight.detach() - (
-        w0 - o.classifier_lr * (g_cls + o.classifier_weight_decay * w0))).abs().max())
-    rec["local_grad_differs_from_mean"] = any(
-        float((grads[n] - sum(g[n] for g in all_grads) / len(all_grads)).abs().max()) > 1e-6 for n in grads)
+    # Steps 0 and 1, both ranks training with the same lr (constant schedule: factor 1), SGD with momentum
+    # and weight decay: the applied updates against offline ones. Backbone: from the mean of the ranks'
+    # local gradients. Classifier: from this rank's own gradient alone, over the global batch's mean
+    # (1/N of the local mean's), and never from another rank's (whose batch holds other classes).
+    o, n_ranks = cfg.optim, comm.size
+    buf_bb, buf_cls = {}, None
+    for key in ("update_max_abs_err", "classifier_update_max_abs_err", "classifier_step_change", "param_digests",
+                "batch_labels"):
+        rec[key] = []
+    for step in range(2):
+        batch = next(batches)
+        rec["batch_labels"].append((batch[1] + trainer.label_slice.start).tolist())  # global labels
+        grads = local_grads(trainer, batch, classifier=True)
+        g_cls = grads.pop("classifier")
+        all_grads = comm.allgather_object({k: v.cpu() for k, v in grads.items()}, name=f"test.grads.{step}")
+        all_cls = comm.allgather_object(g_cls.cpu(), name=f"test.cls_grads.{step}")
+        p_old = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
+        w_old = trainer.classifier.weight.detach().clone()
+        trainer.train_step(step, iter([batch]))
+        rec["param_digests"].append(param_digest(trainer.backbone))
+        worst = 0.0
+        for n, p in trainer.backbone.named_parameters():
+            mean_grad = sum(g[n] for g in all_grads) / n_ranks
+            buf_bb[n] = _sgd_direction(buf_bb.get(n), mean_grad, p_old[n], o.backbone_momentum,
+                                       o.backbone_weight_decay)
+            worst = max(worst, float((p.detach() - (p_old[n] - o.backbone_lr * buf_bb[n])).abs().max()))
+        rec["update_max_abs_err"].append(worst)
+        w = trainer.classifier.weight.detach()
+        if step == 0:
+            # What the alternatives would have applied: how far apart they are sets what the checks can see.
+            rec["local_grad_differs_from_mean"] = any(
+                float((grads[n] - sum(g[n] for g in all_grads) / n_ranks).abs().max()) > 1e-6 for n in grads)
+            leaked = sum(all_cls) / n_ranks  # the classifier gradient averaged like the backbone's
+            rec["classifier_update_vs_averaged_grad"] = float((w - (
+                w_old - o.classifier_lr * (leaked / n_ranks + o.classifier_weight_decay * w_old))).abs().max())
+            rec["classifier_update_vs_local_mean"] = float((w - (
+                w_old - o.classifier_lr * (g_cls + o.classifier_weight_decay * w_old))).abs().max())
+        buf_cls = _sgd_direction(buf_cls, g_cls / n_ranks, w_old, o.classifier_momentum, o.classifier_weight_decay)
+        rec["classifier_update_max_abs_err"].append(float((w - (w_old - o.classifier_lr * buf_cls)).abs().max()))
+        rec["classifier_step_change"].append(float((w - w_old).abs().max()))
 
-    rec["param_digests"] = [param_digest(trainer.backbone)]
-    for step in range(1, steps):
+    for step in range(2, steps):
         trainer.train_step(step, batches)
         rec["param_digests"].append(param_digest(trainer.backbone))
     rec["buffer_digest_before_averaging"] = buffer_digest(trainer.backbone)
+    # BatchNorm: every rank's running statistics before the checkpoint averages them; the pooled
+    # statistics of the union (equal counts per rank) computed here from them, in float64.
+    everyone = comm.allgather_object(_bn_stats(trainer.backbone), name="test.bn")
     ckpt = trainer.save_checkpoint(steps)
     rec["full_digest_after_checkpoint"] = state_dict_digest(trainer.backbone.state_dict())
-    rec["classifier_max_change"] = float((trainer.classifier.weight.detach() - w0).abs().max())
+    after = _bn_stats(trainer.backbone)
+    rec["bn_layers"] = len(after)
+    rec["bn_pooled_max_err"] = rec["bn_rank0_vs_pooled"] = rec["bn_mean_of_vars_vs_pooled"] = 0.0
+    for name, (mean_after, var_after) in after.items():
+        means = torch.stack([e[name][0] for e in everyone]).double()     # (N, C)
+        variances = torch.stack([e[name][1] for e in everyone]).double()  # (N, C)
+        mean = means.mean(0)
+        var = variances.mean(0) + (means * means).mean(0) - mean * mean   # law of total variance
+        rel = lambda a, b: float(((a.double() - b).abs() / b.abs().clamp_min(1.0)).max())  # noqa: E731
+        rec["bn_pooled_max_err"] = max(rec["bn_pooled_max_err"], rel(mean_after, mean), rel(var_after, var))
+        rec["bn_rank0_vs_pooled"] = max(rec["bn_rank0_vs_pooled"], rel(everyone[0][name][0], mean),
+                                        rel(everyone[0][name][1], var))
+        rec["bn_mean_of_vars_vs_pooled"] = max(rec["bn_mean_of_vars_vs_pooled"], rel(variances.mean(0), var))
     rec["checkpoint"] = ckpt
     with open(os.path.join(out, f"rank-{comm.rank}.json"), "w") as f:
         json.dump(rec, f)
