@@ -14,6 +14,11 @@ the classifier, its gradient, its optimizer state and the logits):
   (x ``sample_rate`` for sampled ``global``) in ``LOGIT_COPIES`` buffer (the fused head makes the
   cosines, the softmax and its gradient in the same buffer);
 * gathered features (``global``): the (M, D) features, their normalised copy and their gradient;
+* cross-shard negatives (``local``, ``--negatives-every``): the remote centres' buffer (R = (N - 1) x share
+  rows, fp32) and their R logit columns; per step, ``torch.cat([weight, remote])``'s (W + R, D) copy and
+  the fused head's (W + R, D) gradient, whose storage the weight keeps as its ``.grad`` (its first W
+  rows) until the next step: R x D beyond the W x D counted (the exchange's all-gathered and new rows,
+  2R + share, fit in what the step frees before it runs);
 * backbone: parameters, gradient, optimizer state, and activations (the leaf modules' outputs for one
   batch, measured with a forward pass of 2 samples and scaled to B);
 * runtime: what a process holds regardless of the sizes: ~238 MB before any model exists (Python,
@@ -87,11 +92,14 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     cols += remote
     bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
+    temporaries = (2 * cols * dim + width * dim) * e if cols < width else 0   # sampled `global`'s rows
+    if negatives_every:  # the cat's (W + R, D) copy, and the R rows of the gradient the weight's .grad keeps
+        temporaries = (width + remote) * dim * e + remote * dim * e
     mem = {
         "classifier weights": width * dim * e,
         "classifier grads": width * dim * e,
         "classifier optimizer state": state * width * dim * e,
-        "classifier temporaries": (2 * cols * dim + width * dim) * e if cols < width else 0,
+        "classifier temporaries": temporaries,
         "logits": LOGIT_COPIES * rows * cols * e,
         "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
         "remote centres (negatives)": remote * dim * 4,

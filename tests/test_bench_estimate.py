@@ -50,6 +50,11 @@ def test_negatives_cost_their_buffer_columns_and_amortised_gather():
     assert full["traffic_bytes"]["centres (allgather, amortised)"] == 125_000 * 128 * 4 / 50
     assert some["memory_bytes"]["remote centres (negatives)"] == 7 * 1000 * 128 * 4
     assert some["traffic_total"] - loc["traffic_total"] == 1000 * 128 * 4 / 10
+    # per step: torch.cat([weight, remote])'s (W + R, D) copy, and the R rows of the (W + R, D) gradient
+    # the weight keeps as its .grad; W = 125,000, R = 7 x 125,000 (full) or 7 x 1,000 (some)
+    assert full["memory_bytes"]["classifier temporaries"] == (125_000 + 2 * 875_000) * 128 * 4
+    assert some["memory_bytes"]["classifier temporaries"] == (125_000 + 2 * 7_000) * 128 * 4
+    assert loc["memory_bytes"]["classifier temporaries"] == 0
     with pytest.raises(ValueError, match="belong to mode local"):
         estimate(10, 2, 8, 4, mode="global", bb=BB, negatives_every=5)
 
@@ -65,11 +70,13 @@ def test_estimate_cli_prints_a_table():
 def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
     cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "2000,4000", "--dims", "16", "--batch", "8",
            "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
-           "--config", os.path.join(ROOT, "configs", "bench.yaml")]
+           "--config", os.path.join(ROOT, "configs", "bench.yaml"), "--negatives-every", "1"]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
     res = json.load(open(tmp_path / "bench.json"))
     by = {(p["mode"], p["classes"]): p for p in res["points"]}
-    assert set(m for m, _ in by) == {"limit", "local", "global", "replicated"}
+    assert set(m for m, _ in by) == {"limit", "local", "negatives", "global", "replicated"}
+    # negatives (K=1, share 0): local's bytes plus the whole slice's centres, every step
+    assert by["negatives", 4000]["bytes_per_step"] - by["local", 4000]["bytes_per_step"] == 2000 * 16 * 4
     # local: exactly the backbone gradient, the same at both class counts
     assert by["local", 2000]["bytes_per_step"] == by["local", 4000]["bytes_per_step"] == by["local", 2000]["grad_bytes"]
     assert by["global", 4000]["bytes_per_step"] > by["local", 4000]["bytes_per_step"]
