@@ -15,10 +15,13 @@ the classifier, its gradient, its optimizer state and the logits):
   cosines, the softmax and its gradient in the same buffer);
 * gathered features (``global``): the (M, D) features, their normalised copy and their gradient;
 * cross-shard negatives (``local``, ``--negatives-every``): the remote centres' buffer (R = (N - 1) x share
-  rows, fp32) and their R logit columns; per step, ``torch.cat([weight, remote])``'s (W + R, D) copy and
-  the fused head's (W + R, D) gradient, whose storage the weight keeps as its ``.grad`` (its first W
-  rows) until the next step: R x D beyond the W x D counted (the exchange's all-gathered and new rows,
-  2R + share, fit in what the step frees before it runs);
+  rows, fp32) and their R logit columns (the fused head scores them into the same buffer, with no
+  (W + R, D) copy and no gradient). The exchange, before the step's forward, frees the old buffer and
+  then holds the all-gathered (R + share, D) rows and the new (R, D) buffer (plus the published rows'
+  copy when share < W): R + share rows more than between exchanges. No gradient, logits or activations
+  exist then, so ``negatives exchange`` counts only what it needs beyond the step's own transients
+  (classifier gradient, logits, activations, backbone gradient); at np=2 with whole slices shared the
+  two are about equal;
 * backbone: parameters, gradient, optimizer state, and activations (the leaf modules' outputs for one
   batch, measured with a forward pass of 2 samples and scaled to B);
 * runtime: what a process holds regardless of the sizes: ~238 MB before any model exists (Python,
@@ -92,21 +95,23 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     cols += remote
     bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
-    temporaries = (2 * cols * dim + width * dim) * e if cols < width else 0   # sampled `global`'s rows
-    if negatives_every:  # the cat's (W + R, D) copy, and the R rows of the gradient the weight's .grad keeps
-        temporaries = (width + remote) * dim * e + remote * dim * e
     mem = {
         "classifier weights": width * dim * e,
         "classifier grads": width * dim * e,
         "classifier optimizer state": state * width * dim * e,
-        "classifier temporaries": temporaries,
+        "classifier temporaries": (2 * cols * dim + width * dim) * e if cols < width else 0,
         "logits": LOGIT_COPIES * rows * cols * e,
         "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
         "remote centres (negatives)": remote * dim * 4,
         "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
         "backbone activations": bb["activation_bytes"],
+        "negatives exchange (beyond the step)": 0,
         "runtime": int(runtime_mb * 2 ** 20),
     }
+    if negatives_every:  # gathered R + share rows and the new R-row buffer, the old one freed first
+        exchange = (remote + share + (share if share < width else 0)) * dim * 4
+        step = mem["classifier grads"] + mem["logits"] + bb["activation_bytes"] + bb["params"] * 4
+        mem["negatives exchange (beyond the step)"] = max(0, exchange - step)
     grad_bytes = bb["params"] * (2 if fp16_compression else 4)
     traffic = {"backbone gradient": grad_bytes}
     if mode == "replicated":
