@@ -249,7 +249,8 @@ def run_bench(a) -> Dict[str, Any]:
                       f"[{time.time() - t0:.0f} s]", flush=True)
     _ratios(points)
     load = os.getloadavg()
-    result = {"command": " ".join(["hvd-partialfc"] + sys.argv[1:]), "np": a.np, "batch": a.batch,
+    argv = sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"] + sys.argv[1:]   # also python -m ...bench
+    result = {"command": " ".join(["hvd-partialfc"] + argv), "np": a.np, "batch": a.batch,
               "steps": a.steps, "warmup": a.warmup, "backbone": cfg.model.name, "in_dim": a.in_dim,
               "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms,
               "negatives_every": a.negatives_every, "negatives_share": a.negatives_share, "load_average_before": load0,
