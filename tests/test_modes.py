@@ -161,3 +161,40 @@ def test_frozen_columns_score_like_concatenated_rows_without_a_copy(loss):
     assert grad_storage == 12 * 8 * 4                                   # (W, D), not (W + R, D)
     assert head.remote.grad is None and not head.remote.requires_grad
 
+
+
+class TwoRanksSeenFromRankZero:
+    """Comm of rank 0 of 2 whose all-gather appends rank 1's rows; it notes what the head holds meanwhile."""
+    rank, size, sent_bytes, wait_s = 0, 2, 0, 0.0
+
+    def __init__(self, other):
+        self.other, self.head, self.remote_rows_during_gather, self.sent = other, None, [], []
+
+    def allgather_tensor(self, t, name):
+        self.remote_rows_during_gather.append(self.head.remote.shape[0])
+        self.sent.append(t.clone())
+        return torch.cat([t, self.other])
+
+
+def test_exchange_frees_the_old_buffer_before_the_gather_and_keeps_raw_rows():
+    # holding the old R rows through the gather and the cat made the exchange the peak of memory
+    # (docs/benchmarks.md: np=4, 4 x 10^5 x 128: 956 -> 806 MB)
+    other = torch.randn(5, 3) * 7
+    comm = TwoRanksSeenFromRankZero(other)
+    head = CrossShardNegativesHead(4, 3, 0, comm, every=1, share=0, slice_widths=[4, 5], loss="softmax")
+    comm.head = head
+    head.before_step(0)
+    head.before_step(1)
+    assert comm.remote_rows_during_gather == [0, 0]
+    assert torch.equal(comm.sent[0], head.weight.detach())           # this rank's rows as it holds them
+    assert torch.equal(head.remote, other)                           # the other rank's, as they came
+
+
+@pytest.mark.parametrize("loss,kept", [("softmax", False), ("arcface", True)])
+def test_checkpoints_with_normalised_remote_rows(loss, kept):
+    # written before the rows travelled raw: fine for the margin losses, re-exchanged for softmax
+    head = CrossShardNegativesHead(4, 3, 0, OneRank(), every=1, share=0, slice_widths=[4], loss=loss)
+    head.load_extra_state({"remote": F.normalize(torch.randn(5, 3)), "exchanges": 2})
+    assert (head.remote.shape[0] == 5) is kept
+    head.load_extra_state(head.extra_state_for_checkpoint() | {"remote": torch.randn(6, 3)})
+    assert head.remote.shape[0] == 6
