@@ -2,11 +2,15 @@
 
     hvd-partialfc bench [--config configs/bench.yaml] [--classes 10000,100000,...] [--dims 128,512]
                         [--modes local,global,replicated] [--np 2] [--steps 5] [--warmup 2] [--out DIR] [--plot]
+                        [--negatives-every K [--negatives-share S]]
 
 For every (classes, dim) point the driver (this process, no Horovod) launches one job per mode under
 ``horovodrun -np N --gloo`` and one *limit* job: the same backbone and the same local classifier work
 (a slice of C / N classes) in a process that never initialises Horovod (its "optimizer" never
-communicates): what ``local`` would cost with free communication. Each job is a fresh process, so its
+communicates): what ``local`` would cost with free communication. ``local`` is the bare method
+(``head.negatives_every=0``); ``--negatives-every K`` adds a ``negatives`` job: ``local`` with cross-shard
+negatives every K steps, ``--negatives-share`` centres per rank (0: the whole slice), so their memory is
+measured against the estimator's figure for the same settings. Each job is a fresh process, so its
 peak RSS is its own. Every job runs the trainer's own ``Trainer.train_step`` (one loop for every mode)
 on synthetic batches held in memory (no disk), with one torch thread per rank.
 
@@ -29,6 +33,8 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from .modes import MODES
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -107,14 +113,18 @@ def run_worker(a) -> Dict[str, Any]:
     from .train import Trainer
     limit = a.mode == "limit"
     comm = _NoComm(a.rank, a.np) if limit else comm_lib.init()
+    # `negatives` is `local` with cross-shard negatives; every other job runs its mode bare
+    every = a.negatives_every if a.mode == "negatives" else 0
     cfg = load_config(a.config or None, [*(a.set or []), "data.shards=synthetic", "train.device=cpu",
-                                         f"head.mode={'local' if limit else a.mode}", f"model.embedding_dim={a.dim}",
-                                         f"data.batch_size={a.batch}", "train.threads=1",
-                                         "head.negatives_every=0"])   # the bare method (estimate has negatives)
+                                         f"head.mode={a.mode if a.mode in MODES else 'local'}",
+                                         f"model.embedding_dim={a.dim}", f"data.batch_size={a.batch}",
+                                         "train.threads=1", f"head.negatives_every={every}",
+                                         f"head.negatives_share={a.negatives_share}"])
     rss_runtime = _peak_rss()
     trainer = Trainer.__new__(Trainer)          # the trainer's own components, without shards on disk
     trainer.cfg, trainer.comm, trainer.device = cfg, comm, torch.device("cpu")
-    trainer.label_slice = even_slices(a.classes, comm.size)[comm.rank]
+    trainer.all_slices = even_slices(a.classes, comm.size)      # every rank's width (the negatives' shares)
+    trainer.label_slice = trainer.all_slices[comm.rank]
     trainer.manifest = SimpleNamespace(kind="features", num_classes=a.classes)
     in_shape = [a.in_dim]
     trainer._build_model(in_shape, a.classes)
@@ -159,7 +169,8 @@ def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int) -> Lis
     os.makedirs(job, exist_ok=True)
     worker = [sys.executable, "-m", "hvd_partialfc.bench", "--worker", mode, "--classes", str(classes),
               "--dim", str(dim), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-              "--np", str(a.np), "--in-dim", str(a.in_dim), "--job", job]
+              "--np", str(a.np), "--in-dim", str(a.in_dim), "--job", job,
+              "--negatives-every", str(a.negatives_every), "--negatives-share", str(a.negatives_share)]
     if a.config:
         worker += ["--config", os.path.abspath(a.config)]
     for s in a.set or []:
@@ -202,14 +213,22 @@ def run_bench(a) -> Dict[str, Any]:
     os.makedirs(a.out, exist_ok=True)
     load0 = os.getloadavg()
     cfg = _bench_config(a)
+    modes = list(a.modes)
+    if a.negatives_every > 0 and "negatives" not in modes:
+        modes.insert(modes.index("local") + 1 if "local" in modes else len(modes), "negatives")
+    if "negatives" in modes and a.negatives_every <= 0:
+        raise ValueError("the negatives job needs --negatives-every K > 0")
     points: List[Dict[str, Any]] = []
     for dim in a.dims:
         bb = backbone_figures(cfg.model.name, dim, a.batch, [a.in_dim], cfg.model.kwargs)
         for classes in a.classes:
-            for mode in ["limit"] + list(a.modes):
+            for mode in ["limit"] + modes:
+                negatives = mode == "negatives"
                 est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
-                               "local" if mode == "limit" else mode, optimizer=_opt_kind(cfg),
-                               sample_rate=cfg.head.sample_rate, bb=bb)
+                               mode if mode in MODES else "local", optimizer=_opt_kind(cfg),
+                               sample_rate=cfg.head.sample_rate, bb=bb,
+                               negatives_every=a.negatives_every if negatives else 0,
+                               negatives_share=a.negatives_share if negatives else 0)
                 if mode == "limit":  # the limit holds a local slice of C / N classes
                     est = estimate(-(-classes // a.np), 1, dim, a.batch, cfg.model.name, "local",
                                    optimizer=_opt_kind(cfg), bb=bb)
@@ -230,9 +249,11 @@ def run_bench(a) -> Dict[str, Any]:
                       f"[{time.time() - t0:.0f} s]", flush=True)
     _ratios(points)
     load = os.getloadavg()
-    result = {"command": " ".join(["hvd-partialfc"] + sys.argv[1:]), "np": a.np, "batch": a.batch,
+    argv = sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"] + sys.argv[1:]   # also python -m ...bench
+    result = {"command": " ".join(["hvd-partialfc"] + argv), "np": a.np, "batch": a.batch,
               "steps": a.steps, "warmup": a.warmup, "backbone": cfg.model.name, "in_dim": a.in_dim,
-              "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms, "load_average_before": load0,
+              "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms,
+              "negatives_every": a.negatives_every, "negatives_share": a.negatives_share, "load_average_before": load0,
               "load_average_after": load, "cpus": os.cpu_count(), "points": points}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -291,7 +312,8 @@ def plot(result: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     pts = [p for p in result["points"] if "skipped" not in p]
-    colors = {"limit": "tab:green", "local": "tab:blue", "global": "tab:orange", "replicated": "tab:red"}
+    colors = {"limit": "tab:green", "local": "tab:blue", "global": "tab:orange", "replicated": "tab:red",
+              "negatives": "tab:purple"}
     for mode in sorted({p["mode"] for p in pts}):
         for dim in sorted({p["dim"] for p in pts}):
             sel = sorted((p for p in pts if p["mode"] == mode and p["dim"] == dim), key=lambda p: p["classes"])
@@ -317,7 +339,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
     p.add_argument("--classes", type=ints, default=[10_000, 100_000, 200_000, 1_000_000])
     p.add_argument("--dims", type=ints, default=[128, 512])
-    p.add_argument("--modes", type=lambda s: s.split(","), default=["local", "global", "replicated"])
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["local", "global", "replicated"],
+                   help="jobs besides the limit: local, global, replicated, negatives (local + cross-shard "
+                        "negatives, added by --negatives-every)")
     p.add_argument("--np", type=int, default=2, help="ranks per job (horovodrun -np)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--in-dim", type=int, default=512, help="synthetic input feature size")
@@ -327,6 +351,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cycle-time-ms", type=float, default=10.0,
                    help="HOROVOD_CYCLE_TIME for the jobs (Horovod's default 1 ms wakes its background thread "
                         "often enough to slow the training threads when every core is busy; 0: leave as is)")
+    p.add_argument("--negatives-every", type=int, default=0,
+                   help="K > 0: also a `negatives` job, local with cross-shard negatives every K steps (the "
+                        "first exchange is at step 0, in the warm-up; bytes/step counts the measured steps)")
+    p.add_argument("--negatives-share", type=int, default=0,
+                   help="centres each rank shares in the negatives job (0: its whole slice)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per job")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--max-memory-gb", type=float, default=16.0,

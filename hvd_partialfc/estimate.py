@@ -14,6 +14,14 @@ the classifier, its gradient, its optimizer state and the logits):
   (x ``sample_rate`` for sampled ``global``) in ``LOGIT_COPIES`` buffer (the fused head makes the
   cosines, the softmax and its gradient in the same buffer);
 * gathered features (``global``): the (M, D) features, their normalised copy and their gradient;
+* cross-shard negatives (``local``, ``--negatives-every``): the remote centres' buffer (R = (N - 1) x share
+  rows, fp32) and their R logit columns (the fused head scores them into the same buffer, with no
+  (W + R, D) copy and no gradient). The exchange, before the step's forward, frees the old buffer and
+  then holds the all-gathered (R + share, D) rows and the new (R, D) buffer (plus the published rows'
+  copy when share < W): R + share rows more than between exchanges. No gradient, logits or activations
+  exist then, so ``negatives exchange`` counts only what it needs beyond the step's own transients
+  (classifier gradient, logits, activations, backbone gradient); at np=2 with whole slices shared the
+  two are about equal;
 * backbone: parameters, gradient, optimizer state, and activations (the leaf modules' outputs for one
   batch, measured with a forward pass of 2 samples and scaled to B);
 * runtime: what a process holds regardless of the sizes: ~238 MB before any model exists (Python,
@@ -97,8 +105,13 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         "remote centres (negatives)": remote * dim * 4,
         "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
         "backbone activations": bb["activation_bytes"],
+        "negatives exchange (beyond the step)": 0,
         "runtime": int(runtime_mb * 2 ** 20),
     }
+    if negatives_every:  # gathered R + share rows and the new R-row buffer, the old one freed first
+        exchange = (remote + share + (share if share < width else 0)) * dim * 4
+        step = mem["classifier grads"] + mem["logits"] + bb["activation_bytes"] + bb["params"] * 4
+        mem["negatives exchange (beyond the step)"] = max(0, exchange - step)
     grad_bytes = bb["params"] * (2 if fp16_compression else 4)
     traffic = {"backbone gradient": grad_bytes}
     if mode == "replicated":

@@ -41,12 +41,19 @@ class CrossShardNegativesHead(LocalHead):
     """The method plus other ranks' class centres as extra, frozen negatives (issue: accuracy).
 
     A rank's softmax otherwise contrasts only its own classes: classes on different ranks are never pushed
-    apart. Every ``every`` steps each rank publishes ``share`` of its normalised centres (all of them when
-    ``share`` is 0; a seeded random subset otherwise) through one all-gather; every rank keeps the others'
-    centres as a *buffer* and appends them as extra columns of its softmax. The gradient reaches the
-    features (and through them the backbone) but never the remote centres, and this rank's classifier is
-    still updated from its own data only. Per-step traffic stays the backbone gradient; the exchange adds
+    apart. Every ``every`` steps each rank publishes ``share`` of its centres (all of them when ``share`` is
+    0; a seeded random subset otherwise) through one all-gather; every rank keeps the others' centres as a
+    *buffer* and appends them as extra columns of its softmax. The gradient reaches the features (and
+    through them the backbone) but never the remote centres, and this rank's classifier is still updated
+    from its own data only. Per-step traffic stays the backbone gradient; the exchange adds
     ``share x D x 4`` bytes per rank every ``every`` steps (amortised: divide by ``every``).
+
+    The rows travel *raw*, exactly as the owner holds them, and are scored by the same loss as this rank's
+    own columns, so a remote column's logit is the one its owner computes for that class (tested against
+    the owner's logits under horovodrun for softmax, CosFace and ArcFace, tests/test_negatives.py).
+    Normalised rows were right only for the margin losses, which divide every column by its norm anyway:
+    with ``head.loss=softmax`` (logits ``x . w``) a unit-norm remote row scored ``|w|^-1`` times its owner's
+    logit, ~9x at D=128 and the N(0, 0.01) init, so the remote classes dominated the softmax.
     """
 
     def __init__(self, width: int, dim: int, label_start: int, comm, every: int, share: int,
@@ -76,31 +83,38 @@ class CrossShardNegativesHead(LocalHead):
 
     @torch.no_grad()
     def exchange(self, step: int) -> None:
-        """One all-gather of normalised centres; a collective: every rank calls it at the same steps."""
+        """One all-gather of raw centres; a collective: every rank calls it at the same steps."""
         rank, k = self.comm.rank, self.shares[self.comm.rank]
         if k < self.width:
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + rank) * 10_007 + step)
             rows = torch.sort(torch.randperm(self.width, generator=g)[:k]).values.to(self.weight.device)
             mine = self.weight[rows]
         else:
-            mine = self.weight
-        mine = torch.nn.functional.normalize(mine.float(), dim=1).contiguous()        # (k, D)
+            mine = self.weight.detach()
+        mine = mine.float().contiguous()                                              # (k, D), raw rows
+        # the old buffer goes first: held through the gather and the cat, its R rows made the exchange the
+        # peak of memory (np=4, 4 x 10^5 x 128, whole slices: 956 -> 806 MB per rank, docs/benchmarks.md)
+        self.remote = self.remote.new_zeros(0, self.weight.shape[1])
         gathered = self.comm.allgather_tensor(mine, f"{self.name}.centres")           # (sum shares, D)
         lo = sum(self.shares[:rank])
         self.remote = torch.cat([gathered[:lo], gathered[lo + k:]])                   # others' centres only
         self.exchanges += 1
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # (W + R, D) columns: this rank's centres (trained) then the remote ones (frozen buffer); the
-        # targets are local, so the margin only ever touches this rank's own columns.
-        columns = torch.cat([self.weight, self.remote.to(self.weight.dtype)])
-        return margin_cross_entropy(features, columns, labels, self.margin)
+        # W + R columns: this rank's centres (trained) then the remote ones (frozen buffer), scored into one
+        # (B, W + R) buffer without a (W + R, D) copy; the targets are local, so the margin only ever
+        # touches this rank's own columns.
+        frozen = self.remote if self.remote.numel() else None
+        return margin_cross_entropy(features, self.weight, labels, self.margin, frozen=frozen)
 
     def extra_state_for_checkpoint(self) -> dict:
-        return {"remote": self.remote.detach().cpu(), "exchanges": self.exchanges}
+        return {"remote": self.remote.detach().cpu(), "exchanges": self.exchanges, "rows": "raw"}
 
     def load_extra_state(self, state: dict) -> None:
-        if "remote" in state:
+        # Checkpoints written before the rows travelled raw hold normalised rows: right for the margin
+        # losses (they normalise every column), wrong for softmax, whose remote buffer then stays empty
+        # and is exchanged again at the resume step (every rank reads the same kind of checkpoint).
+        if "remote" in state and (state.get("rows") == "raw" or self.margin.normalized):
             self.remote = state["remote"].to(self.weight.device)
             self.exchanges = state.get("exchanges", 0)
 

@@ -50,6 +50,27 @@ def test_negatives_cost_their_buffer_columns_and_amortised_gather():
     assert full["traffic_bytes"]["centres (allgather, amortised)"] == 125_000 * 128 * 4 / 50
     assert some["memory_bytes"]["remote centres (negatives)"] == 7 * 1000 * 128 * 4
     assert some["traffic_total"] - loc["traffic_total"] == 1000 * 128 * 4 / 10
+    # the fused head scores the remote rows in the same buffer: no (W + R, D) copy, no gradient for them
+    assert full["memory_bytes"]["classifier temporaries"] == some["memory_bytes"]["classifier temporaries"] == 0
+    assert full["memory_total"] - loc["memory_total"] == (
+        full["memory_bytes"]["remote centres (negatives)"] + 64 * 875_000 * 4
+        + full["memory_bytes"]["negatives exchange (beyond the step)"])
+
+
+def test_negatives_exchange_counts_what_the_step_does_not_already_hold():
+    # np=4, whole slices: W = 100,000, R = 300,000. The exchange (old buffer freed) holds the gathered
+    # R + W rows and the new R-row buffer: R + W rows beyond the buffer; the step's transients are the
+    # classifier gradient (W rows), the logits (64 x (W + R)) and the backbone's gradient
+    neg = estimate(400_000, 4, 128, 64, mode="local", bb=BB, negatives_every=2)
+    step = 100_000 * 128 * 4 + 64 * 400_000 * 4 + 1000 * 4
+    assert neg["memory_bytes"]["negatives exchange (beyond the step)"] == 400_000 * 128 * 4 - step
+    # a subset: the published rows are copied out of the weight too (R + 2 x share rows)
+    some = estimate(400_000, 4, 128, 8, mode="local", bb=BB, negatives_every=2, negatives_share=90_000)
+    step = 100_000 * 128 * 4 + 8 * 370_000 * 4 + 1000 * 4
+    assert some["memory_bytes"]["negatives exchange (beyond the step)"] == (270_000 + 2 * 90_000) * 128 * 4 - step
+    # at np=2 the step's gradient and logits outweigh it
+    assert estimate(1_000_000, 2, 128, 64, mode="local", bb=BB, negatives_every=2)["memory_bytes"][
+        "negatives exchange (beyond the step)"] == 0
     with pytest.raises(ValueError, match="belong to mode local"):
         estimate(10, 2, 8, 4, mode="global", bb=BB, negatives_every=5)
 
@@ -65,11 +86,13 @@ def test_estimate_cli_prints_a_table():
 def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
     cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "2000,4000", "--dims", "16", "--batch", "8",
            "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
-           "--config", os.path.join(ROOT, "configs", "bench.yaml")]
+           "--config", os.path.join(ROOT, "configs", "bench.yaml"), "--negatives-every", "1"]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
     res = json.load(open(tmp_path / "bench.json"))
     by = {(p["mode"], p["classes"]): p for p in res["points"]}
-    assert set(m for m, _ in by) == {"limit", "local", "global", "replicated"}
+    assert set(m for m, _ in by) == {"limit", "local", "negatives", "global", "replicated"}
+    # negatives (K=1, share 0): local's bytes plus the whole slice's centres, every step
+    assert by["negatives", 4000]["bytes_per_step"] - by["local", 4000]["bytes_per_step"] == 2000 * 16 * 4
     # local: exactly the backbone gradient, the same at both class counts
     assert by["local", 2000]["bytes_per_step"] == by["local", 4000]["bytes_per_step"] == by["local", 2000]["grad_bytes"]
     assert by["global", 4000]["bytes_per_step"] > by["local", 4000]["bytes_per_step"]

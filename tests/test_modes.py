@@ -5,6 +5,7 @@ one-rank fake of ``Comm`` (identity collectives).
 """
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from conftest import MR, run_hvd
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.heads import LocalClassifier, margin_cross_entropy
-from hvd_partialfc.modes import GlobalSoftmaxHead
+from hvd_partialfc.modes import CrossShardNegativesHead, GlobalSoftmaxHead
 
 SCEN = os.path.join(MR, "modes_scenarios.py")
 
@@ -133,3 +134,67 @@ def test_mode_config_is_validated(sets, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, ["data.shards=x", *sets])
     assert load_config(None, ["data.shards=x", "head.mode=global", "head.sample_rate=0.1"]).head.mode == "global"
+
+
+@pytest.mark.parametrize("loss", ["softmax", "cosface", "arcface"])
+def test_frozen_columns_score_like_concatenated_rows_without_a_copy(loss):
+    # cross-shard negatives' remote centres: R frozen columns after the weight's W, in the same buffer.
+    # Reference: F.cross_entropy over the unfused logits of torch.cat([weight, remote]); the weight's
+    # gradient is its own (W, D) array, not the first rows of a (W + R, D) one kept alive as its .grad
+    torch.manual_seed(0)
+    head = CrossShardNegativesHead(12, 8, 0, OneRank(), every=1, share=0, slice_widths=[12], loss=loss,
+                                   scale=16.0, margin=0.4)
+    head.remote = torch.randn(20, 8) * torch.rand(20, 1) * 3          # raw rows of different norms
+    x, labels = torch.randn(6, 8, requires_grad=True), torch.tensor([0, 3, 11, 1, 1, 5])
+    ours = head(x, labels)
+    ours.backward()
+    ref_w = head.weight.detach().clone().requires_grad_(True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    cat = torch.cat([ref_w, head.remote])
+    logits = LocalClassifier.logits(SimpleNamespace(weight=cat, margin=head.margin), ref_x, labels)  # unfused
+    ref = F.cross_entropy(logits, labels)
+    ref.backward()
+    assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    assert torch.allclose(x.grad, ref_x.grad, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(head.weight.grad, ref_w.grad, atol=1e-5, rtol=1e-4)
+    grad_storage = head.weight.grad.untyped_storage().nbytes()
+    assert grad_storage == 12 * 8 * 4                                   # (W, D), not (W + R, D)
+    assert head.remote.grad is None and not head.remote.requires_grad
+
+
+
+class TwoRanksSeenFromRankZero:
+    """Comm of rank 0 of 2 whose all-gather appends rank 1's rows; it notes what the head holds meanwhile."""
+    rank, size, sent_bytes, wait_s = 0, 2, 0, 0.0
+
+    def __init__(self, other):
+        self.other, self.head, self.remote_rows_during_gather, self.sent = other, None, [], []
+
+    def allgather_tensor(self, t, name):
+        self.remote_rows_during_gather.append(self.head.remote.shape[0])
+        self.sent.append(t.clone())
+        return torch.cat([t, self.other])
+
+
+def test_exchange_frees_the_old_buffer_before_the_gather_and_keeps_raw_rows():
+    # holding the old R rows through the gather and the cat made the exchange the peak of memory
+    # (docs/benchmarks.md: np=4, 4 x 10^5 x 128: 956 -> 806 MB)
+    other = torch.randn(5, 3) * 7
+    comm = TwoRanksSeenFromRankZero(other)
+    head = CrossShardNegativesHead(4, 3, 0, comm, every=1, share=0, slice_widths=[4, 5], loss="softmax")
+    comm.head = head
+    head.before_step(0)
+    head.before_step(1)
+    assert comm.remote_rows_during_gather == [0, 0]
+    assert torch.equal(comm.sent[0], head.weight.detach())           # this rank's rows as it holds them
+    assert torch.equal(head.remote, other)                           # the other rank's, as they came
+
+
+@pytest.mark.parametrize("loss,kept", [("softmax", False), ("arcface", True)])
+def test_checkpoints_with_normalised_remote_rows(loss, kept):
+    # written before the rows travelled raw: fine for the margin losses, re-exchanged for softmax
+    head = CrossShardNegativesHead(4, 3, 0, OneRank(), every=1, share=0, slice_widths=[4], loss=loss)
+    head.load_extra_state({"remote": F.normalize(torch.randn(5, 3)), "exchanges": 2})
+    assert (head.remote.shape[0] == 5) is kept
+    head.load_extra_state(head.extra_state_for_checkpoint() | {"remote": torch.randn(6, 3)})
+    assert head.remote.shape[0] == 6
