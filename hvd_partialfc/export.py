@@ -8,9 +8,8 @@ module). When the ranks' digests differ (a run that diverged), export refuses: t
 """
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch.nn as nn
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, List
 import torch
 
 from .heads import LocalClassifier, margin_cross_entropy
+from .seeds import derive_seed
 
 MODES = ("local", "global", "replicated")
 
@@ -86,7 +87,7 @@ class CrossShardNegativesHead(LocalHead):
         """One all-gather of raw centres; a collective: every rank calls it at the same steps."""
         rank, k = self.comm.rank, self.shares[self.comm.rank]
         if k < self.width:
-            g = torch.Generator().manual_seed((self.seed * 1_000_003 + rank) * 10_007 + step)
+            g = torch.Generator().manual_seed(derive_seed(self.seed, rank, step))
             rows = torch.sort(torch.randperm(self.width, generator=g)[:k]).values.to(self.weight.device)
             mine = self.weight[rows]
         else:

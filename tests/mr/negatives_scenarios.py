@@ -118,7 +118,7 @@ def scenario_step(shards, out, steps, share, loss):
                              f"head.margin={MARGIN}", "optim.backbone_lr=0.05"])
     comm = comm_lib.init()
     trainer = Trainer(cfg, comm)
-    head, o = trainer.classifier, cfg.optim
+    head = trainer.classifier
     batches = iter(trainer.loader)
     rec = {"rank": comm.rank, "width": head.width, "exchanges": []}
     for step in range(steps):

@@ -92,7 +92,7 @@ def scenario_core(shards, out, steps):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
                              "model.name=resnet", "model.kwargs={width: 8}", "optim.schedule=constant",
                              "head.loss=arcface", "head.scale=16", "optim.backbone_lr=0.05",
-                             "head.negatives_every=0"])   # the bare method's update (negatives: scenario_negatives)
+                             "head.negatives_every=0"])   # the bare method's update (negatives: negatives_scenarios.py)
     comm = comm_lib.init()
     rec = {"rank": comm.rank, "size": comm.size}
     with mock.patch.object(train_lib, "create_model", _perturbed_create_model(comm.rank, rec)):
@@ -237,44 +237,8 @@ def scenario_nonfinite(shards, out, steps):
         json.dump(rec, f)
 
 
-def scenario_negatives(shards, out, steps, share=0):
-    """Cross-shard negatives: the exchanged centres are the other ranks' (normalised) rows, frozen."""
-    import torch.nn.functional as F
-    cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=4",
-                             "model.name=mlp", "optim.schedule=constant", "head.negatives_every=2",
-                             f"head.negatives_share={share}", "head.scale=16", "head.margin=0.2"])
-    comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
-    if comm.rank == 0:
-        cfg.optim.classifier_lr = 0.0  # rank 0's classifier must stay put although it sees rank 1's centres
-    head = trainer.classifier
-    w0 = head.weight.detach().clone()
-    batches = iter(trainer.loader)
-    rec = {"rank": comm.rank, "width": head.width, "exchanges": []}
-    for step in range(steps):
-        if step % 2 == 0:
-            everyone = comm.allgather_object(F.normalize(head.weight.detach().float(), dim=1), name=f"test.w{step}")
-        trainer.train_step(step, batches)
-        if step % 2 == 0:
-            others = [w for r, w in enumerate(everyone) if r != comm.rank]
-            if share == 0:
-                rec["exchanges"].append(bool(torch.equal(head.remote, torch.cat(others))))
-            else:  # a subset of each other rank's rows, each row one of theirs
-                rec["exchanges"].append(all(any(torch.equal(row, o) for o in torch.cat(others)) for row in head.remote)
-                                        and head.remote.shape[0] == sum(min(share, o.shape[0]) for o in others))
-    rec["remote_rows"] = int(head.remote.shape[0])
-    rec["remote_requires_grad"] = bool(head.remote.requires_grad)
-    rec["remote_grad_is_none"] = head.remote.grad is None
-    rec["classifier_max_change"] = float((head.weight.detach() - w0).abs().max())
-    rec["digest"] = param_digest(trainer.backbone)
-    rec["sent_bytes"] = comm.sent_bytes
-    with open(os.path.join(out, f"rank-{comm.rank}.json"), "w") as f:
-        json.dump(rec, f)
-
-
 if __name__ == "__main__":
     name, shards, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     extra = [int(a) for a in sys.argv[5:]]
     os.makedirs(out, exist_ok=True)
-    {"core": scenario_core, "np1": scenario_np1, "nonfinite": scenario_nonfinite,
-     "negatives": scenario_negatives}[name](shards, out, steps, *extra)
+    {"core": scenario_core, "np1": scenario_np1, "nonfinite": scenario_nonfinite}[name](shards, out, steps, *extra)
