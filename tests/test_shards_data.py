@@ -4,7 +4,6 @@ import os
 import re
 
 import h5py
-import numpy as np
 import pytest
 import torch
 
