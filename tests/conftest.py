@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -67,6 +68,20 @@ def launch_env(fault=None):
     return e
 
 
+def run_job(cmd, env, timeout, cwd=ROOT):
+    """``subprocess.run`` for launched jobs: on a timeout the whole process group goes (the launcher *and*
+    its ranks; killing only the launcher leaves ranks spinning in a collective, slowing every later test)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_hvd(np_, args, backend="gloo", timeout=180, env=None, check=True):
     """Run ``python args...`` under ``horovodrun -np np_ --backend``; return the CompletedProcess."""
     cmd = [HOROVODRUN, "-np", str(np_), f"--{backend}", sys.executable, *map(str, args)]
@@ -76,7 +91,7 @@ def run_hvd(np_, args, backend="gloo", timeout=180, env=None, check=True):
     e.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     e["PYTHONPATH"] = ROOT
     e.update(env or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    proc = run_job(cmd, e, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")

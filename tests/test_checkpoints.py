@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd
+from conftest import HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
 
 CLI = [sys.executable, "-m", "hvd_partialfc.cli"]
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
@@ -32,7 +32,7 @@ def train1(shards, out, steps, sets=(), fault=None, check=True, timeout=120):
     args = CLI + ["train", "--shards", shards, "--out", str(out), "--steps", str(steps)]
     for s in list(BASE) + list(sets):
         args += ["--set", s]
-    p = subprocess.run(args, capture_output=True, text=True, env=launch_env(fault), cwd=ROOT, timeout=timeout)
+    p = run_job(args, launch_env(fault), timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}")
     return p
@@ -230,8 +230,7 @@ def test_ranks_resolving_different_checkpoints_stop(shards2, tmp_path):
                     "--out", f"{tmp_path}/node$HOROVOD_RANK", "--resume", "auto"]
                    + sum((["--set", s] for s in BASE), []))
     t0 = time.time()
-    p = subprocess.run([HOROVODRUN, "-np", "2", "--gloo", "sh", "-c", cmd], capture_output=True, text=True,
-                       env=launch_env(), cwd=ROOT, timeout=120)
+    p = run_job([HOROVODRUN, "-np", "2", "--gloo", "sh", "-c", cmd], launch_env(), timeout=120)
     text = p.stdout + p.stderr
     assert p.returncode != 0 and time.time() - t0 < 60
     assert "ranks resolved different checkpoints" in text
@@ -269,6 +268,6 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, sig):
     meta = json.load(open(run / "checkpoints" / last / "meta.json"))
     assert 0 < meta["step"] < 100000 and meta["identical"]
     assert any(int(s[5:]) % 5 for s in steps_in(run)) or len(steps_in(run)) > 2
-    p = subprocess.run(cmd[:cmd.index("--steps") + 1] + [str(meta["step"] + 2)] + cmd[cmd.index("--steps") + 2:]
-                       + ["--resume", "auto"], env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = run_job(cmd[:cmd.index("--steps") + 1] + [str(meta["step"] + 2)] + cmd[cmd.index("--steps") + 2:]
+                + ["--resume", "auto"], launch_env(), timeout=120)
     assert p.returncode == 0 and f"at step {meta['step']}" in p.stdout + p.stderr, p.stderr[-3000:]

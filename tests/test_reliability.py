@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd
+from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
 
 pytestmark = pytest.mark.multirank
 CLI = os.path.join(BIN, "hvd-partialfc")
@@ -35,8 +35,7 @@ def _cmd(np_, shards, out, sets, steps, backend="gloo"):
 
 def train(np_, shards, out, sets=(), steps=20, fault=None, check=True, timeout=150, backend="gloo"):
     t0 = time.time()
-    p = subprocess.run(_cmd(np_, shards, out, list(BASE) + list(sets), steps, backend), capture_output=True,
-                       text=True, env=launch_env(fault), cwd=ROOT, timeout=timeout)
+    p = run_job(_cmd(np_, shards, out, list(BASE) + list(sets), steps, backend), launch_env(fault), timeout)
     p.elapsed = time.time() - t0
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
