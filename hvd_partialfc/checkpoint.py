@@ -294,16 +294,19 @@ class Checkpointer:
         newer = [d for d in entries if parse_step(d) is not None and parse_step(d) > start_step]
         if not newer:
             return []
-        self._aside = "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        stamp = "superseded-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        self._aside, n = stamp, 1
+        while os.path.exists(os.path.join(self.base, self._aside)):  # two starts within one second
+            self._aside, n = f"{stamp}-{n}", n + 1
         aside = os.path.join(self.base, self._aside)
-        os.makedirs(aside, exist_ok=True)
+        os.makedirs(aside)
         latest = os.path.join(self.base, LATEST)
         pointed = open(latest).read().strip() if os.path.isfile(latest) else None
         for d in newer:
             os.rename(os.path.join(self.base, d), os.path.join(aside, d))
         if pointed in newer:
             os.replace(latest, os.path.join(aside, LATEST))
-            keep = [d for d in list_checkpoints(self.run_dir)]
+            keep = list_checkpoints(self.run_dir)
             if keep:  # the newest one left is where this run restarted from
                 atomic.write_text(latest, keep[-1] + "\n")
         atomic.fsync_dir(self.base)
