@@ -186,6 +186,18 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
     assert all(np.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
+    # the options were applied, not only accepted: the lr follows the configured schedule, fp16 keeps a
+    # loss scale, AdamW keeps its moments
+    from hvd_partialfc.config import load_config
+    from hvd_partialfc.train import lr_factor
+    o = load_config(None, ["data.shards=x", *options]).optim
+    for m in metrics:
+        f = lr_factor(m["step"] - 1, 12, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
+        assert m["lr"] == pytest.approx(o.backbone_lr * f, rel=1e-9)
+    assert ("loss_scale" in metrics[-1]) == ("train.precision=fp16" in options)
+    from hvd_partialfc.checkpoint import load_file, resolve_checkpoint
+    state = load_file(os.path.join(resolve_checkpoint(run), "backbone.pt"))["optimizer"]["state"]
+    assert ("exp_avg" in next(iter(state.values()))) == ("optim.name=adamw" in options)
 
 
 def test_evaluation_during_training_np2(image_shards, tmp_path):
