@@ -120,12 +120,15 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
 
 
-def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path):
+@pytest.mark.parametrize("mode,optim", [("global", "sgd"), ("local", "sgd"), ("local", "adamw")])
+def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, optim):
     # Dropout and PartialFC's sampled negatives both draw from torch's global stream. Creating the
     # DataLoader's iterator must not draw from it after the checkpoint restored it (it did: the resumed
     # stream was one draw ahead, so dropout masks and sampled centres differed after a resume).
-    sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", "head.mode=global",
-            "head.sample_rate=0.5"]
+    # `local` sampled: the row-sparse step's per-row state (momentum; AdamW's moments and (W,) step)
+    # is saved and restored too.
+    sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", f"head.mode={mode}",
+            "head.sample_rate=0.5", f"optim.name={optim}"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train(2, image_shards, straight, sets, steps=16)
     p = train(2, image_shards, resumed, sets, steps=16, fault="raise@10", check=False)

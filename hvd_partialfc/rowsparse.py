@@ -1,0 +1,142 @@
+"""Sampled classifier rows: the sampling rule, a row gather whose gradient is row-sparse, and a classifier
+optimizer whose step costs what the sampled rows cost.
+
+Contract: nothing here reads rank state; ``sample_rows`` draws from torch's global RNG (which checkpoints
+save and restore, so a sampled run resumes bitwise).
+
+Why a sparse step (issue 12): with ``head.sample_rate`` = r the head scores r x W rows, but a dense
+``weight[index]`` gives a (W, D) gradient that is zero outside them, and torch's fused SGD-momentum step
+then reads and writes the weight, its momentum and that gradient for *every* row: at 10^6 rows x 128 per
+rank that step costs as much as the head's forward. Here the gradient is a coalesced sparse (W, D) tensor
+holding only the K sampled rows, and ``SampledRowsOptimizer`` gathers, updates and scatters back those K
+rows of the weight and of its state.
+
+The rule is PartialFC v1's and PLSC's *sparse momentum*: a row that is not sampled this step is left
+exactly as it is, weight and optimizer state (no weight decay, no momentum drift); a sampled row takes
+one ordinary optimizer step with its own state. Numerically, per row:
+
+* SGD (momentum mu, weight decay wd, lr_t of the step): on the steps t where the row is sampled,
+  ``m <- mu m + g + wd w``, ``w <- w - lr_t m``; on the other steps nothing. It equals the dense step on a
+  row that is sampled every step (tested: all rows sampled == torch.optim.SGD). It is *not* the dense
+  step of PartialFC v2 (``global`` mode's sampling), where an unsampled row keeps moving by its momentum
+  (``w -= lr mu^k m``) and decays (``wd w``) with a zero gradient: here its momentum waits until the row
+  is sampled again (it is not decayed by mu^k meanwhile).
+* AdamW (beta1, beta2, eps, wd): on the steps where the row is sampled, the decoupled decay
+  ``w <- w (1 - lr_t wd)`` and the Adam update with the row's own moments, bias-corrected with the row's
+  own count of updates ``t_row`` (a per-row (W,) ``step`` vector): each row is an AdamW on the sequence of
+  its own gradients. torch's SparseAdam corrects with the global step instead, which over-trusts the
+  moments of rarely sampled rows (1 - beta2^t ~ 1 while the row has seen one gradient).
+
+Cost per step: O(K x D) for gather, update and scatter, plus the sparse gradient's coalesce (K rows,
+already sorted and unique: free). The per-row state ((W, D) moments, (W,) AdamW step) is allocated once,
+saved by ``state_dict`` and cut per row by ``checkpoint.gather_classifier_rows`` for re-sharding.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+
+def sample_rows(labels: torch.Tensor, width: int, rate: float, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """PartialFC's sampling of one slice: every positive row of ``labels`` (local, -1: not in this slice),
+    then uniformly random others up to ``max(int(rate x width), positives)`` rows.
+
+    Returns (index (K,) sorted unique rows, labels remapped to positions in ``index``, -1 kept). One
+    ``torch.rand(width)`` draw from the global stream per call (a sampled run resumes bitwise).
+    """
+    positive = torch.unique(labels[labels >= 0])                         # sorted row indices
+    keep = max(int(rate * width), positive.numel())
+    score = torch.rand(width, device=device)
+    score[positive] = 2.0                                                # positives always win
+    index = torch.sort(torch.topk(score, keep).indices).values           # (K,) rows, increasing
+    remapped = torch.searchsorted(index, labels.clamp_min(0))
+    remapped = torch.where(labels >= 0, remapped, labels)                # -1 stays -1
+    return index, remapped
+
+
+class _RowGather(torch.autograd.Function):
+    """``weight[index]`` whose gradient is a coalesced sparse (W, D) tensor of the K rows (not a dense one)."""
+
+    @staticmethod
+    def forward(ctx, weight, index):
+        ctx.save_for_backward(index)
+        ctx.shape = weight.shape
+        return weight[index]                                             # (K, D) copy
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, = ctx.saved_tensors                                       # sorted and unique: coalesced
+        return torch.sparse_coo_tensor(index[None], grad.contiguous(), ctx.shape, is_coalesced=True,
+                                       check_invariants=False), None
+
+
+def gather_rows(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(K, D) rows ``index`` (sorted, unique) of ``weight``; ``weight.grad`` becomes row-sparse."""
+    return _RowGather.apply(weight, index)
+
+
+def grad_values(grad: torch.Tensor) -> torch.Tensor:
+    """The stored values of a gradient (a sparse one's K rows; a dense one itself), for norms and checks."""
+    return grad.coalesce()._values() if grad.is_sparse else grad
+
+
+class SampledRowsOptimizer(torch.optim.Optimizer):
+    """SGD (momentum) or AdamW that steps only the rows present in each parameter's row-sparse gradient
+    (all rows for a dense gradient); the rule and its numerical meaning are in the module docstring."""
+
+    def __init__(self, params, kind: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 betas=(0.9, 0.999), eps: float = 1e-8):
+        if kind not in ("sgd", "adamw"):
+            raise ValueError(f"unknown optimizer {kind!r}; known: sgd, adamw")
+        self.kind = kind
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.coalesce() if p.grad.is_sparse else p.grad
+                if g.is_sparse:
+                    rows, g = g._indices()[0], g._values()                 # (K,), (K, D)
+                else:
+                    rows = torch.arange(p.shape[0], device=p.device)
+                w = p[rows]                                                # (K, D) copy
+                if self.kind == "sgd":
+                    self._sgd(p, rows, w, g, group)
+                else:
+                    self._adamw(p, rows, w, g, group)
+                p[rows] = w
+
+    def _sgd(self, p, rows, w, g, group) -> None:
+        lr, mu, wd = group["lr"], group.get("momentum", 0.0), group["weight_decay"]
+        d = g.add(w, alpha=wd) if wd else g
+        if mu:
+            state = self.state[p]
+            if "momentum_buffer" not in state:           # zeros: the first step gives m = d, as torch's clone
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            m = buf[rows].mul_(mu).add_(d)
+            buf[rows] = m
+            d = m
+        w.add_(d, alpha=-lr)
+
+    def _adamw(self, p, rows, w, g, group) -> None:
+        lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)   # (W,) per row
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        t = state["step"][rows] + 1                                        # (K,)
+        state["step"][rows] = t
+        m = state["exp_avg"][rows].mul_(b1).add_(g, alpha=1 - b1)
+        v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(g, g, value=1 - b2)
+        state["exp_avg"][rows], state["exp_avg_sq"][rows] = m, v
+        w.mul_(1 - lr * wd)
+        bc1 = 1 - torch.pow(b1, t)[:, None]                                # (K, 1)
+        bc2 = 1 - torch.pow(b2, t)[:, None]
+        denom = (v.sqrt() / bc2.sqrt()).add_(eps)
+        w.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
