@@ -19,6 +19,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -149,6 +150,19 @@ class Trainer:
         # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
         self.checkpointer.prepare(self.start_step, log=lambda m: print(m, flush=True))
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
+
+    @classmethod
+    def for_synthetic(cls, cfg: Config, comm, slices, num_classes: int, sample_shape) -> "Trainer":
+        """The trainer's own components (backbone, the mode's head, both optimizers) for rank ``comm.rank``
+        of ``slices`` (every rank's label slice), without shards, loader or checkpointer: ``train_step``
+        then runs on batches of features the caller supplies (``bench`` does). CPU, no agreement step."""
+        self = cls.__new__(cls)
+        self.cfg, self.comm, self.device = cfg, comm, torch.device("cpu")
+        self.all_slices = list(slices)
+        self.label_slice = self.all_slices[comm.rank]
+        self.manifest = SimpleNamespace(kind="features", num_classes=num_classes)
+        self._build_model(list(sample_shape), num_classes)
+        return self
 
     # --- construction -------------------------------------------------------------------------------
     def _device(self) -> torch.device:
