@@ -169,6 +169,24 @@ def test_reshard_to_another_world_size(shards4, tmp_path, old_np, new_np):
     assert torch.equal(torch.cat(rows), old_w)
 
 
+def test_sampled_local_adamw_state_reshards_per_row(shards4, tmp_path):
+    # the sampled-rows AdamW's per-row state, (W, D) moments and the (W,) step count, is cut by rows when
+    # np=2 resumes on 1 rank (the (W,) vector was taken whole from the first file, as a scalar), and
+    # training goes on from there
+    sets = ["head.sample_rate=0.25", "optim.name=adamw", "data.batch_size=2"]
+    run, new_run = str(tmp_path / "run"), str(tmp_path / "new")
+    train(2, shards4, run, sets, steps=10)
+    _, _, old = load_ckpt(run)
+    train(1, shards4, new_run, sets + [f"checkpoint.resume={run}"], steps=10)
+    _, _, new = load_ckpt(new_run)
+    state = new[0]["optimizer"]["state"][0]
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[k], torch.cat([c["optimizer"]["state"][0][k] for c in old]))
+    assert state["step"].shape == (24,) and len(set(state["step"].tolist())) > 1   # rows counted apart
+    train(1, shards4, new_run, sets + ["checkpoint.resume=auto"], steps=12)
+    assert load_ckpt(new_run)[0]["step"] == 12
+
+
 @pytest.mark.parametrize("fault,backend", [("raise@5:1", "gloo"), ("kill@5:1", "gloo"), ("raise@5:0", "mpi")])
 def test_one_rank_fails_every_rank_exits_fast(shards4, tmp_path, fault, backend):
     run = str(tmp_path / "run")
