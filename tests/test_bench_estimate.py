@@ -121,3 +121,15 @@ def test_bench_sample_rates_reach_every_job_and_count_logits(tmp_path):
     assert by["local", 0.1]["bytes_per_step"] == by["local", 1.0]["bytes_per_step"]
     assert by["local", 0.1]["vs_limit"] > 0           # against the limit of the same rate
     assert "| 16 | 4,000 | global | 0.1 |" in open(tmp_path / "bench.md").read()
+
+
+def test_sampled_local_counts_its_sampled_columns_and_rows_sparse_gradient():
+    # r x W columns of logits for local too, and a gradient of the K sampled rows (global's stays (W, D))
+    full = estimate(1_000_000, 2, 128, 64, mode="local", bb=BB)
+    loc = estimate(1_000_000, 2, 128, 64, mode="local", sample_rate=0.1, bb=BB)
+    glo = estimate(1_000_000, 2, 128, 64, mode="global", sample_rate=0.1, bb=BB)
+    assert loc["memory_bytes"]["logits"] == 64 * 50_000 * 4 == full["memory_bytes"]["logits"] // 10
+    assert glo["memory_bytes"]["logits"] == 128 * 50_000 * 4
+    assert loc["memory_bytes"]["classifier grads"] == 50_000 * 128 * 4
+    assert glo["memory_bytes"]["classifier grads"] == 500_000 * 128 * 4
+    assert loc["traffic_total"] == full["traffic_total"]

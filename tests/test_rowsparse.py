@@ -85,3 +85,25 @@ def test_state_dict_round_trip_resumes_bitwise():
         o.step()
     assert torch.equal(p, q)
     assert opt2.state[q]["step"].shape == (5,)
+
+
+def test_two_backward_passes_step_the_union_of_their_rows_once():
+    # backward_passes_per_step = 2: the sparse gradients add up (rows 1 and 3 twice, unordered); the step
+    # takes their sum, once per row, as the dense step of the summed gradient on those rows would
+    torch.manual_seed(0)
+    w0 = torch.randn(6, 3)
+    ours, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt = SampledRowsOptimizer([ours], "sgd", lr=0.05, momentum=0.9)
+    x1, x2 = torch.randn(3), torch.randn(3)
+    _loss(gather_rows(ours, torch.tensor([1, 3, 4])), x1).backward()
+    _loss(gather_rows(ours, torch.tensor([0, 1, 3])), x2).backward()
+    opt.step()
+    g = torch.zeros(6, 3)
+    for rows, x in (([1, 3, 4], x1), ([0, 1, 3], x2)):
+        r = ref[rows].detach().requires_grad_(True)
+        _loss(r, x).backward()
+        g[rows] += r.grad
+    expect = w0 - 0.05 * g
+    assert torch.allclose(ours.detach(), expect, atol=1e-6)
+    assert torch.equal(ours.detach()[[2, 5]], w0[[2, 5]])
+    assert torch.allclose(opt.state[ours]["momentum_buffer"], g, atol=1e-6)
