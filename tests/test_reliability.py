@@ -120,15 +120,16 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("mode,optim", [("global", "sgd"), ("local", "sgd"), ("local", "adamw")])
-def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, optim):
+@pytest.mark.parametrize("mode,optim,extra", [("global", "sgd", []), ("local", "sgd", []), ("local", "adamw", []),
+                                              ("local", "sgd", ["head.negatives_every=3"])])
+def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, optim, extra):
     # Dropout and PartialFC's sampled negatives both draw from torch's global stream. Creating the
     # DataLoader's iterator must not draw from it after the checkpoint restored it (it did: the resumed
     # stream was one draw ahead, so dropout masks and sampled centres differed after a resume).
     # `local` sampled: the row-sparse step's per-row state (momentum; AdamW's moments and (W,) step)
     # is saved and restored too.
     sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", f"head.mode={mode}",
-            "head.sample_rate=0.5", f"optim.name={optim}"]
+            "head.sample_rate=0.5", f"optim.name={optim}", *extra]   # extra: sampling beside cross-shard negatives
     if mode == "local":   # 6 classes per rank: a batch of 2 has at most 2 positives of the 3 rows kept, so
         sets.append("data.batch_size=2")   # every step draws random rows (batch 8 kept only positives)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
