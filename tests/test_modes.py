@@ -254,3 +254,23 @@ def test_checkpoints_with_normalised_remote_rows(loss, kept):
     assert (head.remote.shape[0] == 5) is kept
     head.load_extra_state(head.extra_state_for_checkpoint() | {"remote": torch.randn(6, 3)})
     assert head.remote.shape[0] == 6
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_sampled_local_train_step_changes_only_the_sampled_rows(optim):
+    # the trainer's own step (Trainer.for_synthetic, the benchmark's builder; one rank, no Horovod): with
+    # momentum and weight decay on, exactly K = 0.2 x 50 rows of the classifier move, two steps running
+    from hvd_partialfc.bench import _NoComm, _synthetic_batches
+    from hvd_partialfc.partition import even_slices
+    from hvd_partialfc.train import Trainer
+    cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
+                             "model.embedding_dim=16", "head.sample_rate=0.2", f"optim.name={optim}",
+                             "optim.classifier_weight_decay=0.01", "head.negatives_every=0"])
+    trainer = Trainer.for_synthetic(cfg, _NoComm(0, 1), even_slices(50, 1), 50, [32])
+    trainer.total_steps = 2
+    batches = _synthetic_batches(4, [32], 50, seed=0)
+    for step in range(2):
+        before = trainer.classifier.weight.detach().clone()
+        trainer.train_step(step, batches)
+        moved = (trainer.classifier.weight.detach() != before).any(1)
+        assert int(moved.sum()) == 10
