@@ -11,9 +11,11 @@ rank that step costs as much as the head's forward. Here the gradient is a coale
 holding only the K sampled rows, and ``SampledRowsOptimizer`` gathers, updates and scatters back those K
 rows of the weight and of its state.
 
-The rule is PartialFC v1's and PLSC's *sparse momentum*: a row that is not sampled this step is left
-exactly as it is, weight and optimizer state (no weight decay, no momentum drift); a sampled row takes
-one ordinary optimizer step with its own state. Numerically, per row:
+The rule is PartialFC v1's and PLSC's *sparse momentum* (PLSC, sample_ratio < 1: its
+``gather_optimization_pass`` replaces the classifier's momentum op by ``sparse_momentum`` fed with the
+gather's ``Index`` and the gathered (K, D) gradient, weight decay included in the op): a row that is not
+sampled this step is left exactly as it is, weight and optimizer state (no weight decay, no momentum
+drift); a sampled row takes one ordinary optimizer step with its own state. Numerically, per row:
 
 * SGD (momentum mu, weight decay wd, lr_t of the step): on the steps t where the row is sampled,
   ``m <- mu m + g + wd w``, ``w <- w - lr_t m``; on the other steps nothing. It equals the dense step on a
