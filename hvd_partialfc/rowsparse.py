@@ -98,7 +98,7 @@ def sparse_rows(grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[rows] = src`` for sorted unique rows. On CPU through numpy's row copy: 3.0 ms against 4.6 ms for
     ``index_copy_`` and 5.6 ms for ``index_put_`` (5 x 10^4 rows of 5 x 10^5, D = 128, one thread)."""
-    if dst.device.type == "cpu":
+    if dst.device.type == "cpu" and dst.dtype != torch.bfloat16:      # numpy has no bfloat16
         dst.detach().numpy()[rows.numpy()] = src.detach().numpy()
     else:
         dst.index_copy_(0, rows, src)
