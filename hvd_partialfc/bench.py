@@ -29,7 +29,6 @@ import resource
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -121,13 +120,9 @@ def run_worker(a) -> Dict[str, Any]:
                                          "train.threads=1", f"head.negatives_every={every}",
                                          f"head.negatives_share={a.negatives_share}"])
     rss_runtime = _peak_rss()
-    trainer = Trainer.__new__(Trainer)          # the trainer's own components, without shards on disk
-    trainer.cfg, trainer.comm, trainer.device = cfg, comm, torch.device("cpu")
-    trainer.all_slices = even_slices(a.classes, comm.size)      # every rank's width (the negatives' shares)
-    trainer.label_slice = trainer.all_slices[comm.rank]
-    trainer.manifest = SimpleNamespace(kind="features", num_classes=a.classes)
     in_shape = [a.in_dim]
-    trainer._build_model(in_shape, a.classes)
+    # the trainer's own components, without shards on disk; every rank's width (the negatives' shares)
+    trainer = Trainer.for_synthetic(cfg, comm, even_slices(a.classes, comm.size), a.classes, in_shape)
     trainer.total_steps = a.warmup + a.steps
     held = [p for g in trainer.backbone_opt.param_groups for p in g["params"]]
     grad_bytes = 0 if limit else comm_lib.gradient_bytes(held, cfg.optim.fp16_compression)
@@ -153,7 +148,8 @@ def run_worker(a) -> Dict[str, Any]:
         split["optimizer"] += t1 - marks["sync1"]
         total += t1 - t0
     sent = comm.sent_bytes / a.steps + grad_bytes
-    return {"mode": a.mode, "rank": comm.rank, "np": comm.size, "classes": a.classes, "dim": a.dim,
+    return {"logits_per_step": _logits_per_step(a, cfg, trainer), "sample_rate": cfg.head.sample_rate,
+            "mode": a.mode, "rank": comm.rank, "np": comm.size, "classes": a.classes, "dim": a.dim,
             "batch": a.batch, "width": trainer.label_slice.width if a.mode != "replicated" else a.classes,
             "steps": a.steps, "step_s": total / a.steps, "samples_per_s": a.batch * a.steps / total,
             "split_s": {k: v / a.steps for k, v in split.items()}, "bytes_per_step": int(sent),
@@ -162,10 +158,24 @@ def run_worker(a) -> Dict[str, Any]:
             "loss": out["loss"]}
 
 
+def _logits_per_step(a, cfg, trainer) -> int:
+    """Logits one rank computes per step: its rows (B; the gathered B x N for ``global``) x its columns (the
+    slice, or ``max(int(rate x W), positives)`` sampled ones, taken as rate x W; C for ``replicated``; plus
+    the frozen remote centres of ``negatives``)."""
+    width = a.classes if a.mode == "replicated" else trainer.label_slice.width
+    rate = cfg.head.sample_rate
+    cols = max(1, int(rate * width)) if rate < 1.0 and a.mode != "replicated" else width
+    remote = getattr(trainer.classifier, "remote", None)
+    cols += remote.shape[0] if remote is not None else 0
+    return (a.batch * a.np if a.mode == "global" else a.batch) * cols
+
+
 # --- the driver ------------------------------------------------------------------------------------
-def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int) -> List[Dict[str, Any]]:
-    """Run one job (N ranks under horovodrun, or the limit's single plain process); its per-rank records."""
-    job = os.path.join(out, "jobs", f"{mode}-C{classes}-D{dim}")
+def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int,
+            rate: float = 1.0) -> List[Dict[str, Any]]:
+    """Run one job (N ranks under horovodrun, or the limit's single plain process); its per-rank records.
+    ``rate``: ``head.sample_rate`` of the job (after the ``--set`` ones, so it wins)."""
+    job = os.path.join(out, "jobs", f"{mode}-C{classes}-D{dim}" + (f"-r{rate:g}" if rate < 1.0 else ""))
     os.makedirs(job, exist_ok=True)
     worker = [sys.executable, "-m", "hvd_partialfc.bench", "--worker", mode, "--classes", str(classes),
               "--dim", str(dim), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
@@ -173,7 +183,7 @@ def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int) -> Lis
               "--negatives-every", str(a.negatives_every), "--negatives-share", str(a.negatives_share)]
     if a.config:
         worker += ["--config", os.path.abspath(a.config)]
-    for s in a.set or []:
+    for s in [*(a.set or []), f"head.sample_rate={rate}"]:
         worker += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     if a.cycle_time_ms > 0:  # Horovod's background thread wakes every cycle; on a full CPU it competes
@@ -200,6 +210,7 @@ def _summarise(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per-job figures: mean over ranks of the per-rank figures (peak RSS: the largest rank's)."""
     n = len(recs)
     return {"mode": recs[0]["mode"], "classes": recs[0]["classes"], "dim": recs[0]["dim"], "ranks": n,
+            "sample_rate": recs[0]["sample_rate"], "logits_per_step": recs[0]["logits_per_step"],
             "width": recs[0]["width"], "samples_per_s": sum(r["samples_per_s"] for r in recs) / n,
             "step_s": sum(r["step_s"] for r in recs) / n,
             "split_s": {k: sum(r["split_s"][k] for r in recs) / n for k in PHASES},
@@ -219,31 +230,36 @@ def run_bench(a) -> Dict[str, Any]:
     if "negatives" in modes and a.negatives_every <= 0:
         raise ValueError("the negatives job needs --negatives-every K > 0")
     points: List[Dict[str, Any]] = []
+    rates = a.sample_rates or [cfg.head.sample_rate]   # --set head.sample_rate=R alone: one rate, every job
     for dim in a.dims:
         bb = backbone_figures(cfg.model.name, dim, a.batch, [a.in_dim], cfg.model.kwargs)
         for classes in a.classes:
-            for mode in ["limit"] + modes:
+            for rate, mode in ((r, m) for r in rates for m in ["limit"] + modes):
                 negatives = mode == "negatives"
+                if mode == "replicated" and rate < 1.0:
+                    points.append({"mode": mode, "classes": classes, "dim": dim, "sample_rate": rate,
+                                   "skipped": "replicated does not sample"})
+                    continue
                 est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
                                mode if mode in MODES else "local", optimizer=_opt_kind(cfg),
-                               sample_rate=cfg.head.sample_rate, bb=bb,
+                               sample_rate=rate, bb=bb,
                                negatives_every=a.negatives_every if negatives else 0,
                                negatives_share=a.negatives_share if negatives else 0)
                 if mode == "limit":  # the limit holds a local slice of C / N classes
                     est = estimate(-(-classes // a.np), 1, dim, a.batch, cfg.model.name, "local",
-                                   optimizer=_opt_kind(cfg), bb=bb)
+                                   optimizer=_opt_kind(cfg), sample_rate=rate, bb=bb)
                 jobs = a.limit_procs if mode == "limit" else a.np
                 if est["memory_total"] * jobs > a.max_memory_gb * 2 ** 30:
-                    points.append({"mode": mode, "classes": classes, "dim": dim, "skipped":
+                    points.append({"mode": mode, "classes": classes, "dim": dim, "sample_rate": rate, "skipped":
                                    f"estimated {est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb"})
                     print(f"skip {mode:>10} C={classes:>9,} D={dim}: {points[-1]['skipped']}", flush=True)
                     continue
                 t0 = time.time()
-                s = _summarise(_launch(a, mode, classes, dim, a.out, a.timeout))
+                s = _summarise(_launch(a, mode, classes, dim, a.out, a.timeout, rate))
                 s["estimate"] = est["memory_total"]
                 s["estimate_err"] = est["memory_total"] / s["peak_rss"] - 1
                 points.append(s)
-                print(f"{mode:>10} C={classes:>9,} D={dim}: {s['samples_per_s']:8.1f} samples/s/rank  "
+                print(f"{mode:>10} C={classes:>9,} D={dim} r={rate:g}: {s['samples_per_s']:8.1f} samples/s/rank  "
                       f"step {s['step_s'] * 1e3:7.1f} ms  {s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
                       f"peak RSS {s['peak_rss'] / 2 ** 20:7.0f} MB (estimate {s['estimate_err']:+.0%})  "
                       f"[{time.time() - t0:.0f} s]", flush=True)
@@ -253,7 +269,7 @@ def run_bench(a) -> Dict[str, Any]:
     result = {"command": " ".join(["hvd-partialfc"] + argv), "np": a.np, "batch": a.batch,
               "steps": a.steps, "warmup": a.warmup, "backbone": cfg.model.name, "in_dim": a.in_dim,
               "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms,
-              "negatives_every": a.negatives_every, "negatives_share": a.negatives_share, "load_average_before": load0,
+              "sample_rates": a.sample_rates, "negatives_every": a.negatives_every, "negatives_share": a.negatives_share, "load_average_before": load0,
               "load_average_after": load, "cpus": os.cpu_count(), "points": points}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -278,24 +294,29 @@ def _bench_config(a):
 
 
 def _ratios(points: List[Dict[str, Any]]) -> None:
-    by = {(p["mode"], p["classes"], p["dim"]): p for p in points if "skipped" not in p}
+    by = {(p["mode"], p["classes"], p["dim"], p.get("sample_rate", 1.0)): p for p in points if "skipped" not in p}
     for p in by.values():
-        lim, loc = by.get(("limit", p["classes"], p["dim"])), by.get(("local", p["classes"], p["dim"]))
+        key = (p["classes"], p["dim"], p.get("sample_rate", 1.0))   # the same rate's limit and local
+        lim, loc = by.get(("limit", *key)), by.get(("local", *key))
         p["vs_limit"] = p["samples_per_s"] / lim["samples_per_s"] if lim else None
         p["local_vs_this"] = loc["samples_per_s"] / p["samples_per_s"] if loc else None
 
 
 def markdown(result: Dict[str, Any]) -> str:
-    rows = ["| D | classes | mode | samples/s/rank | x limit | local / this | step ms: data / fwd / bwd / comm / opt "
-            "| MB sent/step | peak RSS MB | estimate |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| D | classes | mode | rate | samples/s/rank | x limit | local / this | step ms: data / fwd / bwd / "
+            "comm / opt | logits/step | MB sent/step | peak RSS MB | estimate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
+        rate = f"{p.get('sample_rate', 1.0):g}"
         if "skipped" in p:
-            rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | skipped: {p['skipped']} | | | | | | |")
+            rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {rate} | skipped: {p['skipped']} "
+                        "| | | | | | | |")
             continue
         sp = " / ".join(f"{p['split_s'][k] * 1e3:.1f}" for k in PHASES)
-        rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {p['samples_per_s']:.1f} | "
+        logits = p.get("logits_per_step")
+        rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {rate} | {p['samples_per_s']:.1f} | "
                     f"{_fmt(p.get('vs_limit'))} | {_fmt(p.get('local_vs_this'))} | {sp} | "
+                    f"{'' if logits is None else f'{logits:,}'} | "
                     f"{p['bytes_per_step'] / 2 ** 20:.3f} | {p['peak_rss'] / 2 ** 20:.0f} | "
                     f"{p['estimate_err']:+.1%} |")
     return "\n".join(rows)
@@ -356,6 +377,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first exchange is at step 0, in the warm-up; bytes/step counts the measured steps)")
     p.add_argument("--negatives-share", type=int, default=0,
                    help="centres each rank shares in the negatives job (0: its whole slice)")
+    p.add_argument("--sample-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
+                   help="head.sample_rate of every job, one set of jobs (limit included) per rate, e.g. 0.1,0.3 "
+                        "(replicated runs at 1 only); default: the config's (--set head.sample_rate=R)")
     p.add_argument("--steps", type=int, default=4, help="measured steps per job")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     p.add_argument("--max-memory-gb", type=float, default=16.0,

@@ -439,15 +439,18 @@ def load(path: str, state: TrainingState) -> Dict[str, Any]:
 # --- re-sharding: classifier rows to another world size -------------------------------------------------
 
 def _row_sliced(value: Any, width: int, dim: int) -> bool:
-    return torch.is_tensor(value) and value.dim() == 2 and value.shape == (width, dim)
+    """Per-row optimizer state: shaped like the weight (W, D) (momentum, moments), or a (W,) vector (the
+    sampled-rows AdamW's per-row step count, rowsparse.py)."""
+    return torch.is_tensor(value) and tuple(value.shape) in ((width, dim), (width,))
 
 
 def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end: int) -> Dict[str, Any]:
     """Classifier rows ``[start, end)`` and their optimizer state, cut from the old ranks' files.
 
     Rows of the new slice may come from several old files (fewer ranks) or from part of one (more
-    ranks). Per-row optimizer state (SGD momentum, Adam moments: tensors shaped like the weight) is cut
-    the same way; per-parameter scalars (Adam's step) are equal on all old ranks and taken from the first.
+    ranks). Per-row optimizer state (SGD momentum, Adam moments: tensors shaped like the weight; the
+    sampled-rows AdamW's (W,) per-row step) is cut the same way; per-parameter scalars (Adam's step) are
+    equal on all old ranks and taken from the first.
     """
     weights, states, scalars, groups = [], [], {}, None
     for (old_start, old_end), name in zip(meta["slices"], meta["classifier_files"]):

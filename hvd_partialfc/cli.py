@@ -152,7 +152,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="local: the method; global: exact model-parallel softmax; replicated: data parallel "
                         "(= --set head.mode=...)")
     t.add_argument("--sample-rate", type=float,
-                   help="global: fraction of negative centres kept (= --set head.sample_rate=...)")
+                   help="global, local: fraction of the slice's centres scored per step, positives always "
+                        "(PartialFC's sampling; = --set head.sample_rate=...)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
     t.set_defaults(fn=_train)
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")
@@ -198,7 +199,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--mode", action="append", choices=["local", "global", "replicated"], help="repeatable; default all")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
-    s.add_argument("--sample-rate", type=float, default=1.0, help="global: PartialFC's sampled fraction")
+    s.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")
     s.add_argument("--negatives-every", type=int, default=0, help="also local + cross-shard negatives every K steps")
     s.add_argument("--negatives-share", type=int, default=0, help="centres each rank shares (0: its whole slice)")
     s.add_argument("--json", action="store_true")

@@ -34,7 +34,7 @@ class HeadConfig:
     scale: float = 64.0         # s
     margin: float = 0.5         # m (radians for arcface, cosine for cosface)
     mode: str = "local"         # local (the method) | global (exact model-parallel softmax) | replicated (DP)
-    sample_rate: float = 1.0    # global only: fraction of negative centres kept per step (PartialFC); 1 = all
+    sample_rate: float = 1.0    # global, local: fraction of the slice's centres scored per step (PartialFC); 1 = all
     # local mode: every K steps the ranks all-gather class centres, used as frozen negative columns
     # (cross-shard negatives, docs/accuracy.md; 0: off). global / replicated already contrast all classes
     # and do not use it. Defaults picked from the measurements there.
@@ -126,8 +126,9 @@ class Config:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
         if self.head.negatives_every < 0 or self.head.negatives_share < 0:
             raise ConfigError("head.negatives_every and head.negatives_share must be >= 0")
-        if self.head.sample_rate < 1.0 and self.head.mode != "global":
-            raise ConfigError("head.sample_rate < 1 samples negative centres of head.mode=global only")
+        if self.head.sample_rate < 1.0 and self.head.mode == "replicated":
+            raise ConfigError("head.sample_rate < 1 samples the centres of head.mode=global or local, "
+                              "not replicated")
         if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.steps < 0 or self.train.epochs <= 0:

@@ -10,8 +10,10 @@ the classifier, its gradient, its optimizer state and the logits):
 * classifier: weights, gradient and optimizer state (SGD momentum: 1 copy; AdamW: 2); the fused head
   (``heads.margin_cross_entropy``) and the fused optimizer make no other (W, D) array, except, for
   sampled ``global``, the sampled rows, their gradient and the scatter back into a (W, D) gradient;
+* sampled ``local`` (``sample_rate`` < 1): a row-sparse gradient of the K = rate x W sampled rows, and the
+  sampled step's gathered copies of those rows (weight and optimizer state);
 * logits: rows M (B for ``local`` / ``replicated``, B x N gathered rows for ``global``) x W columns
-  (x ``sample_rate`` for sampled ``global``) in ``LOGIT_COPIES`` buffer (the fused head makes the
+  (x ``sample_rate`` for sampled ``global`` and ``local``) in ``LOGIT_COPIES`` buffer (the fused head makes the
   cosines, the softmax and its gradient in the same buffer);
 * gathered features (``global``): the (M, D) features, their normalised copy and their gradient;
 * cross-shard negatives (``local``, ``--negatives-every``): the remote centres' buffer (R = (N - 1) x share
@@ -89,7 +91,9 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     e = DTYPES[dtype]
     width = classes if mode == "replicated" else math.ceil(classes / world_size)
     rows = batch * world_size if mode == "global" else batch
-    cols = max(1, int(width * sample_rate)) if mode == "global" else width
+    sampled = sample_rate < 1.0 and mode in ("global", "local")
+    own = max(1, int(width * sample_rate)) if sampled else width     # this rank's columns scored per step
+    cols = own
     share = min(negatives_share or width, width) if negatives_every else 0
     remote = (world_size - 1) * share                  # frozen remote centres (rows), fp32 buffer
     cols += remote
@@ -97,9 +101,13 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
     mem = {
         "classifier weights": width * dim * e,
-        "classifier grads": width * dim * e,
+        # sampled local: a row-sparse gradient (K rows); sampled global: dense, as PartialFC v2
+        "classifier grads": (own if sampled and mode == "local" else width) * dim * e,
         "classifier optimizer state": state * width * dim * e,
-        "classifier temporaries": (2 * cols * dim + width * dim) * e if cols < width else 0,
+        # sampled global: the K rows, their gradient, the scatter into a (W, D) gradient; sampled local:
+        # the K rows and the sampled step's gathered rows of the weight and of its state
+        "classifier temporaries": ((2 * own * dim + width * dim) * e if mode == "global" else
+                                   (2 + state) * own * dim * e) if sampled else 0,
         "logits": LOGIT_COPIES * rows * cols * e,
         "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
         "remote centres (negatives)": remote * dim * 4,

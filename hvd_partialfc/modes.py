@@ -14,6 +14,8 @@ the loop, the data path and the backbone are the same.
   N (``Comm.allgather_with_grad``), since the backbone's DistributedOptimizer then averages.
   ``head.sample_rate`` < 1 keeps, per step, every positive centre of the gathered batch plus random
   negatives up to ``sample_rate x width`` rows (PartialFC's sampling of negative centres).
+* ``local`` with ``head.sample_rate`` < 1: the same rule on the rank's own slice and its own batch, and a
+  classifier step over the sampled rows only (`LocalHead`, rowsparse.py).
 * ``local`` with ``head.negatives_every = K`` > 0: the method plus cross-shard negatives
   (`CrossShardNegativesHead`): every K steps an all-gather of class centres, used as frozen columns.
 * ``replicated`` (classic data parallel, PartialFC's "DP" column): every rank holds the full C x D
@@ -27,15 +29,39 @@ from typing import Any, Dict, List
 import torch
 
 from .heads import LocalClassifier, margin_cross_entropy
+from .rowsparse import gather_rows, sample_rows
 from .seeds import derive_seed
 
 MODES = ("local", "global", "replicated")
 
 
 class LocalHead(LocalClassifier):
-    """The method: softmax over this rank's slice (``LocalClassifier`` itself; the class names the mode)."""
+    """The method: softmax over this rank's slice (``LocalClassifier`` itself at ``sample_rate`` 1).
+
+    ``sample_rate`` r < 1 (issue 12): each step keeps every positive row of the rank's batch and random
+    others up to r x width rows (PartialFC's rule, ``rowsparse.sample_rows``, shared with ``global`` mode),
+    and the margin softmax runs over those rows only. Only they receive a gradient, and it is row-sparse
+    (``rowsparse.gather_rows``): the classifier's optimizer is then ``SampledRowsOptimizer``, which steps
+    only those rows (an unsampled row's weight, momentum and weight decay wait; rowsparse.py). At r = 1
+    nothing is drawn and the path is the unsampled one, bitwise.
+    """
 
     row_start = 0  # overridden per instance: the global label of row 0 of ``weight``
+
+    def __init__(self, width: int, dim: int, sample_rate: float = 1.0, **margin):
+        super().__init__(width, dim, **margin)
+        self.sample_rate = float(sample_rate)
+
+    def scored_rows(self, labels: torch.Tensor):
+        """(rows scored this step (K, D), labels as positions in them): all rows, or a sample of them."""
+        if self.sample_rate >= 1.0:
+            return self.weight, labels
+        index, remapped = sample_rows(labels, self.width, self.sample_rate, self.weight.device)
+        return gather_rows(self.weight, index), remapped
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        weight, labels = self.scored_rows(labels)
+        return margin_cross_entropy(features, weight, labels, self.margin)
 
 
 class CrossShardNegativesHead(LocalHead):
@@ -55,11 +81,14 @@ class CrossShardNegativesHead(LocalHead):
     Normalised rows were right only for the margin losses, which divide every column by its norm anyway:
     with ``head.loss=softmax`` (logits ``x . w``) a unit-norm remote row scored ``|w|^-1`` times its owner's
     logit, ~9x at D=128 and the N(0, 0.01) init, so the remote classes dominated the softmax.
+
+    With ``sample_rate`` < 1 only this rank's own rows are sampled (``LocalHead.scored_rows``); the frozen
+    remote columns are NOT sampled: all R of them are scored every step, beside the K sampled own rows.
     """
 
     def __init__(self, width: int, dim: int, label_start: int, comm, every: int, share: int,
-                 slice_widths, seed: int = 0, name: str = "negatives", **margin):
-        super().__init__(width, dim, **margin)
+                 slice_widths, seed: int = 0, name: str = "negatives", sample_rate: float = 1.0, **margin):
+        super().__init__(width, dim, sample_rate, **margin)
         self.row_start = label_start
         self.comm, self.every, self.share, self.seed, self.name = comm, int(every), int(share), int(seed), name
         self.shares = [min(self.share or w, w) for w in slice_widths]  # rows each rank publishes
@@ -106,7 +135,8 @@ class CrossShardNegativesHead(LocalHead):
         # (B, W + R) buffer without a (W + R, D) copy; the targets are local, so the margin only ever
         # touches this rank's own columns.
         frozen = self.remote if self.remote.numel() else None
-        return margin_cross_entropy(features, self.weight, labels, self.margin, frozen=frozen)
+        weight, labels = self.scored_rows(labels)                         # own rows: all, or the sample
+        return margin_cross_entropy(features, weight, labels, self.margin, frozen=frozen)
 
     def extra_state_for_checkpoint(self) -> dict:
         return {"remote": self.remote.detach().cpu(), "exchanges": self.exchanges, "rows": "raw"}
@@ -154,14 +184,11 @@ class GlobalSoftmaxHead(LocalClassifier):
         return margin_cross_entropy(feats, weight, local, self.margin, comm, self.name)
 
     def _sample(self, local: torch.Tensor):
-        """PartialFC v2's sampling: every positive centre, then random negatives up to rate x width rows."""
-        positive = torch.unique(local[local >= 0])                         # sorted row indices
-        keep = max(int(self.sample_rate * self.width), positive.numel())
-        score = torch.rand(self.width, device=self.weight.device)
-        score[positive] = 2.0                                              # positives always win
-        index = torch.sort(torch.topk(score, keep).indices).values         # (keep,) rows, increasing
-        remapped = torch.searchsorted(index, local.clamp_min(0))
-        remapped = torch.where(local >= 0, remapped, local)                # -1 stays -1
+        """PartialFC v2's sampling: every positive centre, then random negatives up to rate x width rows.
+
+        The gradient stays dense ((W, D), zero outside the sample) and the dense optimizer steps every row,
+        as PartialFC v2 does: this is the baseline; ``local`` mode's sampled step is row-sparse."""
+        index, remapped = sample_rows(local, self.width, self.sample_rate, self.weight.device)
         return self.weight[index], remapped                                # (keep, D), (M,)
 
 
@@ -171,9 +198,10 @@ def create_head(mode: str, label_slice, num_classes: int, dim: int, head_cfg, co
     margin = dict(loss=head_cfg.loss, scale=head_cfg.scale, margin=head_cfg.margin)
     if mode == "local" and head_cfg.negatives_every > 0:
         return CrossShardNegativesHead(label_slice.width, dim, label_slice.start, comm, head_cfg.negatives_every,
-                                       head_cfg.negatives_share, slice_widths, seed, **margin)
+                                       head_cfg.negatives_share, slice_widths, seed,
+                                       sample_rate=head_cfg.sample_rate, **margin)
     if mode == "local":
-        head = LocalHead(label_slice.width, dim, **margin)
+        head = LocalHead(label_slice.width, dim, head_cfg.sample_rate, **margin)
         head.row_start = label_slice.start
         return head
     if mode == "global":

@@ -19,6 +19,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -33,6 +34,7 @@ from .data import RankShardDataset, make_loader, prepare_batch
 from . import modes
 from .models import create_model
 from .preempt import StopSignals
+from .rowsparse import SampledRowsOptimizer, grad_values
 from .seeds import RESHARD_RESEED, derive_seed
 from .shards import manifest_digest, read_manifest
 
@@ -58,7 +60,12 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1 - min_ratio) * decay
 
 
-def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float,
+                   sampled_rows: bool = False) -> torch.optim.Optimizer:
+    """torch's SGD / AdamW; ``sampled_rows``: the step over the rows of a row-sparse gradient only
+    (`rowsparse.SampledRowsOptimizer`, the classifier of sampled ``local`` mode)."""
+    if sampled_rows:
+        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adamw":
@@ -144,6 +151,19 @@ class Trainer:
         self.checkpointer.prepare(self.start_step, log=lambda m: print(m, flush=True))
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
 
+    @classmethod
+    def for_synthetic(cls, cfg: Config, comm, slices, num_classes: int, sample_shape) -> "Trainer":
+        """The trainer's own components (backbone, the mode's head, both optimizers) for rank ``comm.rank``
+        of ``slices`` (every rank's label slice), without shards, loader or checkpointer: ``train_step``
+        then runs on batches of features the caller supplies (``bench`` does). CPU, no agreement step."""
+        self = cls.__new__(cls)
+        self.cfg, self.comm, self.device = cfg, comm, torch.device("cpu")
+        self.all_slices = list(slices)
+        self.label_slice = self.all_slices[comm.rank]
+        self.manifest = SimpleNamespace(kind="features", num_classes=num_classes)
+        self._build_model(list(sample_shape), num_classes)
+        return self
+
     # --- construction -------------------------------------------------------------------------------
     def _device(self) -> torch.device:
         want = self.cfg.train.device
@@ -205,9 +225,11 @@ class Trainer:
             self.classifier_opt = modes.NoOptimizer()
         else:
             # The classifier: a plain optimizer, local gradient only, never communicated.
+            # Sampled `local`: the gradient is row-sparse and the step touches the sampled rows only.
             self.classifier_opt = make_optimizer([modes.classifier_group(cfg.head.mode, self.classifier, o)],
                                                  o.name, o.classifier_lr, o.classifier_momentum,
-                                                 o.classifier_weight_decay)
+                                                 o.classifier_weight_decay, sampled_rows=cfg.head.mode == "local"
+                                                 and cfg.head.sample_rate < 1.0)
         self.backbone_opt = comm.distributed_optimizer(
             backbone_opt, averaged, fp16_compression=o.fp16_compression,
             backward_passes_per_step=o.backward_passes_per_step)
@@ -281,7 +303,7 @@ class Trainer:
                 torch.nn.utils.clip_grads_with_norm_(averaged, self.cfg.optim.clip_grad_norm, norm_t)
             comm_lib.step_synchronized(self.backbone_opt)
             if local:
-                cls_norm = float(torch.nn.utils.get_total_norm([p.grad for p in local]))
+                cls_norm = float(torch.nn.utils.get_total_norm([grad_values(p.grad) for p in local]))
                 if math.isfinite(cls_norm):  # local decision: the classifier is local
                     self.classifier_opt.step()
                     self.classifier_consecutive_skips = 0

@@ -100,3 +100,36 @@ def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
     assert by["limit", 2000]["bytes_per_step"] == 0 and by["local", 2000]["vs_limit"] > 0
     assert all(p["peak_rss"] > 0 and abs(p["estimate_err"]) < 1 for p in by.values())
     assert "| 16 | 4,000 | replicated |" in open(tmp_path / "bench.md").read()
+
+
+@pytest.mark.multirank
+def test_bench_sample_rates_reach_every_job_and_count_logits(tmp_path):
+    # one set of jobs per rate, the limit included; the rate each worker ran with is its own config's
+    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "4000", "--dims", "16", "--batch", "8",
+           "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
+           "--config", os.path.join(ROOT, "configs", "bench.yaml"), "--sample-rates", "0.1,1"]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
+    res = json.load(open(tmp_path / "bench.json"))
+    by = {(p["mode"], p["sample_rate"]): p for p in res["points"]}
+    assert by["replicated", 0.1]["skipped"] == "replicated does not sample" and "skipped" not in by["replicated", 1.0]
+    for mode in ("limit", "local", "global"):
+        assert by[mode, 0.1]["sample_rate"] == 0.1 and by[mode, 1.0]["sample_rate"] == 1.0
+    # logits per rank and step: rows (B; B x N gathered for global) x columns (rate x W of W = 2000)
+    assert by["local", 0.1]["logits_per_step"] == by["limit", 0.1]["logits_per_step"] == 8 * 200
+    assert by["global", 0.1]["logits_per_step"] == 16 * 200 and by["local", 1.0]["logits_per_step"] == 8 * 2000
+    assert by["replicated", 1.0]["logits_per_step"] == 8 * 4000
+    assert by["local", 0.1]["bytes_per_step"] == by["local", 1.0]["bytes_per_step"]
+    assert by["local", 0.1]["vs_limit"] > 0           # against the limit of the same rate
+    assert "| 16 | 4,000 | global | 0.1 |" in open(tmp_path / "bench.md").read()
+
+
+def test_sampled_local_counts_its_sampled_columns_and_rows_sparse_gradient():
+    # r x W columns of logits for local too, and a gradient of the K sampled rows (global's stays (W, D))
+    full = estimate(1_000_000, 2, 128, 64, mode="local", bb=BB)
+    loc = estimate(1_000_000, 2, 128, 64, mode="local", sample_rate=0.1, bb=BB)
+    glo = estimate(1_000_000, 2, 128, 64, mode="global", sample_rate=0.1, bb=BB)
+    assert loc["memory_bytes"]["logits"] == 64 * 50_000 * 4 == full["memory_bytes"]["logits"] // 10
+    assert glo["memory_bytes"]["logits"] == 128 * 50_000 * 4
+    assert loc["memory_bytes"]["classifier grads"] == 50_000 * 128 * 4
+    assert glo["memory_bytes"]["classifier grads"] == 500_000 * 128 * 4
+    assert loc["traffic_total"] == full["traffic_total"]

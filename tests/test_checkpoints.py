@@ -271,3 +271,30 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, sig):
     p = run_job(cmd[:cmd.index("--steps") + 1] + [str(meta["step"] + 2)] + cmd[cmd.index("--steps") + 2:]
                 + ["--resume", "auto"], launch_env(), timeout=120)
     assert p.returncode == 0 and f"at step {meta['step']}" in p.stdout + p.stderr, p.stderr[-3000:]
+
+
+def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
+    # the sampled-rows AdamW keeps a (W,) per-row step count beside its (W, D) moments: re-sharding cuts
+    # it by rows like them (it was taken whole from the first file, as a per-parameter scalar)
+    from hvd_partialfc.checkpoint import gather_classifier_rows
+    from hvd_partialfc.rowsparse import SampledRowsOptimizer, gather_rows
+    torch.manual_seed(0)
+    slices, files, full = [(0, 4), (4, 10)], [], {}
+    for r, (lo, hi) in enumerate(slices):
+        w = torch.nn.Parameter(torch.randn(hi - lo, 3))
+        opt = SampledRowsOptimizer([w], "adamw", lr=0.1, weight_decay=0.1)
+        for index in ([0, 1], [1, 2]):
+            opt.zero_grad()
+            gather_rows(w, torch.tensor(index)).square().sum().backward()
+            opt.step()
+        name = f"classifier-r{r}.pt"
+        torch.save({"label_start": lo, "label_end": hi, "weight": w.detach(), "optimizer": opt.state_dict()},
+                   tmp_path / name)
+        files.append(name)
+        for k, v in opt.state[w].items():
+            full[k] = torch.cat([full[k], v]) if k in full else v
+    cut = gather_classifier_rows(str(tmp_path), {"slices": slices, "classifier_files": files}, 2, 7)
+    state = cut["optimizer"]["state"][0]
+    assert state["step"].tolist() == [1, 0, 1, 2, 1]          # rows 2, 3 of rank 0, rows 0..2 of rank 1
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[k], full[k][2:7])

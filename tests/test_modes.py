@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from conftest import MR, run_hvd
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.heads import LocalClassifier, margin_cross_entropy
-from hvd_partialfc.modes import CrossShardNegativesHead, GlobalSoftmaxHead
+from hvd_partialfc.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
+from hvd_partialfc.rowsparse import sample_rows
 
 SCEN = os.path.join(MR, "modes_scenarios.py")
 
@@ -129,11 +130,66 @@ def test_sampled_loss_is_softmax_over_kept_rows():
 
 @pytest.mark.parametrize("sets,msg", [(["head.mode=ring"], "head.mode"),
                                       (["head.sample_rate=0"], "sample_rate"),
-                                      (["head.sample_rate=0.5"], "global only")])
+                                      (["head.mode=replicated", "head.sample_rate=0.5"], "not replicated")])
 def test_mode_config_is_validated(sets, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, ["data.shards=x", *sets])
-    assert load_config(None, ["data.shards=x", "head.mode=global", "head.sample_rate=0.1"]).head.mode == "global"
+    for mode in ("global", "local"):
+        assert load_config(None, ["data.shards=x", f"head.mode={mode}", "head.sample_rate=0.1"]).head.mode == mode
+
+
+@pytest.mark.parametrize("negatives", [False, True])
+def test_local_sample_rate_one_is_the_unsampled_head_bitwise(negatives):
+    # r = 1 draws nothing from the global stream and gives today's loss and dense gradient, bit for bit
+    torch.manual_seed(0)
+    kw = dict(loss="arcface", scale=16.0, margin=0.4)
+    head = (CrossShardNegativesHead(30, 8, 0, OneRank(), every=1, share=0, slice_widths=[30], sample_rate=1.0, **kw)
+            if negatives else LocalHead(30, 8, 1.0, **kw))
+    if negatives:
+        head.remote = torch.randn(7, 8)
+    x, labels = torch.randn(6, 8), torch.tensor([0, 3, 29, 1, 1, 5])
+    rng = torch.get_rng_state()
+    loss = head(x, labels)
+    loss.backward()
+    assert torch.equal(torch.get_rng_state(), rng)
+    w = head.weight.detach().clone().requires_grad_(True)
+    ref = margin_cross_entropy(x, w, labels, head.margin, frozen=head.remote if negatives else None)
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach())
+    assert not head.weight.grad.is_sparse and torch.equal(head.weight.grad, w.grad)
+
+
+@pytest.mark.parametrize("labels,rows", [([3, 3, 50, 99, 7, 64], 20), (list(range(0, 100, 4)), 25)])
+def test_local_sampling_keeps_positives_and_rate_and_grads_only_sampled_rows(labels, rows):
+    # 0.2 x 100 rows scored, every positive among them (25 positives > 20: all of them, nothing else);
+    # the gradient is row-sparse: exactly the sampled rows, none other
+    torch.manual_seed(0)
+    head = LocalHead(100, 8, 0.2, loss="cosface", scale=16.0, margin=0.2)
+    labels = torch.tensor(labels)
+    head(torch.randn(len(labels), 8), labels).backward()
+    g = head.weight.grad
+    assert g.is_sparse and g.shape == (100, 8)
+    g = g.coalesce()
+    touched = g._indices()[0].tolist()
+    assert len(touched) == len(set(touched)) == rows
+    assert set(labels.tolist()) <= set(touched)
+    assert (g._values().abs().sum(1) > 0).all()        # every sampled row is in the softmax
+
+
+def test_local_sampled_loss_is_softmax_over_kept_rows_beside_all_frozen_columns():
+    # cross-shard negatives beside sampling: own rows sampled, all R remote columns scored (never sampled)
+    torch.manual_seed(1)
+    head = CrossShardNegativesHead(50, 8, 0, OneRank(), every=1, share=0, slice_widths=[50], sample_rate=0.3,
+                                   loss="softmax")
+    head.remote = torch.randn(9, 8)
+    x, labels = torch.randn(5, 8), torch.tensor([1, 2, 40, 41, 2])
+    torch.manual_seed(7)
+    loss = head(x, labels)
+    torch.manual_seed(7)
+    index, local = sample_rows(labels, 50, 0.3, "cpu")
+    assert index.numel() == 15
+    ref = F.cross_entropy(x @ torch.cat([head.weight[index], head.remote]).t(), local)
+    assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
 
 
 @pytest.mark.parametrize("loss", ["softmax", "cosface", "arcface"])
@@ -198,3 +254,23 @@ def test_checkpoints_with_normalised_remote_rows(loss, kept):
     assert (head.remote.shape[0] == 5) is kept
     head.load_extra_state(head.extra_state_for_checkpoint() | {"remote": torch.randn(6, 3)})
     assert head.remote.shape[0] == 6
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_sampled_local_train_step_changes_only_the_sampled_rows(optim):
+    # the trainer's own step (Trainer.for_synthetic, the benchmark's builder; one rank, no Horovod): with
+    # momentum and weight decay on, exactly K = 0.2 x 50 rows of the classifier move, two steps running
+    from hvd_partialfc.bench import _NoComm, _synthetic_batches
+    from hvd_partialfc.partition import even_slices
+    from hvd_partialfc.train import Trainer
+    cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
+                             "model.embedding_dim=16", "head.sample_rate=0.2", f"optim.name={optim}",
+                             "optim.classifier_weight_decay=0.01", "head.negatives_every=0"])
+    trainer = Trainer.for_synthetic(cfg, _NoComm(0, 1), even_slices(50, 1), 50, [32])
+    trainer.total_steps = 2
+    batches = _synthetic_batches(4, [32], 50, seed=0)
+    for step in range(2):
+        before = trainer.classifier.weight.detach().clone()
+        trainer.train_step(step, batches)
+        moved = (trainer.classifier.weight.detach() != before).any(1)
+        assert int(moved.sum()) == 10

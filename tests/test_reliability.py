@@ -120,12 +120,18 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
 
 
-def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path):
+@pytest.mark.parametrize("mode,optim,extra", [("global", "sgd", []), ("local", "sgd", []), ("local", "adamw", []),
+                                              ("local", "sgd", ["head.negatives_every=3"])])
+def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, optim, extra):
     # Dropout and PartialFC's sampled negatives both draw from torch's global stream. Creating the
     # DataLoader's iterator must not draw from it after the checkpoint restored it (it did: the resumed
     # stream was one draw ahead, so dropout masks and sampled centres differed after a resume).
-    sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", "head.mode=global",
-            "head.sample_rate=0.5"]
+    # `local` sampled: the row-sparse step's per-row state (momentum; AdamW's moments and (W,) step)
+    # is saved and restored too.
+    sets = ["model.name=resnet", "model.kwargs={width: 8, dropout: 0.3}", f"head.mode={mode}",
+            "head.sample_rate=0.5", f"optim.name={optim}", *extra]   # extra: sampling beside cross-shard negatives
+    if mode == "local":   # 6 classes per rank: a batch of 2 has at most 2 positives of the 3 rows kept, so
+        sets.append("data.batch_size=2")   # every step draws random rows (batch 8 kept only positives)
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
     train(2, image_shards, straight, sets, steps=16)
     p = train(2, image_shards, resumed, sets, steps=16, fault="raise@10", check=False)
@@ -162,6 +168,24 @@ def test_reshard_to_another_world_size(shards4, tmp_path, old_np, new_np):
     m = read_meta(out)
     rows = [torch.load(os.path.join(out, f), weights_only=True)["weight"] for f in m["classifier_files"]]
     assert torch.equal(torch.cat(rows), old_w)
+
+
+def test_sampled_local_adamw_state_reshards_per_row(shards4, tmp_path):
+    # the sampled-rows AdamW's per-row state, (W, D) moments and the (W,) step count, is cut by rows when
+    # np=2 resumes on 1 rank (the (W,) vector was taken whole from the first file, as a scalar), and
+    # training goes on from there
+    sets = ["head.sample_rate=0.25", "optim.name=adamw", "data.batch_size=2"]
+    run, new_run = str(tmp_path / "run"), str(tmp_path / "new")
+    train(2, shards4, run, sets, steps=10)
+    _, _, old = load_ckpt(run)
+    train(1, shards4, new_run, sets + [f"checkpoint.resume={run}"], steps=10)
+    _, _, new = load_ckpt(new_run)
+    state = new[0]["optimizer"]["state"][0]
+    for k in ("step", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[k], torch.cat([c["optimizer"]["state"][0][k] for c in old]))
+    assert state["step"].shape == (24,) and len(set(state["step"].tolist())) > 1   # rows counted apart
+    train(1, shards4, new_run, sets + ["checkpoint.resume=auto"], steps=12)
+    assert load_ckpt(new_run)[0]["step"] == 12
 
 
 @pytest.mark.parametrize("fault,backend", [("raise@5:1", "gloo"), ("kill@5:1", "gloo"), ("raise@5:0", "mpi")])
