@@ -120,8 +120,8 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("mode,optim,extra", [("global", "sgd", []), ("local", "sgd", []), ("local", "adamw", []),
-                                              ("local", "sgd", ["head.negatives_every=3"])])
+@pytest.mark.parametrize("mode,optim,extra", [("global", "sgd", []), ("local", "adamw", []),
+                                              ("local", "sgd", ["head.negatives_every=3"])])   # sampled local SGD too
 def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, optim, extra):
     # Dropout and PartialFC's sampled negatives both draw from torch's global stream. Creating the
     # DataLoader's iterator must not draw from it after the checkpoint restored it (it did: the resumed
