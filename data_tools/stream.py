@@ -490,6 +490,13 @@ def _done(folder: str, it: Dict, verify: bool = True) -> Optional[Dict[str, Any]
     return done
 
 
+def _remove_partial(folder: str, file: str) -> None:
+    """Remove ``atomic_path``'s temporary files of ``file`` (``.FILE.tmp-PID``) left by a killed build."""
+    for name in os.listdir(folder):
+        if name.startswith(f".{file}.tmp-"):
+            os.unlink(os.path.join(folder, name))
+
+
 def parse_part(text: Optional[str]) -> Tuple[int, int]:
     """``K/M`` (K from 1), or the launcher's rank and size: Open MPI, MPICH/Intel MPI (PMI), Slurm tasks,
     Slurm array jobs; 1/1 without any."""
@@ -545,6 +552,8 @@ def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1))
     starts = np.concatenate([[0], np.cumsum([it["num_samples"] for it in plan["items"]])])
     mine = [j for j in range(len(plan["items"])) if j % m == k - 1]
     todo = [j for j in mine if _done(folders[plan["items"][j]["set"]], plan["items"][j]) is None]
+    for j in todo:       # a killed writer's temporary file (only this part's shards: parts may run at once)
+        _remove_partial(folders[plan["items"][j]["set"]], plan["items"][j]["file"])
     bs = plan["block_samples"]
     jobs = [order[starts[j] + a:starts[j] + min(a + bs, plan["items"][j]["num_samples"])]
             for j in todo for a in range(0, plan["items"][j]["num_samples"], bs)]
@@ -599,7 +608,7 @@ def assemble(out: str) -> Dict[str, Any]:
     for s in reversed(range(len(plan["sets"]))):       # held-out set first
         folder, target = folders[s], plan["sets"][s]["out"]
         for name in os.listdir(folder):
-            if name.endswith(DONE) or name in (PLAN, FINGERPRINT):
+            if name.endswith(DONE) or name in (PLAN, FINGERPRINT) or ".tmp-" in name:
                 os.unlink(os.path.join(folder, name))
         write_manifest(folder, manifests[s])
         if os.path.exists(target):

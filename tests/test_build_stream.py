@@ -1,0 +1,233 @@
+"""Streaming shard builds (data_tools/stream.py, issue 16): memory that does not grow with the sample count,
+kill + restart, parts + assemble, a changed input or option refused. Builds run as subprocesses of the
+CLI, as a user runs them. The 1M-record build is behind ``-m bigbuild`` (docs/data.md §6)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hvd_partialfc.shards import read_manifest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAGIC = 0xCED7230A
+
+
+def gray_pngs(k: int = 64, side: int = 8):
+    """``k`` distinct ``side`` x ``side`` grey PNGs (records reuse them: content does not matter here)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(k):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (side, side), dtype=np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def make_rec(prefix, n: int, classes: int, seed: int = 0) -> None:
+    """A header-less RecordIO file of ``n`` 8x8 grey PNG records with labels drawn from ``classes``
+    (every class used). Whole records only: a label, id and PNG never hold the magic at a 4-byte boundary
+    here, which `make_rec` asserts, so no record needs splitting."""
+    blobs = gray_pngs()
+    magic = struct.pack("<I", MAGIC)
+    assert not any(magic in b for b in blobs)
+    rng = np.random.default_rng(seed)
+    labels = np.concatenate([np.arange(classes), rng.integers(0, classes, n - classes)])
+    pick = rng.integers(0, len(blobs), n)
+    offset = 0
+    with open(f"{prefix}.rec", "wb") as rec, open(f"{prefix}.idx", "w") as idx:
+        out, lines = [], []
+        for i in range(n):
+            payload = struct.pack("IfQQ", 0, float(labels[i]), i, 0) + blobs[pick[i]]
+            pad = (-len(payload)) % 4
+            blob = struct.pack("<II", MAGIC, len(payload)) + payload + b"\0" * pad
+            lines.append(f"{i}\t{offset}\n")
+            out.append(blob)
+            offset += len(blob)
+            if len(out) == 65536:
+                rec.write(b"".join(out))
+                idx.write("".join(lines))
+                out, lines = [], []
+        rec.write(b"".join(out))
+        idx.write("".join(lines))
+
+
+def cli(*args, env=None, **kw) -> subprocess.Popen:
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "SLURM_ARRAY_TASK_ID"):
+        e.pop(k, None)
+    e.update(env or {})
+    return subprocess.Popen([sys.executable, "-m", "data_tools.cli", *[str(a) for a in args]], env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def run_cli(*args, env=None):
+    p = cli(*args, env=env)
+    out, err = p.communicate(timeout=600)
+    return p.returncode, out, err
+
+
+PEAK = """
+import resource, subprocess, sys
+rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)
+print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def peak_rss_mb(*args) -> float:
+    """Peak RSS (MB) of the largest process of a CLI build (the build or one of its workers):
+    ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` in a fresh wrapper process, so earlier children do not count."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.check_output([sys.executable, "-c", PEAK, sys.executable, "-m", "data_tools.cli",
+                                   *[str(a) for a in args]], env=env, text=True, timeout=900)
+    rc, kb = out.split()
+    assert rc == "0", out
+    return int(kb) / 1024
+
+
+def shas(path):
+    return [(s.file, s.sha256, s.num_samples) for s in read_manifest(str(path)).shards]
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+def test_peak_rss_does_not_grow_with_the_sample_count(tmp_path):
+    """10k -> 100k records (raw decode, 2 workers): the peak RSS grows by the index (~30 bytes/sample,
+    2.7 MB) and not by the samples (the in-memory path grows by > 25 MB here: pixels, one RecordRef and
+    label object per sample)."""
+    peaks = {}
+    for n in (10_000, 100_000):
+        make_rec(tmp_path / f"r{n}", n, 1000, seed=n)
+        peaks[n] = peak_rss_mb("build", "recordio", tmp_path / f"r{n}", "--out", tmp_path / f"o{n}",
+                               "--num-shards", 8, "--workers", 2, "--store", "raw")
+        assert read_manifest(str(tmp_path / f"o{n}")).num_samples == n
+    assert peaks[100_000] - peaks[10_000] < 12, peaks
+
+
+@pytest.mark.bigbuild
+def test_one_million_records_bounded_rss(tmp_path):
+    """1M 8x8 records, raw: peak RSS of the largest process under 250 MB (the in-memory path: ~1 GB)."""
+    make_rec(tmp_path / "big", 1_000_000, 10_000)
+    t = time.perf_counter()
+    peak = peak_rss_mb("build", "recordio", tmp_path / "big", "--out", tmp_path / "o", "--num-shards", 16,
+                       "--workers", 2, "--store", "raw")
+    seconds = time.perf_counter() - t
+    assert read_manifest(str(tmp_path / "o")).num_samples == 1_000_000
+    print(f"1M records: peak RSS {peak:.0f} MB, {seconds:.0f} s")
+    assert peak < 250
+
+
+# --- restart ---------------------------------------------------------------------------------------------------
+
+def test_kill_and_restart_gives_the_same_shards(tmp_path):
+    make_rec(tmp_path / "r", 60_000, 400)
+    base = ["build", "recordio", tmp_path / "r", "--num-shards", 12, "--store", "raw", "--holdout", "0.25",
+            "--holdout-shards", 2]
+    assert run_cli(*base, "--out", tmp_path / "straight", "--workers", 2)[0] == 0
+    out = tmp_path / "killed"
+    tmp = tmp_path / ".tmp-killed-resumable"
+    p = cli(*base, "--out", out, "--workers", 1)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        done = [f for f in os.listdir(tmp) if f.endswith(".done.json")] if tmp.is_dir() else []
+        if len(done) >= 3:
+            break
+        time.sleep(0.005)
+    assert p.poll() is None, "the build finished before it could be killed; make the input larger"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = sorted(f for f in os.listdir(tmp) if f.endswith(".done.json"))
+    assert 3 <= len(done) < 12 and not out.exists()
+    # A changed option or input is refused, and leaves the finished shards alone.
+    rc, _, err = run_cli(*base[:-1], 3, "--out", out, "--workers", 1)
+    assert rc == 2 and "option holdout_shards" in err and "--overwrite" in err
+    rc, stdout, err = run_cli(*base, "--out", out, "--workers", 2)
+    assert rc == 0, err
+    assert f"{len(done)} already done" in stdout
+    assert shas(out) == shas(tmp_path / "straight")
+    assert shas(tmp_path / "killed-holdout") == shas(tmp_path / "straight-holdout")
+    assert (out / "manifest.json").read_bytes().replace(b"killed", b"straight") == \
+        (tmp_path / "straight" / "manifest.json").read_bytes()
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "straight"))    # no build records left
+
+
+def test_changed_input_is_refused_and_overwrite_starts_afresh(tmp_path):
+    make_rec(tmp_path / "r", 2_000, 50)
+    args = ["build", "recordio", tmp_path / "r", "--out", tmp_path / "o", "--num-shards", 4, "--workers", 1]
+    tmp = tmp_path / ".tmp-o-resumable"
+    # An unfinished build: part 1 of 2 only.
+    assert run_cli(*args, "--part", "1/2")[0] == 0
+    assert len([f for f in os.listdir(tmp) if f.endswith(".done.json")]) == 2
+    make_rec(tmp_path / "r", 2_000, 50, seed=1)              # the input changes
+    rc, _, err = run_cli(*args)
+    assert rc == 2 and "index_sha256" in err and "other inputs or options" in err
+    rc, _, err = run_cli(*args, "--overwrite")
+    assert rc == 0, err
+    rc, _, err = run_cli("inspect", tmp_path / "o")
+    assert rc == 0, err
+
+
+def test_damaged_finished_shard_is_rewritten_on_restart(tmp_path):
+    make_rec(tmp_path / "r", 2_000, 50)
+    args = ["build", "recordio", tmp_path / "r", "--out", tmp_path / "o", "--num-shards", 4, "--workers", 1]
+    assert run_cli(*args, "--part", "1/2")[0] == 0
+    shard = tmp_path / ".tmp-o-resumable" / "shard-00000-of-00004.h5"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF                                       # same size, other sha256
+    shard.write_bytes(bytes(data))
+    rc, stdout, err = run_cli(*args)
+    assert rc == 0, err
+    assert "wrote 3 shards" in stdout and "1 already done" in stdout
+    assert run_cli("inspect", tmp_path / "o")[0] == 0
+
+
+# --- parts ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["raw", "encoded"])
+def test_parts_and_assemble_equal_one_process(tmp_path, store):
+    make_rec(tmp_path / "r", 5_000, 120)
+    base = ["build", "recordio", tmp_path / "r", "--num-shards", 6, "--store", store, "--holdout", "0.2",
+            "--balance", "samples"]
+    assert run_cli(*base, "--out", tmp_path / "one", "--workers", 2)[0] == 0
+    rc, _, err = run_cli("assemble", tmp_path / "two")
+    assert rc == 2 and "no unfinished build" in err
+    rc, stdout, err = run_cli(*base, "--out", tmp_path / "two", "--workers", 1, "--part", "1/2")
+    assert rc == 0 and "assemble" in stdout and not (tmp_path / "two").exists(), err
+    rc, _, err = run_cli("assemble", tmp_path / "two")
+    assert rc == 2 and "not written yet" in err
+    # Part 2 from the launcher's environment (Open MPI rank 1 of 2), as under mpirun.
+    rc, _, err = run_cli(*base, "--out", tmp_path / "two", "--workers", 1,
+                         env={"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert rc == 0, err
+    rc, stdout, err = run_cli("assemble", tmp_path / "two")
+    assert rc == 0, err
+    assert shas(tmp_path / "two") == shas(tmp_path / "one")
+    assert shas(tmp_path / "two-holdout") == shas(tmp_path / "one-holdout")
+    a = json.loads((tmp_path / "one" / "manifest.json").read_text().replace("/one", "/X"))
+    b = json.loads((tmp_path / "two" / "manifest.json").read_text().replace("/two", "/X"))
+    assert a == b
+
+
+def test_part_from_slurm_array():
+    from data_tools.stream import parse_part
+    env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
+    old = {k: os.environ.pop(k, None) for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", *env)}
+    try:
+        os.environ.update(env)
+        assert parse_part(None) == (2, 3)
+        assert parse_part("3/4") == (3, 4)
+        with pytest.raises(ValueError):
+            parse_part("0/2")
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+        os.environ.update({k: v for k, v in old.items() if v is not None})
