@@ -45,7 +45,6 @@ import h5py
 import numpy as np
 
 from hvd_partialfc.atomic import atomic_path, fsync_dir, write_text
-from hvd_partialfc.partition import LabelSlice
 from hvd_partialfc.shards import (FORMAT, VERSION, Manifest, ShardEntry, ShardError, decode_image, sha256_file,
                                   shard_name, write_manifest)
 

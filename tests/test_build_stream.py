@@ -3,62 +3,24 @@ kill + restart, parts + assemble, a changed input or option refused. Builds run 
 CLI, as a user runs them. The 1M-record build is behind ``-m bigbuild`` (docs/data.md §6)."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from PIL import Image
 
+from data_tools.bench_build import write_synthetic_rec
 from hvd_partialfc.shards import read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAGIC = 0xCED7230A
-
-
-def gray_pngs(k: int = 64, side: int = 8):
-    """``k`` distinct ``side`` x ``side`` grey PNGs (records reuse them: content does not matter here)."""
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(k):
-        buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (side, side), dtype=np.uint8)).save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
 
 
 def make_rec(prefix, n: int, classes: int, seed: int = 0) -> None:
-    """A header-less RecordIO file of ``n`` 8x8 grey PNG records with labels drawn from ``classes``
-    (every class used). Whole records only: a label, id and PNG never hold the magic at a 4-byte boundary
-    here, which `make_rec` asserts, so no record needs splitting."""
-    blobs = gray_pngs()
-    magic = struct.pack("<I", MAGIC)
-    assert not any(magic in b for b in blobs)
-    rng = np.random.default_rng(seed)
-    labels = np.concatenate([np.arange(classes), rng.integers(0, classes, n - classes)])
-    pick = rng.integers(0, len(blobs), n)
-    offset = 0
-    with open(f"{prefix}.rec", "wb") as rec, open(f"{prefix}.idx", "w") as idx:
-        out, lines = [], []
-        for i in range(n):
-            payload = struct.pack("IfQQ", 0, float(labels[i]), i, 0) + blobs[pick[i]]
-            pad = (-len(payload)) % 4
-            blob = struct.pack("<II", MAGIC, len(payload)) + payload + b"\0" * pad
-            lines.append(f"{i}\t{offset}\n")
-            out.append(blob)
-            offset += len(blob)
-            if len(out) == 65536:
-                rec.write(b"".join(out))
-                idx.write("".join(lines))
-                out, lines = [], []
-        rec.write(b"".join(out))
-        idx.write("".join(lines))
+    """``n`` 8x8 grey PNG records, labels drawn from ``classes`` (every class used), no header record."""
+    write_synthetic_rec(str(prefix), n, classes, seed)
 
 
 def cli(*args, env=None, **kw) -> subprocess.Popen:
