@@ -25,15 +25,23 @@ import numpy as np
 MAGIC = 0xCED7230A
 
 
-def write_synthetic_rec(prefix: str, n: int, classes: int, seed: int = 0, side: int = 8) -> None:
-    """``n`` records of ``side`` x ``side`` grey PNGs, every one of ``classes`` classes used; whole records
-    (no PNG here holds the magic word, asserted), written 64k records at a time."""
+def write_synthetic_rec(prefix: str, n: int, classes: int, seed: int = 0, side: int = 8,
+                        jpeg: bool = False) -> None:
+    """``n`` records of ``side`` x ``side`` grey PNGs (``jpeg``: RGB JPEGs, quality 90, of a smooth image
+    plus mild noise, ~face-crop sized at side 112), every one of ``classes`` classes used; whole records
+    (no image here holds the magic word, asserted), written 64k records at a time."""
     from PIL import Image
     rng = np.random.default_rng(0)
     blobs = []
-    for _ in range(64):
+    yy, xx = np.mgrid[0:side, 0:side]
+    for k in range(64):
         buf = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (side, side), dtype=np.uint8)).save(buf, format="PNG")
+        if jpeg:
+            base = np.stack([(xx * (k + 1) + yy * c * 3) % 256 for c in range(3)], -1).astype(np.float32)
+            img = np.clip(base + rng.normal(0, 8, base.shape), 0, 255).astype(np.uint8)
+            Image.fromarray(img).save(buf, format="JPEG", quality=90)
+        else:
+            Image.fromarray(rng.integers(0, 256, (side, side), dtype=np.uint8)).save(buf, format="PNG")
         blobs.append(buf.getvalue())
     assert not any(struct.pack("<I", MAGIC) in b for b in blobs)
     rng = np.random.default_rng(seed)
@@ -94,14 +102,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=1, help="--workers of each build process")
     p.add_argument("--parts", type=int, default=1, help="concurrent --part K/M processes")
     p.add_argument("--num-shards", type=int, default=16)
+    p.add_argument("--jpeg", type=int, default=0, metavar="SIDE",
+                   help="RGB JPEG records SIDE x SIDE (e.g. 112, as face crops) instead of 8x8 grey PNGs")
     p.add_argument("--keep", help="folder for the input and output (default: a temporary one, removed)")
     args = p.parse_args(argv)
     root = args.keep or tempfile.mkdtemp(prefix="bench-build-")
     os.makedirs(root, exist_ok=True)
-    prefix = os.path.join(root, f"synthetic-{args.records}")
+    prefix = os.path.join(root, f"synthetic-{args.records}" + (f"-jpeg{args.jpeg}" if args.jpeg else ""))
     if not os.path.isfile(prefix + ".idx"):
-        write_synthetic_rec(prefix, args.records, args.classes or max(1, args.records // 10))
-    out = os.path.join(root, f"out-{args.store}-w{args.workers}-p{args.parts}")
+        write_synthetic_rec(prefix, args.records, args.classes or max(1, args.records // 10),
+                            side=args.jpeg or 8, jpeg=bool(args.jpeg))
+    out = os.path.join(root, f"out-{args.store}-w{args.workers}-p{args.parts}-j{args.jpeg}")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     base = [sys.executable, "-m", "data_tools.cli", "build", "recordio", prefix, "--out", out, "--num-shards",
@@ -120,7 +131,7 @@ def main(argv=None) -> int:
                               stdout=subprocess.DEVNULL)
         r["assemble_seconds"] = time.perf_counter() - t
         r["seconds"] += r["assemble_seconds"]
-    r.update(records=args.records, store=args.store, workers=args.workers, parts=args.parts,
+    r.update(records=args.records, jpeg=args.jpeg, store=args.store, workers=args.workers, parts=args.parts,
              samples_per_s=args.records / r["seconds"],
              cores=args.parts * max(1, args.workers))
     r["samples_per_s_per_core"] = r["samples_per_s"] / r["cores"]
