@@ -45,8 +45,8 @@ def _build(args) -> int:
     if args.format != "fonts" and args.source is None:
         raise ValueError(f"build {args.format}: SOURCE is required")
     from .stream import INDEXERS, build_streaming, parse_part
-    part = parse_part(args.part)
-    if args.format in INDEXERS:           # streaming: bounded memory, restartable, parts (data_tools/stream.py)
+    if args.format in INDEXERS:
+        part = parse_part(args.part)           # streaming: bounded memory, restartable, parts (data_tools/stream.py)
         r = build_streaming(args.format, args.source, opts, part)
         print(f"part {part[0]}/{part[1]}: wrote {r['shards_written']} shards ({r['samples_written']} samples), "
               f"{r['shards_resumed']} already done; index {r['index_bytes_per_sample']:.1f} bytes/sample, "
@@ -54,7 +54,7 @@ def _build(args) -> int:
         if r["manifest"] is None:
             print(f"when every part has finished: hvd-partialfc-shards assemble {args.out}")
             return 0
-    elif part != (1, 1):
+    elif args.part:         # a launcher's rank alone does not split an in-memory build: it builds it all
         raise ValueError(f"--part: build {args.format} holds its samples in memory and cannot be split; "
                          f"--part works with {', '.join(sorted(INDEXERS))}")
     else:
