@@ -112,14 +112,15 @@ class _Paths:
         return np.frombuffer(bytes(self.blob), np.uint8), np.frombuffer(self.ends, np.int64).copy()
 
 
-def _sorted_classes(first_seen: Dict[Any, int], codes: array) -> Tuple[np.ndarray, List[str]]:
-    """Re-code first-seen codes into sorted-identity codes (as `build.renumber`: np.unique's order)."""
-    names = list(first_seen)
-    order = np.argsort(np.asarray(names), kind="stable") if names else np.zeros(0, np.int64)
-    remap = np.empty(len(names), np.int32)
-    remap[order] = np.arange(len(names), dtype=np.int32)
+def _sorted_classes(first_seen: List[Any], codes: array) -> Tuple[np.ndarray, List[str]]:
+    """Re-code first-seen codes into sorted-identity codes (as `build.renumber`: np.unique's order).
+    ``first_seen[c]`` is the identity of code c; equal identities (labels "1" and "01" read as
+    integers) become one class, as in the in-memory path."""
+    if not first_seen:
+        return np.zeros(0, np.int32), []
+    names, remap = np.unique(np.asarray(first_seen), return_inverse=True)
     c = np.frombuffer(codes, np.int32)
-    return (remap[c] if len(c) else c.copy()), [str(names[i]) for i in order]
+    return remap.reshape(-1).astype(np.int32)[c], [str(n) for n in names.tolist()]
 
 
 def index_recordio(prefix: str) -> SampleIndex:
@@ -194,9 +195,10 @@ def index_list(path: str) -> SampleIndex:
             paths.add(file if os.path.isabs(file) else os.path.join(base, file))
             codes.append(seen.setdefault(label, len(seen)))
     # Integer labels sort numerically (as the in-memory importer does); other labels sort as names.
-    if seen and all(l.lstrip("-").isdigit() for l in seen):
-        seen = {int(k): v for k, v in seen.items()}
-    dense, names = _sorted_classes(seen, codes)
+    idents: List[Any] = list(seen)           # in code order (dicts keep insertion order)
+    if idents and all(l.lstrip("-").isdigit() for l in idents):
+        idents = [int(l) for l in idents]
+    dense, names = _sorted_classes(idents, codes)
     blob, ends = paths.arrays()
     return SampleIndex(dense, names, {"format": "list", "path": os.path.abspath(path)}, path_blob=blob,
                        path_ends=ends, inputs=[path])

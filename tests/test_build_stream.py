@@ -245,3 +245,17 @@ def gray_pngs_for_list():
         Image.fromarray(np.full((5, 7), i * 20, np.uint8)).save(buf, format="PNG")
         out.append(buf.getvalue())
     return out
+
+
+@pytest.mark.parametrize("labels", [["01", "1", "2", "10", "-3"], ["b", "a10", "a9", "b", "A"]])
+def test_list_index_renumbers_as_the_in_memory_importer(tmp_path, labels):
+    """Integer labels sort numerically and "01" == "1" (one class); names sort as strings."""
+    from data_tools.build import renumber
+    from data_tools.importers.listfile import import_list
+    from data_tools.stream import index_list
+    lst = tmp_path / "l.lst"
+    lst.write_text("".join(f"img{i}.png {y}\n" for i, y in enumerate(labels)))
+    ix = index_list(str(lst))
+    dense, names = renumber(import_list(str(lst)).labels)
+    assert ix.classes == names and ix.codes.tolist() == dense.tolist()
+    assert [ix.path(i) for i in range(len(labels))] == [str(tmp_path / f"img{i}.png") for i in range(len(labels))]
