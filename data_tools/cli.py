@@ -50,7 +50,7 @@ def _build(args) -> int:
         r = build_streaming(args.format, args.source, opts, part)
         print(f"part {part[0]}/{part[1]}: wrote {r['shards_written']} shards ({r['samples_written']} samples), "
               f"{r['shards_resumed']} already done; index {r['index_bytes_per_sample']:.1f} bytes/sample, "
-              f"{r['index_seconds']:.1f} s")
+              f"{r['index_seconds']:.1f} s{' (saved by an earlier run)' if r['index_cached'] else ''}")
         if r["manifest"] is None:
             print(f"when every part has finished: hvd-partialfc-shards assemble {args.out}")
             return 0

@@ -50,6 +50,7 @@ from hvd_partialfc.shards import (FORMAT, VERSION, Manifest, ShardEntry, ShardEr
 
 PLAN = "plan.json"
 FINGERPRINT = "fingerprint.json"
+INDEX_CACHE = "index.npz"
 DONE = ".done.json"
 BLOCK_BYTES = 4 << 20          # decoded bytes per block (raw): bounds memory per block in flight
 
@@ -229,6 +230,43 @@ def index_imagefolder(path: str) -> SampleIndex:
 
 
 INDEXERS = {"recordio": index_recordio, "list": index_list, "imagefolder": index_imagefolder}
+
+
+def _inputs_key(fmt: str, source: str, inputs: List[str]) -> str:
+    return json.dumps([fmt, os.path.abspath(source)] + [[os.path.abspath(p), os.stat(p).st_size,
+                                                          os.stat(p).st_mtime_ns] for p in inputs])
+
+
+def load_index_cache(folder: str, fmt: str, source: str) -> Optional[SampleIndex]:
+    """The index a previous part or run of this build saved, if its input files (path, size, mtime)
+    are unchanged: a restarted or later-starting part skips the index pass (for WebFace42M ~100 s with
+    the ``.rec`` cached, about a full read of it when not). ImageFolder is never cached (its listing is
+    the input)."""
+    path = os.path.join(folder, INDEX_CACHE)
+    if fmt == "imagefolder" or not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta["key"] != _inputs_key(fmt, source, meta["inputs"]):
+                return None
+            arrays = {k: z[k] for k in ("codes", "offsets", "keys", "path_blob", "path_ends") if k in z.files}
+            classes = [str(c) for c in z["classes"].tolist()]
+    except (OSError, ValueError, KeyError):       # a damaged cache is recomputed
+        return None
+    return SampleIndex(classes=classes, source=meta["source"], rec_path=meta["rec_path"], inputs=meta["inputs"],
+                       **arrays)
+
+
+def save_index_cache(folder: str, fmt: str, source: str, index: SampleIndex) -> None:
+    if fmt == "imagefolder":
+        return
+    meta = {"key": _inputs_key(fmt, source, index.inputs), "inputs": index.inputs, "source": index.source,
+            "rec_path": index.rec_path}
+    arrays = {k: getattr(index, k) for k in ("codes", "offsets", "keys", "path_blob", "path_ends")
+              if getattr(index, k) is not None}
+    with atomic_path(os.path.join(folder, INDEX_CACHE)) as tmp, open(tmp, "wb") as f:
+        np.savez(f, meta=np.array(json.dumps(meta)), classes=np.array(index.classes, dtype=str), **arrays)
 
 
 # --- reading one sample (in the worker processes) ---------------------------------------------------------
@@ -563,7 +601,10 @@ def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1))
         for path in outs:
             shutil.rmtree(resumable_dir(path), ignore_errors=True)
     t0 = time.perf_counter()
-    index = INDEXERS[fmt](source)
+    index = load_index_cache(resumable_dir(opts.out), fmt, source)
+    cached = index is not None
+    if index is None:
+        index = INDEXERS[fmt](source)
     if len(index) == 0:
         raise ShardError("no classes: the source holds no samples")
     _READER.clear()
@@ -576,6 +617,8 @@ def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1))
     fp = fingerprint(index, opts, shape)
     for folder in folders:
         _check_fingerprint(folder, fp, opts.out)
+    if not cached:
+        save_index_cache(folders[0], fmt, source, index)
     write_text(os.path.join(folders[0], PLAN), json.dumps(plan, ensure_ascii=False))
     mine = [j for j in range(len(plan["items"])) if j % m == k - 1]
     todo = [j for j in mine if _done(folders[plan["items"][j]["set"]], plan["items"][j]) is None]
@@ -607,7 +650,7 @@ def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1))
         blocks.close()
         bar.close()
     seconds = time.perf_counter() - t0
-    summary = {"part": part, "shards_written": len(todo), "shards_resumed": len(mine) - len(todo),
+    summary = {"part": part, "index_cached": cached, "shards_written": len(todo), "shards_resumed": len(mine) - len(todo),
                "seconds": seconds, "index_seconds": t_index, "index_bytes": index.nbytes(),
                "index_bytes_per_sample": index.nbytes() / len(index), "samples_written": written,
                "samples_per_s": written / seconds if seconds else float("inf"), "manifest": None, "holdout": None}
@@ -645,7 +688,7 @@ def assemble(out: str) -> Dict[str, Any]:
     for s in reversed(range(len(plan["sets"]))):       # held-out set first
         folder, target = folders[s], plan["sets"][s]["out"]
         for name in os.listdir(folder):
-            if name.endswith(DONE) or name in (PLAN, FINGERPRINT) or ".tmp-" in name:
+            if name.endswith(DONE) or name in (PLAN, FINGERPRINT, INDEX_CACHE) or ".tmp-" in name:
                 os.unlink(os.path.join(folder, name))
         write_manifest(folder, manifests[s])
         if os.path.exists(target):

@@ -117,6 +117,7 @@ def test_kill_and_restart_gives_the_same_shards(tmp_path):
     rc, stdout, err = run_cli(*base, "--out", out, "--workers", 2)
     assert rc == 0, err
     assert f"{len(done)} already done" in stdout
+    assert "saved by an earlier run" in stdout                   # the index pass was not repeated
     assert shas(out) == shas(tmp_path / "straight")
     assert shas(tmp_path / "killed-holdout") == shas(tmp_path / "straight-holdout")
     assert (out / "manifest.json").read_bytes().replace(b"killed", b"straight") == \
@@ -148,9 +149,10 @@ def test_damaged_finished_shard_is_rewritten_on_restart(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF                                       # same size, other sha256
     shard.write_bytes(bytes(data))
+    (tmp_path / ".tmp-o-resumable" / "index.npz").write_bytes(b"damaged")   # recomputed, not trusted
     rc, stdout, err = run_cli(*args)
     assert rc == 0, err
-    assert "wrote 3 shards" in stdout and "1 already done" in stdout
+    assert "wrote 3 shards" in stdout and "1 already done" in stdout and "saved by" not in stdout
     assert run_cli("inspect", tmp_path / "o")[0] == 0
 
 
