@@ -55,7 +55,12 @@ def renumber(original: Sequence) -> tuple:
 
 
 def partition_classes(labels: np.ndarray, num_classes: int, num_shards: int, balance: str):
-    counts = np.bincount(labels, minlength=num_classes)
+    return partition_counts(np.bincount(labels, minlength=num_classes), num_shards, balance)
+
+
+def partition_counts(counts: np.ndarray, num_shards: int, balance: str):
+    """(label slices, partition info) from the samples per class (what `partition_classes` needs)."""
+    num_classes = len(counts)
     if balance == "classes":
         slices = even_slices(num_classes, num_shards)
     elif balance == "samples":

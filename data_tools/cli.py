@@ -3,9 +3,10 @@
     hvd-partialfc-shards build FORMAT [SOURCE] --out DIR --num-shards N [--balance classes|samples]
         [--store raw|encoded] [--size H[,W]] [--color gray|rgb] [--on-error fail|skip] [--workers W]
         [--holdout F --holdout-out DIR2 --holdout-shards K] [--seed S] [--overwrite]
-        [--compression none|gzip|lzf] [--chunk-samples K]
+        [--compression none|gzip|lzf] [--chunk-samples K] [--part K/M]
         fonts only: [--charset gb2312-1|jis-1|FILE] [--samples-per-font K] [--font-dir D]
                     [--max-fonts K] [--max-chars K] [--min-fonts K]
+    hvd-partialfc-shards assemble OUT                 (after a build in parts)
     hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
     hvd-partialfc-shards pairs FILE.bin|FILE.h5 --out OTHER.h5|OTHER.bin      (conversion)
@@ -43,22 +44,48 @@ def _build(args) -> int:
                  max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts)
     if args.format != "fonts" and args.source is None:
         raise ValueError(f"build {args.format}: SOURCE is required")
-    r = build(get_importer(args.format), args.source, opts, **(fonts if args.format == "fonts" else {}))
-    for label, m, path in (("train", r["manifest"], args.out), ("holdout", r["holdout"], opts.holdout_out)):
+    from .stream import INDEXERS, build_streaming, parse_part
+    if args.format in INDEXERS:
+        part = parse_part(args.part)           # streaming: bounded memory, restartable, parts (data_tools/stream.py)
+        r = build_streaming(args.format, args.source, opts, part)
+        print(f"part {part[0]}/{part[1]}: wrote {r['shards_written']} shards ({r['samples_written']} samples), "
+              f"{r['shards_resumed']} already done; index {r['index_bytes_per_sample']:.1f} bytes/sample, "
+              f"{r['index_seconds']:.1f} s{' (saved by an earlier run)' if r['index_cached'] else ''}")
+        if r["manifest"] is None:
+            print(f"when every part has finished: hvd-partialfc-shards assemble {args.out}")
+            return 0
+    elif args.part:         # a launcher's rank alone does not split an in-memory build: it builds it all
+        raise ValueError(f"--part: build {args.format} holds its samples in memory and cannot be split; "
+                         f"--part works with {', '.join(sorted(INDEXERS))}")
+    else:
+        r = build(get_importer(args.format), args.source, opts, **(fonts if args.format == "fonts" else {}))
+    _print_written(r, args.out, opts.holdout_out)
+    src = r["manifest"].source
+    if args.format == "fonts":
+        print(f"fonts: {src['faces_used']} faces of {src['families_used']} families used "
+              f"({src['faces_found']} found), {src['duplicate_renderings_dropped']} duplicate renderings "
+              f"dropped, {src['characters_dropped']} characters without enough fonts")
+    skipped = r.get("skipped", len(r["manifest"].skipped) + (len(r["holdout"].skipped) if r["holdout"] else 0))
+    if skipped:
+        print(f"skipped {skipped} unreadable samples (listed in the manifest's 'skipped')")
+    print(f"build time {r['seconds']:.1f} s ({r['samples_per_s']:.0f} samples/s)")
+    return 0
+
+
+def _print_written(r, out, holdout_out) -> None:
+    for m, path in ((r["manifest"], out), (r["holdout"], holdout_out)):
         if m is None:
             continue
         p = m.partition
         print(f"wrote {path}: {m.num_shards} shards, {m.num_classes} classes, {m.num_samples} samples "
               f"({m.kind} {m.sample_shape}); sample imbalance (max/mean) {p['sample_imbalance']:.3f} "
               f"with --balance {p['policy']} (by classes: {p['sample_imbalance_by_classes']:.3f})")
-    src = r["manifest"].source
-    if args.format == "fonts":
-        print(f"fonts: {src['faces_used']} faces of {src['families_used']} families used "
-              f"({src['faces_found']} found), {src['duplicate_renderings_dropped']} duplicate renderings "
-              f"dropped, {src['characters_dropped']} characters without enough fonts")
-    if r["skipped"]:
-        print(f"skipped {r['skipped']} unreadable samples (listed in the manifest's 'skipped')")
-    print(f"build time {r['seconds']:.1f} s ({r['samples_per_s']:.0f} samples/s)")
+
+
+def _assemble(args) -> int:
+    from .stream import assemble
+    r = assemble(args.out)
+    _print_written(r, args.out, r["holdout"] and r["manifest"].source["holdout"]["path"])
     return 0
 
 
@@ -166,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--compression", choices=["none", "gzip", "lzf"], default="none")
     b.add_argument("--chunk-samples", type=int, default=0,
                    help="HDF5 chunk length in samples; 0 = contiguous (fastest random reads, measured)")
+    b.add_argument("--part", help="K/M: write only part K (from 1) of M of the shards (recordio, list, "
+                   "imagefolder); default: the launcher's rank/size (Open MPI, PMI, Slurm tasks or array); "
+                   "then `assemble OUT`")
     f = b.add_argument_group("fonts")
     f.add_argument("--charset", default="gb2312-1", help="gb2312-1, jis-1, or a UTF-8 file of characters")
     f.add_argument("--samples-per-font", type=int, default=1)
@@ -174,6 +204,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--max-chars", type=int)
     f.add_argument("--min-fonts", type=int, default=1, help="drop characters with fewer distinct renderings")
     b.set_defaults(fn=_build)
+    a = sub.add_parser("assemble", help="write the manifests of a build done in parts (--part K/M)")
+    a.add_argument("out", help="the --out of the build")
+    a.set_defaults(fn=_assemble)
     i = sub.add_parser("inspect", help="validate a shard set and print its per-shard figures")
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")

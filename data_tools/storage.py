@@ -11,8 +11,9 @@ and, per ``--store``:
 
 Results come back in input order (``Pool.imap``), so the output does not depend on the number of workers.
 An unreadable sample raises (``on_error="fail"``, the message names it) or is dropped and listed
-(``on_error="skip"``). Everything is held in memory until the shards are written: fine for the data sets
-this project builds on one machine (a few million small images); documented in docs/data.md.
+(``on_error="skip"``). Everything is held in memory until the shards are written: this is the path of the
+in-memory sources (npz, fonts) and of `data_tools.build.build`; the CLI builds recordio, list and
+imagefolder sources with `data_tools.stream` instead (bounded memory, restartable, parts; docs/data.md §6).
 """
 from __future__ import annotations
 
