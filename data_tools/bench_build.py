@@ -121,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-shards", type=int, default=16)
     p.add_argument("--jpeg", type=int, default=0, metavar="SIDE",
                    help="RGB JPEG records SIDE x SIDE (e.g. 112, as face crops) instead of 8x8 grey PNGs")
+    p.add_argument("--no-check", action="store_true", help="encoded: pass the bytes through undecoded")
+    p.add_argument("--inspect", action="store_true", help="also time `inspect --no-sha256` on the result")
     p.add_argument("--keep", help="folder for the input and output (default: a temporary one, removed)")
     args = p.parse_args(argv)
     root = args.keep or tempfile.mkdtemp(prefix="bench-build-")
@@ -129,11 +131,14 @@ def main(argv=None) -> int:
     if not os.path.isfile(prefix + ".idx"):
         write_synthetic_rec(prefix, args.records, args.classes or max(1, args.records // 10),
                             side=args.jpeg or 8, jpeg=bool(args.jpeg))
-    out = os.path.join(root, f"out-{args.store}-w{args.workers}-p{args.parts}-j{args.jpeg}")
+    out = os.path.join(root, f"out-{args.store}-w{args.workers}-p{args.parts}-j{args.jpeg}"
+                       + ("-nocheck" if args.no_check else ""))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     base = [sys.executable, "-m", "data_tools.cli", "build", "recordio", prefix, "--out", out, "--num-shards",
             str(args.num_shards), "--store", args.store, "--workers", str(args.workers), "--overwrite"]
+    if args.no_check:
+        base.append("--no-check")
     import shutil
     from .stream import resumable_dir
     shutil.rmtree(out, ignore_errors=True)
@@ -148,7 +153,13 @@ def main(argv=None) -> int:
                               stdout=subprocess.DEVNULL)
         r["assemble_seconds"] = time.perf_counter() - t
         r["seconds"] += r["assemble_seconds"]
+    if args.inspect:
+        t = time.perf_counter()
+        subprocess.check_call([sys.executable, "-m", "data_tools.cli", "inspect", out, "--no-sha256"], env=env,
+                              stdout=subprocess.DEVNULL)
+        r["inspect_no_sha256_seconds"] = time.perf_counter() - t
     r.update(records=args.records, jpeg=args.jpeg, store=args.store, workers=args.workers, parts=args.parts,
+             check=not args.no_check,
              samples_per_s=args.records / r["seconds"],
              cores=args.parts * max(1, args.workers))
     r["samples_per_s_per_core"] = r["samples_per_s"] / r["cores"]

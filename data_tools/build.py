@@ -144,6 +144,7 @@ class BuildOptions:
     compression: Optional[str] = DEFAULT_COMPRESSION
     chunk_samples: int = DEFAULT_CHUNK_SAMPLES
     progress: bool = True
+    check: bool = True                        # encoded, streaming formats: decode every image to check it
 
 
 def build(importer, source: Optional[str], opts: BuildOptions, **importer_options) -> Dict[str, Any]:

@@ -39,7 +39,7 @@ def _build(args) -> int:
                         holdout_out=args.holdout_out, holdout_shards=args.holdout_shards,
                         overwrite=args.overwrite,
                         compression=None if args.compression == "none" else args.compression,
-                        chunk_samples=args.chunk_samples)
+                        chunk_samples=args.chunk_samples, check=not args.no_check)
     fonts = dict(charset=args.charset, samples_per_font=args.samples_per_font, font_dir=args.font_dir,
                  max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts)
     if args.format != "fonts" and args.source is None:
@@ -184,6 +184,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--size", type=_size, help="sample size S or H,W (fonts: square side, default 64)")
     b.add_argument("--color", choices=["gray", "rgb"], help="image files: default the first image's")
     b.add_argument("--on-error", choices=["fail", "skip"], default="fail")
+    b.add_argument("--no-check", action="store_true",
+                   help="--store encoded (recordio, list, imagefolder): keep the bytes without decoding each image "
+                        "to check it (disk-bound; a broken image then fails at training time, naming it)")
     b.add_argument("--workers", type=int, default=0, help="processes (default: all cores)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--holdout", type=float, default=0.0, help="fraction of classes held out")

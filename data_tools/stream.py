@@ -292,13 +292,15 @@ def _load_block(rows: np.ndarray) -> Tuple[List[Optional[str]], Any]:
     store, shape = _READER["store"], tuple(_READER["shape"])
     errors: List[Optional[str]] = []
     out = np.zeros((len(rows),) + shape, np.uint8) if store == "raw" else []
+    check = _READER.get("check", True)
     for j, i in enumerate(rows.tolist()):
         try:
             blob = _read_bytes(i)
-            arr = decode_image(blob, shape)
             if store == "raw":
-                out[j] = arr
+                out[j] = decode_image(blob, shape)
             else:
+                if check:           # pass-through without it: the build is bounded by the disk, not the CPU
+                    decode_image(blob, shape)
                 out.append(blob)
             errors.append(None)
         except Exception as e:  # noqa: BLE001 - any failure to read/decode one image is reported per image
@@ -521,6 +523,7 @@ def fingerprint(index: SampleIndex, opts, shape: List[int]) -> Dict[str, Any]:
         files.append([os.path.abspath(p), st.st_size, st.st_mtime_ns])
     options = {k: getattr(opts, k) for k in ("num_shards", "balance", "store", "size", "color", "on_error", "seed",
                                              "holdout", "holdout_shards", "compression", "chunk_samples")}
+    options["check"] = bool(getattr(opts, "check", True)) or opts.store == "raw"   # raw always decodes
     options["holdout_out"] = os.path.abspath(opts.holdout_out) if opts.holdout else None
     return {"format": FORMAT + ".build", "options": options, "sample_shape": shape, "source": index.source,
             "index_sha256": index.digest(), "files": files}
@@ -610,7 +613,7 @@ def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1))
     _READER.clear()
     _READER.update(index=index)
     shape = probe_sample_shape(index, opts.size, opts.color)
-    _READER.update(store=opts.store, shape=shape)
+    _READER.update(store=opts.store, shape=shape, check=getattr(opts, "check", True))
     plan, labels, item = make_plan(index, opts, shape)
     t_index = time.perf_counter() - t0
     folders = [resumable_dir(s["out"]) for s in plan["sets"]]

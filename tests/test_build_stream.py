@@ -261,3 +261,30 @@ def test_list_index_renumbers_as_the_in_memory_importer(tmp_path, labels):
     dense, names = renumber(import_list(str(lst)).labels)
     assert ix.classes == names and ix.codes.tolist() == dense.tolist()
     assert [ix.path(i) for i in range(len(labels))] == [str(tmp_path / f"img{i}.png") for i in range(len(labels))]
+
+
+def test_no_check_passes_encoded_bytes_through_undecoded(tmp_path):
+    """``--store encoded`` decodes every image to check it unless ``--no-check``: then a broken image is kept
+    as it is (bytes identical)."""
+    import io
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(12):
+        p = tmp_path / f"img{i}.png"
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(buf, format="PNG")
+        p.write_bytes(buf.getvalue() if i != 5 else b"not an image")
+        lines.append(f"{p} {i % 3}\n")
+    lst = tmp_path / "l.lst"
+    lst.write_text("".join(lines))
+    common = ["build", "list", lst, "--num-shards", "1", "--store", "encoded", "--size", "8", "--color", "gray",
+              "--workers", "1"]
+    rc, out, err = run_cli(*common, "--out", tmp_path / "checked")
+    assert rc != 0 and "img5.png" in err
+    rc, out, err = run_cli(*common, "--out", tmp_path / "raw-bytes", "--no-check")
+    assert rc == 0, err
+    import h5py
+    with h5py.File(tmp_path / "raw-bytes" / "shard-00000-of-00001.h5", "r") as f:
+        blobs = sorted(bytes(b) for b in f["encoded"][:])
+    assert b"not an image" in blobs and len(blobs) == 12
