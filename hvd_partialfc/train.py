@@ -374,9 +374,6 @@ class Trainer:
                     # time-based checkpoint due? Every rank reads the same answer at the same step.
                     stop, time_due = (v > 0 for v in vote.result()) if vote is not None else (False, False)
                     vote = None
-                    if not final and not stop:
-                        due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
-                        vote = comm.vote_async([signals.received is not None, due], name="step")
                     if done % cfg.train.log_every == 0 or final:
                         last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar)
                     bar.update(1)
@@ -389,6 +386,9 @@ class Trainer:
                         bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
                                   f"resume with --resume auto")
                         break
+                    if not final:  # after the save, so a time-based checkpoint is not due twice in a row
+                        due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
+                        vote = comm.vote_async([signals.received is not None, due], name="step")
         finally:
             bar.close()
             if metrics:
