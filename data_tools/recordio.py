@@ -17,6 +17,7 @@ per-identity records (label ``(first, last+1)`` image keys) that carry no image.
 """
 from __future__ import annotations
 
+import os
 import struct
 from typing import Dict, List, Tuple
 
@@ -27,6 +28,18 @@ _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _IR_FORMAT = "IfQQ"
 _IR_SIZE = struct.calcsize(_IR_FORMAT)
 _LEN_MASK = (1 << 29) - 1
+
+
+def rec_idx_paths(prefix: str) -> Tuple[str, str]:
+    """(PREFIX.rec, PREFIX.idx) from a prefix or either file's name; a missing one is an error naming it."""
+    for ext in (".rec", ".idx"):
+        if prefix.endswith(ext):
+            prefix = prefix[: -len(ext)]
+    rec, idx = prefix + ".rec", prefix + ".idx"
+    for p in (rec, idx):
+        if not os.path.isfile(p):
+            raise ValueError(f"{p}: missing (recordio expects PREFIX.rec and PREFIX.idx)")
+    return rec, idx
 
 
 class RecordIOError(ValueError):

@@ -172,17 +172,23 @@ def to_storage(data, store: str, size: Optional[Sequence[int]] = None, color: Op
 
 
 def _sample_shape(refs: Sequence[Any], size: Optional[Sequence[int]], color: Optional[str]) -> List[int]:
+    return sample_shape(lambda i: read_ref(refs[i]), len(refs), lambda i: describe_ref(refs[i], i), size, color)
+
+
+def sample_shape(read: Callable[[int], bytes], count: int, describe: Callable[[int], str],
+                 size: Optional[Sequence[int]], color: Optional[str]) -> List[int]:
+    """The stored sample shape: ``size`` and ``color`` where given, otherwise those of the first readable of
+    the first 64 samples (``read(i)``: sample i's bytes); unreadable ones are reported later, per sample."""
     base: Optional[List[int]] = None
     if size is None or color is None:
-        for ref in refs[:64]:               # the first readable one (unreadable ones are reported later)
+        for i in range(min(64, count)):
             try:
-                base = probe_shape(read_ref(ref))
+                base = probe_shape(read(i))
                 break
             except Exception:  # noqa: BLE001
                 continue
-        if base is None and refs:
-            raise ShardError(f"none of the first {min(64, len(refs))} images can be read "
-                             f"(first: {describe_ref(refs[0], 0)})")
+        if base is None and count:
+            raise ShardError(f"none of the first {min(64, count)} images can be read (first: {describe(0)})")
         if base is None:
             base = [1, 1]
     hw = list(size) if size is not None else base[:2]

@@ -125,14 +125,8 @@ def _sorted_classes(first_seen: List[Any], codes: array) -> Tuple[np.ndarray, Li
 
 
 def index_recordio(prefix: str) -> SampleIndex:
-    from .recordio import image_key_mask, read_index_arrays, record_label_from
-    for ext in (".rec", ".idx"):
-        if prefix.endswith(ext):
-            prefix = prefix[: -len(ext)]
-    rec, idx = prefix + ".rec", prefix + ".idx"
-    for p in (rec, idx):
-        if not os.path.isfile(p):
-            raise ValueError(f"{p}: missing (recordio expects PREFIX.rec and PREFIX.idx)")
+    from .recordio import image_key_mask, read_index_arrays, rec_idx_paths, record_label_from
+    rec, idx = rec_idx_paths(prefix)
     keys, offsets = read_index_arrays(idx)
     n_records = len(keys)
     mask = image_key_mask(rec, keys, offsets)
@@ -177,24 +171,11 @@ def index_recordio(prefix: str) -> SampleIndex:
 
 
 def index_list(path: str) -> SampleIndex:
-    base = os.path.dirname(os.path.abspath(path))
+    from .importers.listfile import iter_list
     paths, codes, seen = _Paths(), array("i"), {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            tabs = line.split("\t")
-            if len(tabs) == 3 and tabs[0].strip().isdigit():       # InsightFace .lst: flag, path, label
-                file, label = tabs[1], tabs[2]
-            else:
-                parts = line.rsplit(None, 1)
-                if len(parts) != 2:
-                    raise ValueError(f"{path}:{n}: expected 'path label', got {line!r}")
-                file, label = parts
-            file, label = file.strip(), label.strip()
-            paths.add(file if os.path.isabs(file) else os.path.join(base, file))
-            codes.append(seen.setdefault(label, len(seen)))
+    for file, label in iter_list(path):
+        paths.add(file)
+        codes.append(seen.setdefault(label, len(seen)))
     # Integer labels sort numerically (as the in-memory importer does); other labels sort as names.
     idents: List[Any] = list(seen)           # in code order (dicts keep insertion order)
     if idents and all(l.lstrip("-").isdigit() for l in idents):
@@ -311,26 +292,9 @@ def _load_block(rows: np.ndarray) -> Tuple[List[Optional[str]], Any]:
 
 
 def probe_sample_shape(index: SampleIndex, size: Optional[Sequence[int]], color: Optional[str]) -> List[int]:
-    """As `storage._sample_shape`: the first readable of the first 64 samples decides what is not given."""
-    from .storage import probe_shape
-    base: Optional[List[int]] = None
-    if size is None or color is None:
-        for i in range(min(64, len(index))):
-            try:
-                base = probe_shape(_read_bytes(i))
-                break
-            except Exception:  # noqa: BLE001
-                continue
-        if base is None and len(index):
-            raise ShardError(f"none of the first {min(64, len(index))} images can be read "
-                             f"(first: {index.describe(0)})")
-        base = base or [1, 1]
-    hw = list(size) if size is not None else base[:2]
-    if color is None:
-        color = "gray" if len(base) == 2 else "rgb"
-    if color not in ("gray", "rgb"):
-        raise ValueError(f"unknown --color {color!r}; known: gray, rgb")
-    return hw if color == "gray" else hw + [3]
+    """The in-memory build's rule (`storage.sample_shape`), on the index."""
+    from .storage import sample_shape
+    return sample_shape(_read_bytes, len(index), index.describe, size, color)
 
 
 # --- 2. the plan ---------------------------------------------------------------------------------------------

@@ -8,15 +8,16 @@ read too. Relative paths are resolved against the list file's folder.
 from __future__ import annotations
 
 import os
+from typing import Iterator, Tuple
 
 from . import register_importer
 from ..build import ImportedData
 from ..storage import FileRef
 
 
-def parse_list(path: str):
+def iter_list(path: str) -> Iterator[Tuple[str, str]]:
+    """(image path, label) per entry of a list file, paths resolved against its folder; streamed."""
     base = os.path.dirname(os.path.abspath(path))
-    refs, labels = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             line = line.rstrip("\n")
@@ -31,8 +32,14 @@ def parse_list(path: str):
                     raise ValueError(f"{path}:{n}: expected 'path label', got {line!r}")
                 file, label = parts
             file, label = file.strip(), label.strip()
-            refs.append(FileRef(file if os.path.isabs(file) else os.path.join(base, file)))
-            labels.append(label)
+            yield (file if os.path.isabs(file) else os.path.join(base, file)), label
+
+
+def parse_list(path: str):
+    refs, labels = [], []
+    for file, label in iter_list(path):
+        refs.append(FileRef(file))
+        labels.append(label)
     return refs, labels
 
 

@@ -10,19 +10,13 @@ import os
 
 from . import register_importer
 from ..build import ImportedData
-from ..recordio import image_keys, read_index, record_label
+from ..recordio import image_keys, read_index, rec_idx_paths, record_label
 from ..storage import RecordRef
 
 
 @register_importer("recordio")
 def import_recordio(prefix: str, **_) -> ImportedData:
-    for ext in (".rec", ".idx"):
-        if prefix.endswith(ext):
-            prefix = prefix[: -len(ext)]
-    rec, idx = prefix + ".rec", prefix + ".idx"
-    for p in (rec, idx):
-        if not os.path.isfile(p):
-            raise ValueError(f"{p}: missing (recordio expects PREFIX.rec and PREFIX.idx)")
+    rec, idx = rec_idx_paths(prefix)
     index = read_index(idx)
     keys = image_keys(rec, index)
     refs = [RecordRef(rec, index[k], k) for k in keys]
