@@ -82,13 +82,18 @@ def test_estimate_cli_prints_a_table():
     assert "| classifier weights |" in out and "local C=1,000,000 N=8" in out and "replicated" in out
 
 
+def _tiny_bench(out, *args):
+    """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json."""
+    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--dims", "16", "--batch", "8", "--steps", "1",
+           "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(out),
+           "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
+    return json.load(open(os.path.join(out, "bench.json")))
+
+
 @pytest.mark.multirank
 def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
-    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "2000,4000", "--dims", "16", "--batch", "8",
-           "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
-           "--config", os.path.join(ROOT, "configs", "bench.yaml"), "--negatives-every", "1"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
-    res = json.load(open(tmp_path / "bench.json"))
+    res = _tiny_bench(tmp_path, "--classes", "2000,4000", "--negatives-every", "1")
     by = {(p["mode"], p["classes"]): p for p in res["points"]}
     assert set(m for m, _ in by) == {"limit", "local", "negatives", "global", "replicated"}
     # negatives (K=1, share 0): local's bytes plus the whole slice's centres, every step
@@ -105,11 +110,7 @@ def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
 @pytest.mark.multirank
 def test_bench_sample_rates_reach_every_job_and_count_logits(tmp_path):
     # one set of jobs per rate, the limit included; the rate each worker ran with is its own config's
-    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--classes", "4000", "--dims", "16", "--batch", "8",
-           "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(tmp_path),
-           "--config", os.path.join(ROOT, "configs", "bench.yaml"), "--sample-rates", "0.1,1"]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
-    res = json.load(open(tmp_path / "bench.json"))
+    res = _tiny_bench(tmp_path, "--classes", "4000", "--sample-rates", "0.1,1")
     by = {(p["mode"], p["sample_rate"]): p for p in res["points"]}
     assert by["replicated", 0.1]["skipped"] == "replicated does not sample" and "skipped" not in by["replicated", 1.0]
     for mode in ("limit", "local", "global"):
