@@ -143,6 +143,12 @@ def test_min_families_counts_keys_after_cmap_standin_and_duplicate_checks(fontdi
     assert "T Droid Mono" not in {f["family"] for f in m1.source["fonts"]}
     _, y1 = load_all(out1)
     assert np.bincount(y1).tolist() == [{"永": 2, "和": 3, "九": 2}[c] for c in m1.class_names]
+    # a near-duplicate threshold of 255 makes every later rendering a duplicate of the first: 1 family each
+    out2 = tmp_path / "out2"
+    assert build("--charset", chars, "--font-dir", fontdir, "--size", 32, "--near-duplicate", 255,
+                 "--out", out2, "--num-shards", 1, "--workers", 1) == 0
+    src2 = read_manifest(str(out2)).source
+    assert src2["family_histogram"] == [1, 4] and src2["near_duplicate_renderings_dropped"] == 11 - 4
 
 
 @needs_fonts
