@@ -16,8 +16,9 @@ Pipeline:
 2. **Coverage.** A face is used for a character only when its cmap maps the character to a glyph other
    than ``.notdef`` (read with fontTools) *and* the rendering has ink, differs from the face's own
    ``.notdef`` box, and is not pixel-equal to the face's rendering of another character of the charset
-   (a placeholder or an alias: some fonts map code points they lack to one shared glyph; measured on
-   the CJK range, docs/data.md): no blank squares, no tofu, no stand-ins.
+   (a placeholder or an alias: two code points one face draws identically cannot be told apart by that
+   face; on the `cjk` set Noto maps some code-point pairs to one glyph, 170 renderings dropped, none on
+   gb2312-1): no blank squares, no tofu, no stand-ins.
 3. **Rendering.** Pillow/FreeType, white on black, grayscale ``size`` x ``size``, glyph bounding box
    centred, font size 0.8 x ``size``. One task per face, in worker processes.
 4. **Duplicates.** Within a character, a rendering byte-identical to one from an earlier face (e.g. the
@@ -31,9 +32,11 @@ Pipeline:
    dropped too (``is_near_duplicate``): fonts that share outlines but centre one pixel apart, or
    copies with small edits, are then not counted as two designs.
 7. **Top-up** (``--min-samples N``): a kept character with fewer than N samples gets augmented ones
-   (as in 5, round-robin over its renderings) until it has N; the others are left as they are.
+   (as in 5, round-robin over its renderings) until it has N; the others are left as they are. On the
+   `cjk` set this replaces a uniform ``--samples-per-font``: 5-family characters need 4 samples per
+   rendering, ~40-family ones none, and a uniform 4 would have multiplied samples, memory and time ~4x.
 8. **Families per character** (``--min-families K``): a character is kept when the renderings left after
-   steps 2 and 4 come from at least K distinct family keys. The histogram of that count over the whole
+   steps 2, 4 and 6 come from at least K distinct family keys. The histogram of that count over the whole
    charset is in the manifest (``family_histogram``), next to the cmap-only one computed before any
    rendering (``cmap_family_histogram``).
 
