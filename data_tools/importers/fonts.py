@@ -17,8 +17,8 @@ Pipeline:
    than ``.notdef`` (read with fontTools) *and* the rendering has ink, differs from the face's own
    ``.notdef`` box, and is not pixel-equal to the face's rendering of another character of the charset
    (a placeholder or an alias: two code points one face draws identically cannot be told apart by that
-   face; on the `cjk` set Noto maps some code-point pairs to one glyph, 170 renderings dropped, none on
-   gb2312-1): no blank squares, no tofu, no stand-ins.
+   face; on the `cjk` set Noto maps some code-point pairs to one glyph, 170 renderings dropped; no face maps
+   two gb2312-1 characters to one glyph): no blank squares, no tofu, no stand-ins.
 3. **Rendering.** Pillow/FreeType, white on black, grayscale ``size`` x ``size``, glyph bounding box
    centred, font size 0.8 x ``size``. One task per face, in worker processes.
 4. **Duplicates.** Within a character, a rendering byte-identical to one from an earlier face (e.g. the
