@@ -4,8 +4,9 @@
         [--store raw|encoded] [--size H[,W]] [--color gray|rgb] [--on-error fail|skip] [--workers W]
         [--holdout F --holdout-out DIR2 --holdout-shards K] [--seed S] [--overwrite]
         [--compression none|gzip|lzf] [--chunk-samples K] [--part K/M]
-        fonts only: [--charset gb2312-1|jis-1|FILE] [--samples-per-font K] [--font-dir D]
-                    [--max-fonts K] [--max-chars K] [--min-fonts K]
+        fonts only: [--charset gb2312-1|jis-1|cjk|FILE] [--samples-per-font K] [--font-dir D]
+                    [--max-fonts K] [--max-chars K] [--min-fonts K] [--min-families K]
+                    [--faces-per-family K] [--near-duplicate T] [--min-samples N]
     hvd-partialfc-shards assemble OUT                 (after a build in parts)
     hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
@@ -41,7 +42,9 @@ def _build(args) -> int:
                         compression=None if args.compression == "none" else args.compression,
                         chunk_samples=args.chunk_samples, check=not args.no_check)
     fonts = dict(charset=args.charset, samples_per_font=args.samples_per_font, font_dir=args.font_dir,
-                 max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts)
+                 max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts,
+                 min_families=args.min_families, faces_per_family=args.faces_per_family,
+                 near_duplicate=args.near_duplicate, min_samples=args.min_samples)
     if args.format != "fonts" and args.source is None:
         raise ValueError(f"build {args.format}: SOURCE is required")
     from .stream import INDEXERS, build_streaming, parse_part
@@ -62,9 +65,13 @@ def _build(args) -> int:
     _print_written(r, args.out, opts.holdout_out)
     src = r["manifest"].source
     if args.format == "fonts":
-        print(f"fonts: {src['faces_used']} faces of {src['families_used']} families used "
-              f"({src['faces_found']} found), {src['duplicate_renderings_dropped']} duplicate renderings "
-              f"dropped, {src['characters_dropped']} characters without enough fonts")
+        print(f"fonts: {src['faces_used']} faces of {src['families_used']} families ({src['family_keys_used']} "
+              f"family keys) used ({src['faces_found']} found), {src['duplicate_renderings_dropped']} duplicate "
+              f"and {src['standin_renderings_dropped']} stand-in renderings dropped, "
+              f"{src['near_duplicate_renderings_dropped']} near duplicates, {src['top_up_samples']} top-up samples, "
+              f"{src['characters_dropped']} characters without enough fonts or families")
+        print("characters by family keys with a distinct rendering: "
+              + ", ".join(f"{n}: {c}" for n, c in enumerate(src["family_histogram"]) if c))
     skipped = r.get("skipped", len(r["manifest"].skipped) + (len(r["holdout"].skipped) if r["holdout"] else 0))
     if skipped:
         print(f"skipped {skipped} unreadable samples (listed in the manifest's 'skipped')")
@@ -200,12 +207,22 @@ def _parser() -> argparse.ArgumentParser:
                    "imagefolder); default: the launcher's rank/size (Open MPI, PMI, Slurm tasks or array); "
                    "then `assemble OUT`")
     f = b.add_argument_group("fonts")
-    f.add_argument("--charset", default="gb2312-1", help="gb2312-1, jis-1, or a UTF-8 file of characters")
+    f.add_argument("--charset", default="gb2312-1", help="gb2312-1, jis-1, cjk (U+4E00-9FFF and U+3400-4DBF), "
+                   "or a UTF-8 file of characters")
     f.add_argument("--samples-per-font", type=int, default=1)
     f.add_argument("--font-dir")
     f.add_argument("--max-fonts", type=int, help="first K font families")
     f.add_argument("--max-chars", type=int)
     f.add_argument("--min-fonts", type=int, default=1, help="drop characters with fewer distinct renderings")
+    f.add_argument("--min-families", type=int, default=1,
+                   help="drop characters whose distinct renderings come from fewer family keys")
+    f.add_argument("--faces-per-family", type=int, default=0,
+                   help="render at most K faces per family key (Regular first); 0 = all")
+    f.add_argument("--near-duplicate", type=float, default=0.0,
+                   help="also drop a rendering within T (mean abs. difference 0-255, shifts <= 1 px) of an "
+                        "earlier one of the character; 0 = only pixel-equal ones")
+    f.add_argument("--min-samples", type=int, default=0,
+                   help="top every kept character up to N samples with augmented renderings")
     b.set_defaults(fn=_build)
     a = sub.add_parser("assemble", help="write the manifests of a build done in parts (--part K/M)")
     a.add_argument("out", help="the --out of the build")

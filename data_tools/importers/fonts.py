@@ -7,9 +7,18 @@ Pipeline:
    ``.otf``, ``.ttc``/``.otc``), sorted by path; a collection contributes each of its faces (by index).
    A face's family is its typographic family name (name ID 16, else 1): e.g. all seven weights of
    "Noto Sans CJK SC" are one family. ``--max-fonts K`` keeps the first K families (whole families).
+   Its *family key* (``family_key``) drops the words of that name that only name a regional or encoding
+   edition or a width variant of one design (``FAMILY_QUALIFIERS``: SC, TC, JP, KR, HK, CN, TW, MBE, GB,
+   Big5, Mono, Sharp, P, and a "P" glued to Gothic/Mincho): "Noto Sans Mono CJK JP" and "Noto Sans CJK
+   SC" are the key "Noto Sans CJK", "VL PGothic" is "VL Gothic".
+   ``--faces-per-family K`` keeps K faces per key (its "Regular" style first, then path order), and
+   ``--min-families K`` counts keys (below).
 2. **Coverage.** A face is used for a character only when its cmap maps the character to a glyph other
-   than ``.notdef`` (read with fontTools) *and* the rendering has ink and differs from the face's own
-   ``.notdef`` box: no blank squares, no tofu.
+   than ``.notdef`` (read with fontTools) *and* the rendering has ink, differs from the face's own
+   ``.notdef`` box, and is not pixel-equal to the face's rendering of another character of the charset
+   (a placeholder or an alias: two code points one face draws identically cannot be told apart by that
+   face; on the `cjk` set Noto maps some code-point pairs to one glyph, 170 renderings dropped; no face maps
+   two gb2312-1 characters to one glyph): no blank squares, no tofu, no stand-ins.
 3. **Rendering.** Pillow/FreeType, white on black, grayscale ``size`` x ``size``, glyph bounding box
    centred, font size 0.8 x ``size``. One task per face, in worker processes.
 4. **Duplicates.** Within a character, a rendering byte-identical to one from an earlier face (e.g. the
@@ -18,6 +27,18 @@ Pipeline:
    a small random affine map (rotation, scale, shear, shift), stroke thickening or thinning, blur and
    noise, from a generator seeded by (seed, code point, face, k): the same options give the same bytes
    whatever the number of workers.
+6. **Near duplicates** (``--near-duplicate T`` > 0): a rendering within T (mean absolute difference,
+   0-255) of an earlier kept rendering of the same character, at some shift of at most one pixel, is
+   dropped too (``is_near_duplicate``): fonts that share outlines but centre one pixel apart, or
+   copies with small edits, are then not counted as two designs.
+7. **Top-up** (``--min-samples N``): a kept character with fewer than N samples gets augmented ones
+   (as in 5, round-robin over its renderings) until it has N; the others are left as they are. On the
+   `cjk` set this replaces a uniform ``--samples-per-font``: 5-family characters need 4 samples per
+   rendering, ~40-family ones none, and a uniform 4 would have multiplied samples, memory and time ~4x.
+8. **Families per character** (``--min-families K``): a character is kept when the renderings left after
+   steps 2, 4 and 6 come from at least K distinct family keys. The histogram of that count over the whole
+   charset is in the manifest (``family_histogram``), next to the cmap-only one computed before any
+   rendering (``cmap_family_histogram``).
 
 The class name of each class is the character itself; the manifest's ``source`` lists every face used
 (file, index, family, style, samples kept).
@@ -26,7 +47,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
+from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -54,8 +77,22 @@ def find_font_files(font_dir: Optional[str] = None) -> List[str]:
     return sorted({os.path.realpath(f) for f in files if f.lower().endswith(FONT_EXTENSIONS)})
 
 
+# Words of a typographic family name that name a regional / encoding edition or a width variant of the
+# same design, not another design: dropped to form the family key that --min-families counts.
+# A proportional edition glued to its style word ("IPAPGothic", "VL PGothic") is the same design too.
+FAMILY_QUALIFIERS = frozenset("SC TC JP KR HK CN TW MBE GB Big5 Mono Sharp P".split())
+_GLUED_P = re.compile(r"(^|\s|IPA|Takao)P(Gothic|Mincho)")
+
+
+def family_key(family: str) -> str:
+    """The design a family name belongs to: its words minus ``FAMILY_QUALIFIERS``, a glued "P" edition
+    ("VL PGothic", "IPAPMincho") as its monospaced name."""
+    words = [w for w in family.split() if w not in FAMILY_QUALIFIERS]
+    return _GLUED_P.sub(r"\1\2", " ".join(words)) or family
+
+
 def list_faces(files: Sequence[str]) -> List[Dict]:
-    """Every face of every file: {file, index, family, style}, in (file, index) order."""
+    """Every face of every file: {file, index, family, style, key}, in (file, index) order."""
     from fontTools.ttLib import TTCollection, TTFont
     faces = []
     for path in files:
@@ -65,19 +102,37 @@ def list_faces(files: Sequence[str]) -> List[Dict]:
                 names = TTFont(path, fontNumber=i, lazy=True)["name"]
                 family = names.getDebugName(16) or names.getDebugName(1) or os.path.basename(path)
                 style = names.getDebugName(17) or names.getDebugName(2) or ""
-                faces.append({"file": path, "index": i, "family": family, "style": style})
+                faces.append({"file": path, "index": i, "family": family, "style": style,
+                              "key": family_key(family)})
         except Exception:  # noqa: BLE001 - an unreadable font file is skipped, not fatal
             continue
     return faces
 
 
 def _covered(face: Dict, chars: Sequence[str]) -> List[int]:
-    """Indices of the characters the face's cmap maps to a real glyph."""
+    """Indices of the characters the face's cmap maps to a real glyph (an unreadable font: none)."""
     import logging
     from fontTools.ttLib import TTFont
     logging.getLogger("fontTools").setLevel(logging.ERROR)
-    cmap = TTFont(face["file"], fontNumber=face["index"], lazy=True).getBestCmap() or {}
+    try:
+        cmap = TTFont(face["file"], fontNumber=face["index"], lazy=True).getBestCmap() or {}
+    except Exception:  # noqa: BLE001 - an unreadable font file covers nothing
+        return []
     return [i for i, ch in enumerate(chars) if cmap.get(ord(ch), ".notdef") != ".notdef"]
+
+
+def histogram(counts: Sequence[int]) -> List[int]:
+    """h[n] = how many characters have n families."""
+    return np.bincount(np.asarray(counts, dtype=np.int64), minlength=1).tolist()
+
+
+def cmap_families(faces: Sequence[Dict], chars: Sequence[str]) -> List[int]:
+    """Per character, the number of family keys with a face whose cmap maps it (no rendering)."""
+    keys = sorted({f["key"] for f in faces})
+    cover = np.zeros((len(keys), len(chars)), dtype=bool)
+    for f in faces:
+        cover[keys.index(f["key"]), _covered(f, chars)] = True
+    return cover.sum(axis=0).tolist()
 
 
 def render(font, ch: str, size: int) -> np.ndarray:
@@ -126,31 +181,52 @@ def augment(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 _TASK: Dict = {}   # (chars, size, samples_per_font, seed), set before the pool forks
 
 
-def _render_face(job: Tuple[int, Dict]) -> Tuple[int, List[Tuple[int, bytes, bytes]]]:
-    """Render every covered character of one face: [(char index, sha1 of the clean render, K samples)]."""
+def _render_face(job: Tuple[int, Dict]) -> Tuple[int, List[Tuple[int, bytes, bytes]], int]:
+    """Render every covered character of one face: (face number, [(char index, sha1 of the clean render,
+    K samples)], stand-in renderings dropped)."""
     from PIL import ImageFont
     face_no, face = job
     chars, size, k, seed = _TASK["chars"], _TASK["size"], _TASK["samples_per_font"], _TASK["seed"]
     try:
         covered = _covered(face, chars)
         if not covered:
-            return face_no, []
+            return face_no, [], 0
         font = ImageFont.truetype(face["file"], int(round(size * 0.8)), index=face["index"])
         notdef = render(font, "\U0010FFFD", size).tobytes()   # a private code point: the face's .notdef box
     except Exception:  # noqa: BLE001 - a font FreeType cannot open contributes nothing
-        return face_no, []
-    out = []
+        return face_no, [], 0
+    clean = {}
     for ci in covered:
-        clean = render(font, chars[ci], size)
-        blob = clean.tobytes()
-        if not clean.any() or blob == notdef:
+        img = render(font, chars[ci], size)
+        if img.any() and img.tobytes() != notdef:
+            clean[ci] = img
+    digests = {ci: hashlib.sha1(img.tobytes()).digest() for ci, img in clean.items()}
+    uses = Counter(digests.values())       # a rendering shared by two characters is a stand-in: drop both
+    out = []
+    for ci, img in clean.items():
+        if uses[digests[ci]] > 1:
             continue
-        samples = [clean]
+        samples = [img]
         for j in range(1, k):
             rng = np.random.default_rng([seed, ord(chars[ci]), face_no, j])
-            samples.append(augment(clean, rng))
-        out.append((ci, hashlib.sha1(blob).digest(), np.stack(samples).tobytes()))
-    return face_no, out
+            samples.append(augment(img, rng))
+        out.append((ci, digests[ci], np.stack(samples).tobytes()))
+    return face_no, out, len(clean) - len(out)
+
+
+def _top_up(job: Tuple[int, List[Tuple[int, bytes]], int]) -> bytes:
+    """``need`` more augmented samples of one character, round-robin over its kept renderings: the j-th
+    augments rendering j mod n with the generator (seed, code point, face, K + j // n), after the K of
+    ``--samples-per-font`` (indices 1..K-1)."""
+    ci, rows, need = job
+    size, k, seed = _TASK["size"], _TASK["samples_per_font"], _TASK["seed"]
+    out = []
+    for j in range(need):
+        face_no, blob = rows[j % len(rows)]
+        clean = np.frombuffer(blob, np.uint8, count=size * size).reshape(size, size)
+        out.append(augment(clean, np.random.default_rng([seed, ord(_TASK["chars"][ci]), face_no,
+                                                         k + j // len(rows)])))
+    return np.stack(out).tobytes()
 
 
 def select_families(faces: List[Dict], max_fonts: Optional[int]) -> List[Dict]:
@@ -161,49 +237,121 @@ def select_families(faces: List[Dict], max_fonts: Optional[int]) -> List[Dict]:
     return [f for f in faces if f["family"] in keep]
 
 
+def limit_faces_per_family(faces: List[Dict], k: Optional[int]) -> List[Dict]:
+    """At most ``k`` faces per family key: its "Regular" styles first, then the others, each in face order
+    (the result keeps face order); all faces when ``k`` is 0/None."""
+    if not k:
+        return faces
+    by_key: Dict[str, List[int]] = {}
+    for i, f in enumerate(faces):
+        by_key.setdefault(f["key"], []).append(i)
+    keep = set()
+    for idx in by_key.values():
+        keep.update(sorted(idx, key=lambda i: (faces[i]["style"] != "Regular", i))[:k])
+    return [f for i, f in enumerate(faces) if i in keep]
+
+
+_SHIFTS = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
+
+
+def shift_distance(img: np.ndarray, kept: Sequence[np.ndarray]) -> np.ndarray:
+    """Per rendering of ``kept``: the smallest mean absolute difference (0-255) to ``img`` over the shifts
+    of ``img`` by at most one pixel each way (9 shifts)."""
+    ref = np.stack(kept).astype(np.int16)                                      # (m, S, S)
+    cand = np.stack([np.roll(img, s, axis=(0, 1)) for s in _SHIFTS]).astype(np.int16)
+    return np.abs(cand[:, None] - ref[None]).mean(axis=(2, 3)).min(axis=0)     # (m,)
+
+
+def is_near_duplicate(img: np.ndarray, kept: Sequence[np.ndarray], threshold: float) -> bool:
+    """Whether ``img`` is within ``threshold`` of one of ``kept`` (the same character's earlier renderings)
+    by ``shift_distance``.
+
+    The shift: fonts sharing outlines (WenQuanYi Micro Hei is built from Droid Sans Fallback) often
+    render one pixel apart after centring, which pixel equality misses (docs/data.md has the measured
+    distances between related and unrelated families, `python -m data_tools.font_distances`)."""
+    return bool(kept) and bool(shift_distance(img, kept).min() <= threshold)
+
+
+def _show(hist: Sequence[int]) -> str:
+    return ", ".join(f"{n}: {c}" for n, c in enumerate(hist) if c)
+
+
 @register_importer("fonts")
 def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", size: Optional[Sequence[int]] = None,
                  samples_per_font: int = 1, font_dir: Optional[str] = None, max_fonts: Optional[int] = None,
                  max_chars: Optional[int] = None, seed: int = 0, workers: Optional[int] = None,
-                 min_fonts: int = 1, progress: bool = True, **_) -> ImportedData:
+                 min_fonts: int = 1, min_families: int = 1, faces_per_family: Optional[int] = None,
+                 near_duplicate: float = 0.0, min_samples: int = 0,
+                 progress: bool = True, **_) -> ImportedData:
     """``source`` (optional) is a charset name or file, like ``--charset``."""
     side = int(size[0]) if size else 64
     if size and len(size) == 2 and size[0] != size[1]:
         raise ValueError("fonts renders square images; pass --size S")
     chars = load_charset(source or charset)[: max_chars or None]
-    faces = select_families(list_faces(find_font_files(font_dir)), max_fonts)
+    faces = limit_faces_per_family(select_families(list_faces(find_font_files(font_dir)), max_fonts),
+                                   faces_per_family)
     if not faces:
         raise ValueError(f"no font faces found ({'--font-dir ' + font_dir if font_dir else 'fc-list'}); "
                          f"run `bash launch/install.sh --fonts` or pass --font-dir")
+    cmap_hist = histogram(cmap_families(faces, chars))
+    if progress:
+        print(f"fonts: {len(chars)} characters, {len(faces)} faces of {len({f['key'] for f in faces})} "
+              f"family keys; characters by families whose cmap has them: {_show(cmap_hist)}", flush=True)
     _TASK.update(chars=chars, size=side, samples_per_font=max(1, samples_per_font), seed=seed)
     k = max(1, samples_per_font)
     seen: List[set] = [set() for _ in chars]
-    per_char: List[List[bytes]] = [[] for _ in chars]
-    kept = [0] * len(faces)
-    dropped_dupes = 0
+    per_char: List[List[Tuple[int, bytes]]] = [[] for _ in chars]     # (face number, K samples)
+    char_keys: List[set] = [set() for _ in chars]
+    dropped_dupes = dropped_standins = dropped_near = 0
+    kept_clean: List[List[np.ndarray]] = [[] for _ in chars]     # clean renderings (near-duplicate check)
     results = pmap(_render_face, list(enumerate(faces)), workers or default_workers(), "render fonts",
                    chunksize=1, progress=progress)
-    for face_no, rows in results:          # in face order: the first face keeps a shared rendering
+    for face_no, rows, standins in results:    # in face order: the first face keeps a shared rendering
+        dropped_standins += standins
         for ci, digest, blob in rows:
             if digest in seen[ci]:
                 dropped_dupes += 1
                 continue
             seen[ci].add(digest)
-            per_char[ci].append(blob)
-            kept[face_no] += k
+            if near_duplicate:
+                img = np.frombuffer(blob, np.uint8, count=side * side).reshape(side, side)
+                if is_near_duplicate(img, kept_clean[ci], near_duplicate):
+                    dropped_near += 1
+                    continue
+                kept_clean[ci].append(img)
+            per_char[ci].append((face_no, blob))
+            char_keys[ci].add(faces[face_no]["key"])
+    family_hist = histogram([len(s) for s in char_keys])
+    del seen, kept_clean
+    keep_char = [len(b) >= min_fonts and len(char_keys[ci]) >= min_families for ci, b in enumerate(per_char)]
+    top_up = [(ci, per_char[ci], min_samples - k * len(per_char[ci])) for ci in range(len(chars))
+              if keep_char[ci] and k * len(per_char[ci]) < min_samples]
+    extra = dict(zip([t[0] for t in top_up],
+                     pmap(_top_up, top_up, workers or default_workers(), "top up samples", progress=progress)))
+    kept = [0] * len(faces)
     samples, labels = [], []
-    for ci, blobs in enumerate(per_char):
-        if len(blobs) < min_fonts:
+    for ci, rows in enumerate(per_char):
+        if not keep_char[ci]:
             continue
-        for b in blobs:
+        for face_no, b in rows:
             samples.append(np.frombuffer(b, np.uint8).reshape(k, side, side))
-            labels.extend([chars[ci]] * k)
+            kept[face_no] += k
+        if ci in extra:
+            samples.append(np.frombuffer(extra.pop(ci), np.uint8).reshape(-1, side, side))
+        labels.extend([chars[ci]] * (k * len(rows) + max(0, min_samples - k * len(rows))))
+        per_char[ci] = None                # the concatenation below is the only copy kept
     arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
+    del samples, per_char
     used = [dict(f, samples=kept[i]) for i, f in enumerate(faces) if kept[i]]
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),
                    "size": side, "samples_per_font": k, "seed": seed, "min_fonts": min_fonts,
+                   "min_families": min_families, "faces_per_family": faces_per_family or 0,
                    "faces_found": len(faces), "faces_used": len(used),
                    "families_used": len(sorted({f["family"] for f in used})),
-                   "duplicate_renderings_dropped": dropped_dupes,
-                   "characters_dropped": sum(1 for b in per_char if len(b) < min_fonts), "fonts": used}
+                   "family_keys_used": len(sorted({f["key"] for f in used})),
+                   "duplicate_renderings_dropped": dropped_dupes, "standin_renderings_dropped": dropped_standins,
+                   "near_duplicate": near_duplicate, "near_duplicate_renderings_dropped": dropped_near,
+                   "characters_dropped": keep_char.count(False),
+                   "min_samples": min_samples, "top_up_samples": sum(t[2] for t in top_up),
+                   "cmap_family_histogram": cmap_hist, "family_histogram": family_hist, "fonts": used}
     return ImportedData("images", arr, labels, source_info, sample_shape=[side, side])
