@@ -68,7 +68,9 @@ def max_normalised_diff(data: bytes, model: nn.Module, in_shape: Sequence[int], 
         raise ExportError(f"checking the ONNX model needs onnxruntime ({e}); launch/install.sh installs it") from None
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(samples, *model_input_shape(in_shape), generator=g) * 2 - 1
-    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()   # the threads torch was given, no more
+    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
     got = session.run(["embedding"], {"input": x.numpy()})[0]
     with torch.no_grad():
         want = model.eval()(x).numpy()
