@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
+import pytest
 import torch
 
 Table = List[Tuple[str, tuple]]
@@ -88,3 +89,13 @@ def random_state(table: Table, seed: int = 0) -> dict:
         else:
             out[key] = 0.05 * torch.randn(shape, generator=g)
     return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads spin against the other processes
+    (iresnet18's step at batch 2: 1 s with one thread, up to 15 s with two under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

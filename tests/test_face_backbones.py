@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hvd_partialfc.models import create_model
 from hvd_partialfc.models.recompute import set_activation_checkpointing
+from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, param_count, random_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,16 +23,6 @@ LAYOUTS = {"iresnet18": (2, 2, 2, 2), "iresnet34": (3, 4, 6, 3), "iresnet50": (3
 PARAMS = {"iresnet18": 24_025_600, "iresnet34": 34_139_328, "iresnet50": 43_590_848, "iresnet100": 65_156_160,
           "iresnet200": 118_833_920, "mobilefacenet": 2_059_520}
 FACE = [112, 112, 3]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads spin against the other processes
-    (iresnet18's step at batch 2: 1 s with one thread, up to 15 s with two under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _table(model):

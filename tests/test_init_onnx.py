@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, build_shards, launch_env, run_job
+from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, random_state
 from hvd_partialfc.cli import main
 from hvd_partialfc.export import ExportError, export_backbone, load_backbone
@@ -26,14 +27,6 @@ TRAIN = ["--steps", "1", "--set", "model.name=iresnet18", "--set", f"model.embed
 NOT_HERE = {"iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200"}
 SMALL = {"mobilefacenet": ([112, 112, 3], {"scale": 1, "blocks": [1, 1, 1, 1]}), "resnet": ([32, 32], {}),
          "resnet18": ([32, 32, 3], {"width": 16}), "mlp": ([16], {})}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)   # see test_face_backbones.one_thread
-    yield
-    torch.set_num_threads(before)
 
 
 def _cli(*args, timeout=240):

@@ -104,7 +104,7 @@ class IResNet(nn.Module):
         return self.features(self.fc(x))                             # (B, D)
 
 
-def _channels(name: str, in_shape) -> int:
+def face_input_channels(name: str, in_shape) -> int:
     """Channels of a (112, 112[, C]) sample shape; any other size is refused (the 7x7 head needs 112)."""
     shape = [int(s) for s in in_shape]
     if len(shape) not in (2, 3) or shape[:2] != [INPUT_SIZE, INPUT_SIZE]:
@@ -120,7 +120,7 @@ def _channels(name: str, in_shape) -> int:
 def _register(name: str) -> None:
     def build(in_shape=(112, 112, 3), embedding_dim: int = 512, dropout: float = 0.0,
               zero_init_residual: bool = False, checkpoint_activations: bool = False) -> nn.Module:
-        return IResNet(LAYOUTS[name], embedding_dim, _channels(name, in_shape), dropout, zero_init_residual,
+        return IResNet(LAYOUTS[name], embedding_dim, face_input_channels(name, in_shape), dropout, zero_init_residual,
                        checkpoint_activations)
     build.__name__ = name
     build.__doc__ = f"arcface_torch's {name}: blocks per stage {LAYOUTS[name]}, widths {WIDTHS}, 112x112 input."

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import register_model
-from .iresnet import _channels
+from .iresnet import face_input_channels
 from .recompute import run_segment
 
 
@@ -115,5 +115,5 @@ class MobileFaceNet(nn.Module):
 def mobilefacenet(in_shape=(112, 112, 3), embedding_dim: int = 512, blocks: Sequence[int] = (1, 4, 6, 2),
                   scale: int = 2, checkpoint_activations: bool = False) -> nn.Module:
     """arcface_torch's mbf (~2.0 M parameters at D = 512); 112x112 input."""
-    return MobileFaceNet(embedding_dim, _channels("mobilefacenet", in_shape), list(blocks), scale,
+    return MobileFaceNet(embedding_dim, face_input_channels("mobilefacenet", in_shape), list(blocks), scale,
                          checkpoint_activations)
