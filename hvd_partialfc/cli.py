@@ -1,7 +1,7 @@
 """``hvd-partialfc``: thin subcommands that parse, build, call and clean up.
 
     hvd-partialfc train  [--config FILE] [--shards DIR] [--out RUN] [--steps N] [--set key=value ...]
-    hvd-partialfc export RUN --rank K --out backbone.pt
+    hvd-partialfc export RUN --rank K --out backbone.pt [--onnx]
     hvd-partialfc info   RUN [--json]
     hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
     hvd-partialfc upgrade RUN|CKPT                  (checkpoints written before format 2, once)
@@ -32,6 +32,8 @@ def _train(args) -> int:
         extra.setdefault("checkpoint", {})["resume"] = args.resume
     if args.classifier:
         extra.setdefault("head", {})["mode"] = args.classifier
+    if args.init_backbone:
+        extra.setdefault("model", {})["init_backbone"] = args.init_backbone
     if args.sample_rate is not None:
         extra.setdefault("head", {})["sample_rate"] = args.sample_rate
     cfg = load_config(args.config, args.set or [], extra)
@@ -66,7 +68,11 @@ def _train(args) -> int:
 
 def _export(args) -> int:
     from .export import export_backbone
-    info = export_backbone(args.run, args.out, args.rank)
+    if args.onnx:
+        from .onnx_export import export_onnx_file
+        info = export_onnx_file(args.run, args.out, args.rank)
+    else:
+        info = export_backbone(args.run, args.out, args.rank)
     print(json.dumps(info, indent=1))
     return 0
 
@@ -136,6 +142,8 @@ def _estimate(args) -> int:
             optimizer=args.optimizer, in_shape=args.in_shape, negatives_every=args.negatives_every,
             negatives_share=args.negatives_share))
     print(json.dumps(results, indent=1) if args.json else table(results))
+    if not args.json:
+        print(f"\nbackbone {args.backbone}: {results[0]['backbone_params']:,} parameters")
     return 0
 
 
@@ -154,12 +162,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.add_argument("--sample-rate", type=float,
                    help="global, local: fraction of the slice's centres scored per step, positives always "
                         "(PartialFC's sampling; = --set head.sample_rate=...)")
+    t.add_argument("--init-backbone", metavar="FILE",
+                   help="start the backbone from an exported backbone or an arcface_torch backbone.pth; the "
+                        "classifier starts fresh; not re-applied on resume (= --set model.init_backbone=FILE)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
     t.set_defaults(fn=_train)
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")
     e.add_argument("run", help="run folder or checkpoint folder")
     e.add_argument("--rank", type=int, default=0, help="whose copy (all must agree)")
     e.add_argument("--out", required=True, help="output file, e.g. backbone.pt")
+    e.add_argument("--onnx", action="store_true",
+                   help="write an ONNX model (dynamic batch, float32 NCHW input normalised to [-1, 1], output "
+                        "the embedding), checked against PyTorch with onnxruntime (docs/face.md)")
     e.set_defaults(fn=_export)
     r = sub.add_parser("reshard", help="redistribute a checkpoint's classifier rows to another world size")
     r.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
@@ -194,7 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--world-size", type=int, required=True)
     s.add_argument("--dim", type=int, default=512)
     s.add_argument("--batch", type=int, default=128, help="samples per rank per step")
-    s.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18)")
+    s.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18, "
+                                                          "iresnet18..200, mobilefacenet)")
     s.add_argument("--in-shape", type=lambda x: [int(v) for v in x.split(",")], help="sample shape, e.g. 112,112,3")
     s.add_argument("--mode", action="append", choices=["local", "global", "replicated"], help="repeatable; default all")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")

@@ -26,6 +26,12 @@ class ModelConfig:
     name: str = "resnet"        # backbone registry name (models/)
     embedding_dim: int = 128
     kwargs: Dict[str, Any] = field(default_factory=dict)  # extra backbone arguments (width, blocks, ...)
+    # recompute each block's activations in backward (less memory, ~1 more forward); same numbers, BatchNorm
+    # statistics updated once (models/recompute.py). iresnet* and mobilefacenet only
+    checkpoint_activations: bool = False
+    # start the backbone from this file (an exported backbone or arcface_torch's backbone.pth); applied
+    # at a fresh start only, never over a checkpoint being resumed (pretrained.py)
+    init_backbone: str = ""
 
 
 @dataclass

@@ -47,13 +47,14 @@ DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGIT_COPIES = 1
 RUNTIME_MB = 335.0
 DEFAULT_IN_SHAPE = {"mlp": [512], "resnet": [112, 112, 3], "resnet18": [112, 112, 3]}
+FACE_BACKBONES = ("iresnet", "mobilefacenet")   # 112x112x3 only
 
 
 def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequence[int]] = None,
                      kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
     """Parameter count and activation bytes per batch of ``batch`` samples (fp32) of a registered backbone."""
-    from .models import create_model
-    shape = list(in_shape or DEFAULT_IN_SHAPE.get(name, [512]))
+    from .models import create_model, model_input_shape
+    shape = list(in_shape or DEFAULT_IN_SHAPE.get(name, [112, 112, 3] if name.startswith(FACE_BACKBONES) else [512]))
     model = create_model(name, in_shape=shape, embedding_dim=dim, **(kwargs or {}))
     params = sum(p.numel() for p in model.parameters())
     outputs: List[int] = []
@@ -61,10 +62,7 @@ def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequenc
              for m in model.modules() if not list(m.children())]
     model.train()
     with torch.no_grad():
-        # the model's input as data.prepare_batch makes it: features (F,), images (H, W) -> (1, H, W),
-        # (H, W, C) -> (C, H, W)
-        chw = {1: shape, 2: [1] + shape, 3: [shape[-1]] + shape[:-1]}[len(shape)]
-        model(torch.zeros(2, *chw))
+        model(torch.zeros(2, *model_input_shape(shape)))  # the input data.prepare_batch makes
     for h in hooks:
         h.remove()
     return {"params": params, "activation_bytes": int(sum(outputs) * 4 * batch / 2), "in_shape": shape}

@@ -42,8 +42,9 @@ def run_summary(path: str) -> Dict[str, Any]:
             "digests_agree": len(set(meta["digests"])) == 1, "ranks": ranks}
 
 
-def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
-    """Write rank ``rank``'s backbone of the run/checkpoint at ``path`` to ``out``; returns what was written."""
+def verified_backbone(path: str, rank: int = 0) -> Tuple[Dict[str, Any], Dict[str, Any], str]:
+    """(backbone file contents, meta.json, digest) of the run/checkpoint at ``path``, once every rank's
+    recorded digest agrees and rank ``rank``'s equals the stored backbone's (recomputed from the file)."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     digests: List[str] = meta["digests"]
@@ -57,6 +58,12 @@ def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
     actual = state_dict_digest(state["state_dict"])
     if actual != digests[rank]:
         raise ExportError(f"{src}: digest {actual[:12]} does not match rank {rank}'s recorded {digests[rank][:12]}")
+    return state, meta, actual
+
+
+def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
+    """Write rank ``rank``'s backbone of the run/checkpoint at ``path`` to ``out``; returns what was written."""
+    state, meta, actual = verified_backbone(path, rank)
     payload = {"format": "hvd_partialfc.exported_backbone", "model": state["model"],
                "state_dict": state["state_dict"], "digest": actual, "step": meta["step"], "rank": rank}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -69,11 +76,16 @@ def load_backbone(path: str) -> Tuple[nn.Module, Dict[str, Any]]:
     """Rebuild a backbone (on CPU, eval mode) from an exported file, a checkpoint folder or a run folder.
 
     The file is read with ``weights_only=True``: a downloaded file cannot run code here."""
-    from .models import create_model
     if os.path.isdir(path):
         path = os.path.join(resolve_checkpoint(path), "backbone.pt")
     state = load_file(path, "backbone file")
-    m = state["model"]
+    return build_backbone(state["model"], state["state_dict"]), state["model"]
+
+
+def build_backbone(m: Dict[str, Any], state_dict: Dict[str, Any]) -> nn.Module:
+    """The backbone described by ``m`` (a file's ``model``: name, in_shape, embedding_dim, kwargs) with
+    ``state_dict`` loaded, on CPU, in eval mode."""
+    from .models import create_model
     model = create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"], **m["kwargs"])
-    model.load_state_dict(state["state_dict"])
-    return model.eval(), m
+    model.load_state_dict(state_dict)
+    return model.eval()

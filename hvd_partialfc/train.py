@@ -33,6 +33,8 @@ from .config import Config, diff_configs, dump_config
 from .data import RankShardDataset, make_loader, prepare_batch
 from . import modes
 from .models import create_model
+from .models.recompute import set_activation_checkpointing
+from .pretrained import load_initial_backbone
 from .preempt import StopSignals
 from .rowsparse import SampledRowsOptimizer, grad_values
 from .seeds import RESHARD_RESEED, derive_seed
@@ -40,7 +42,8 @@ from .shards import manifest_digest, read_manifest
 
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips")
+                    "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
+                    "model.checkpoint_activations")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
@@ -134,6 +137,8 @@ class Trainer:
         self.start_step, self.resumed_from = 0, None
         if cfg.checkpoint.resume:
             self._resume()
+        if cfg.model.init_backbone and self.resumed_from is None:   # a fresh start only
+            self._init_backbone()
         # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
         comm.broadcast_module(self.backbone, name="backbone.init")
         comm.check_identical(self.backbone, name="start")
@@ -209,6 +214,8 @@ class Trainer:
                            "embedding_dim": cfg.model.embedding_dim, "kwargs": dict(cfg.model.kwargs)}
         self.backbone = create_model(cfg.model.name, in_shape=sample_shape,
                                      embedding_dim=cfg.model.embedding_dim, **cfg.model.kwargs).to(self.device)
+        if cfg.model.checkpoint_activations:
+            set_activation_checkpointing(self.backbone, True)
         widths = [sl.width for sl in self.all_slices] if getattr(self, "all_slices", None) else None
         self.classifier = modes.create_head(cfg.head.mode, self.label_slice, num_classes, cfg.model.embedding_dim,
                                             cfg.head, comm, slice_widths=widths, seed=cfg.train.seed)
@@ -243,6 +250,18 @@ class Trainer:
         # same rows; "global" divides it back (`replicated` already averages it with the backbone's).
         self.classifier_grad_scale = (1.0 / comm.size if cfg.head.mode == "local"
                                       and o.classifier_grad_mean == "global" else 1.0)
+
+    def _init_backbone(self) -> None:
+        """``model.init_backbone``: rank 0 reads the file; the broadcast that follows gives it to all ranks."""
+        error = None
+        if self.comm.is_main:
+            try:
+                info = load_initial_backbone(self.backbone, self.cfg.model.init_backbone, self.model_args)
+                print(f"backbone initialised from {info['path']} ({info['format']}, {info['tensors']} tensors)",
+                      flush=True)
+            except Exception as e:
+                error = f"model.init_backbone: {type(e).__name__}: {e}"
+        self.comm.agree(error, name="init_backbone")
 
     def _rank_shard_indices(self) -> List[int]:
         from .shards import rank_shards

@@ -86,6 +86,16 @@ if ! "$PY" -c "import numpy, h5py, PIL, tqdm, yaml, pytest, fontTools, matplotli
     cloudpickle psutil pyyaml packaging
 fi
 
+# ONNX export (`hvd-partialfc export --onnx`, docs/face.md) and its tests: torch's exporter needs onnx and
+# onnxscript, the check runs onnxruntime. Their new dependencies are pinned too (the set `pip install
+# --dry-run` resolved against torch 2.13's venv); sympy, numpy, packaging come with torch.
+ONNX_PACKAGES="onnx==1.23.1 onnxscript==0.7.2 onnx-ir==1.1.0 onnxruntime==1.30.0 protobuf==7.36.2 \
+ml_dtypes==0.6.0 flatbuffers==25.12.19"
+if ! "$PY" -c "import onnx, onnxscript, onnxruntime, sys; sys.exit((onnx.__version__, onnxruntime.__version__, onnxscript.__version__) != ('1.23.1', '1.30.0', '0.7.2'))" 2>/dev/null; then
+  log "pip install $ONNX_PACKAGES"
+  $PIP install $ONNX_PACKAGES
+fi
+
 # --- Horovod ---------------------------------------------------------------------------------------
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
 

@@ -31,4 +31,11 @@ def create_model(name: str, **kwargs) -> nn.Module:
     return _MODELS[name](**kwargs)
 
 
-from . import mlp, resnet  # noqa: E402,F401  (registers the backbones)
+def model_input_shape(in_shape) -> list:
+    """A backbone's input per sample, as ``data.prepare_batch`` makes it from the sample shape: features
+    (F,) stay (F,), grey images (H, W) -> (1, H, W), images (H, W, C) -> (C, H, W)."""
+    shape = [int(s) for s in in_shape]
+    return {1: shape, 2: [1] + shape, 3: shape[2:] + shape[:2]}[len(shape)]
+
+
+from . import iresnet, mlp, mobilefacenet, resnet  # noqa: E402,F401  (registers the backbones)
