@@ -41,6 +41,10 @@ class HeadConfig:
     margin: float = 0.5         # m (radians for arcface, cosine for cosface)
     mode: str = "local"         # local (the method) | global (exact model-parallel softmax) | replicated (DP)
     sample_rate: float = 1.0    # global, local: fraction of the slice's centres scored per step (PartialFC); 1 = all
+    # local with sample_rate < 1, the classifier's step (rowsparse.py; docs/benchmarks.md has the choice):
+    # exact: the sampled rows' cost, the dense step's numbers (SGD) | lazy: unsampled rows wait (PLSC's sparse
+    # momentum; the only rule for AdamW) | dense: torch's step over every row (PartialFC v2's)
+    sampled_step: str = "exact"
     # local mode: every K steps the ranks all-gather class centres, used as frozen negative columns
     # (cross-shard negatives, docs/accuracy.md; 0: off). global / replicated already contrast all classes
     # and do not use it. Defaults picked from the measurements there.
@@ -116,7 +120,7 @@ class Config:
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
                    ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
                    ("train", "on_nonfinite"): ("stop", "skip"),
-                   ("head", "mode"): ("local", "global", "replicated"),
+                   ("head", "mode"): ("local", "global", "replicated"), ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("optim", "classifier_grad_mean"): ("global", "local")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)

@@ -48,15 +48,23 @@ class LocalHead(LocalClassifier):
 
     row_start = 0  # overridden per instance: the global label of row 0 of ``weight``
 
-    def __init__(self, width: int, dim: int, sample_rate: float = 1.0, **margin):
+    def __init__(self, width: int, dim: int, sample_rate: float = 1.0, sparse_step: bool = True, **margin):
         super().__init__(width, dim, **margin)
         self.sample_rate = float(sample_rate)
+        self.sparse_step = bool(sparse_step)   # False: a dense (W, D) gradient, zero outside the sampled rows
+        # called as before_gather(weight, rows) on the sampled rows before they are scored (the trainer sets
+        # it to the exact sampled-rows optimizer's catch_up)
+        self.before_gather = None
 
     def scored_rows(self, labels: torch.Tensor):
         """(rows scored this step (K, D), labels as positions in them): all rows, or a sample of them."""
         if self.sample_rate >= 1.0:
             return self.weight, labels
         index, remapped = sample_rows(labels, self.width, self.sample_rate, self.weight.device)
+        if self.before_gather is not None:   # the exact sampled step's catch-up of these rows (rowsparse.py)
+            self.before_gather(self.weight, index)
+        if not self.sparse_step:   # head.sampled_step=dense: PartialFC v2's step (every row moves by momentum)
+            return self.weight.index_select(0, index), remapped
         return gather_rows(self.weight, index), remapped
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,8 +95,9 @@ class CrossShardNegativesHead(LocalHead):
     """
 
     def __init__(self, width: int, dim: int, label_start: int, comm, every: int, share: int,
-                 slice_widths, seed: int = 0, name: str = "negatives", sample_rate: float = 1.0, **margin):
-        super().__init__(width, dim, sample_rate, **margin)
+                 slice_widths, seed: int = 0, name: str = "negatives", sample_rate: float = 1.0,
+                 sparse_step: bool = True, **margin):
+        super().__init__(width, dim, sample_rate, sparse_step, **margin)
         self.row_start = label_start
         self.comm, self.every, self.share, self.seed, self.name = comm, int(every), int(share), int(seed), name
         self.shares = [min(self.share or w, w) for w in slice_widths]  # rows each rank publishes
@@ -199,9 +208,10 @@ def create_head(mode: str, label_slice, num_classes: int, dim: int, head_cfg, co
     if mode == "local" and head_cfg.negatives_every > 0:
         return CrossShardNegativesHead(label_slice.width, dim, label_slice.start, comm, head_cfg.negatives_every,
                                        head_cfg.negatives_share, slice_widths, seed,
-                                       sample_rate=head_cfg.sample_rate, **margin)
+                                       sample_rate=head_cfg.sample_rate,
+                                       sparse_step=head_cfg.sampled_step != "dense", **margin)
     if mode == "local":
-        head = LocalHead(label_slice.width, dim, head_cfg.sample_rate, **margin)
+        head = LocalHead(label_slice.width, dim, head_cfg.sample_rate, head_cfg.sampled_step != "dense", **margin)
         head.row_start = label_slice.start
         return head
     if mode == "global":

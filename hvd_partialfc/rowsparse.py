@@ -109,15 +109,28 @@ def grad_values(grad: torch.Tensor) -> torch.Tensor:
     return sparse_rows(grad)[1] if grad.is_sparse else grad
 
 
+def _apply_catch_up(coef: torch.Tensor, w: torch.Tensor, m, tmp: torch.Tensor) -> None:
+    """In place, per row: (w, m) <- (a w + b m, c w + d m) with ``coef`` (K, 4) rows [a, b, c, d]."""
+    a, b, c, d = (coef[:, i:i + 1] for i in range(4))                                 # (K, 1) each
+    if m is None:                                   # no momentum: only the weight decay's factor
+        w.mul_(a)
+        return
+    tmp.copy_(w)
+    w.mul_(a).addcmul_(m, b)
+    m.mul_(d).addcmul_(tmp, c)
+
+
 class SampledRowsOptimizer(torch.optim.Optimizer):
     """SGD (momentum) or AdamW that steps only the rows present in each parameter's row-sparse gradient
     (all rows for a dense gradient); the rule and its numerical meaning are in the module docstring."""
 
     def __init__(self, params, kind: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-                 betas=(0.9, 0.999), eps: float = 1e-8):
+                 betas=(0.9, 0.999), eps: float = 1e-8, rule: str = "lazy", sweep_every: int = 64):
         if kind not in ("sgd", "adamw"):
             raise ValueError(f"unknown optimizer {kind!r}; known: sgd, adamw")
-        self.kind = kind
+        if rule not in ("lazy", "exact") or (rule == "exact" and kind != "sgd"):
+            raise ValueError(f"sampled-rows rule {rule!r} with {kind}: 'lazy' (sgd, adamw) or 'exact' (sgd)")
+        self.kind, self.rule, self.sweep_every = kind, rule, int(sweep_every)
         self._scratch: Dict[str, torch.Tensor] = {}
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps))
 
@@ -153,17 +166,76 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         # torch's own fused SGD kernel (what SGD(fused=True) runs) on the K gathered rows: one pass instead
         # of three elementwise ones
         lr, mu, wd = group["lr"], group.get("momentum", 0.0), group["weight_decay"]
-        bufs = []
+        state, bufs = self.state[p], []
         if mu:
-            state = self.state[p]
             if "momentum_buffer" not in state:           # zeros: the first step gives m = d, as torch's clone
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             bufs = [torch.index_select(buf, 0, rows, out=self._rows("m", rows.numel(), p))]
+        if self.rule == "exact":
+            if "since_base" not in state:   # (W,): steps after the last sweep through which each row is current
+                state.update(since_base=torch.zeros(p.shape[0], dtype=torch.float32, device=p.device), lrs=[])
+            coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
+            since = state["since_base"].index_select(0, rows).long()                  # (K,)
+            _apply_catch_up(coef[since], w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
         torch._fused_sgd_([w], [g.contiguous()], bufs, weight_decay=wd, momentum=mu, lr=lr, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False)
         if mu:
             scatter_rows(buf, rows, bufs[0])
+        if self.rule == "exact":
+            state["lrs"].append(float(lr))
+            scatter_rows(state["since_base"], rows, torch.full((rows.numel(),), float(len(state["lrs"])),
+                                                               device=p.device))
+            if len(state["lrs"]) >= self.sweep_every:
+                self._sweep(p, state, mu, wd)
+
+    @torch.no_grad()
+    def catch_up(self, p: torch.Tensor, rows: torch.Tensor) -> None:
+        """The exact rule's catch-up of rows ``rows`` (sorted, unique) of ``p`` to the last step, weight and
+        momentum. The head calls it on the rows it samples *before* its forward, so the logits see the
+        weights the dense step would have (a row's zero-gradient steps move it: momentum, weight decay)."""
+        state = self.state.get(p)
+        if self.rule != "exact" or not state or "since_base" not in state or not state["lrs"]:
+            return
+        group = self.param_groups[0]
+        mu, wd, k = group.get("momentum", 0.0), group["weight_decay"], rows.numel()
+        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
+        since = state["since_base"].index_select(0, rows).long()
+        w = torch.index_select(p, 0, rows, out=self._rows("cw", k, p))
+        m = torch.index_select(state["momentum_buffer"], 0, rows, out=self._rows("cm", k, p)) if mu else None
+        _apply_catch_up(coef[since], w, m, self._rows("ct", k, p))
+        scatter_rows(p, rows, w)
+        if mu:
+            scatter_rows(state["momentum_buffer"], rows, m)
+        scatter_rows(state["since_base"], rows, torch.full((k,), float(len(state["lrs"])), device=p.device))
+
+    @staticmethod
+    def _catch_up_coefficients(state, mu: float, wd: float, dtype=torch.float32) -> torch.Tensor:
+        """(n + 1, 4): for a row current through step ``base + j`` (j = 0..n, n steps since the sweep), the
+        2 x 2 map [[a, b], [c, d]] of (weight, momentum) over the zero-gradient steps base + j + 1 .. base + n.
+
+        A step with a zero gradient and lr_k is linear in (w, m): m' = mu m + wd w, w' = w - lr_k m', i.e.
+        A_k = [[1 - lr_k wd, -lr_k mu], [wd, mu]] on every element; products in float64, n <= sweep_every."""
+        lrs = state["lrs"]
+        n = len(lrs)
+        out = [None] * (n + 1)
+        a, b, c, d = 1.0, 0.0, 0.0, 1.0                 # identity: a row current through the last step
+        out[n] = (a, b, c, d)
+        for j in range(n - 1, -1, -1):                  # Q_j = Q_{j+1} @ A_{base + j + 1}
+            lr = lrs[j]
+            e, f, g, h = 1.0 - lr * wd, -lr * mu, wd, mu
+            a, b, c, d = a * e + b * g, a * f + b * h, c * e + d * g, c * f + d * h
+            out[j] = (a, b, c, d)
+        return torch.tensor(out, dtype=dtype, device=state["since_base"].device)
+
+    def _sweep(self, p, state, mu: float, wd: float) -> None:
+        """Bring every row up to the last step (every ``sweep_every`` steps: O(W D) / sweep_every per step),
+        so no row is ever more than ``sweep_every`` steps behind and the table stays short."""
+        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)[state["since_base"].long()]   # (W, 4)
+        with torch.no_grad():
+            _apply_catch_up(coef, p.data, state["momentum_buffer"] if mu else None, torch.empty_like(p))
+        state["since_base"].zero_()
+        state["lrs"] = []
 
     def _adamw(self, p, rows, w, g, group) -> None:
         lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]

@@ -64,11 +64,11 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 
 
 def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float,
-                   sampled_rows: bool = False) -> torch.optim.Optimizer:
-    """torch's SGD / AdamW; ``sampled_rows``: the step over the rows of a row-sparse gradient only
-    (`rowsparse.SampledRowsOptimizer`, the classifier of sampled ``local`` mode)."""
+                   sampled_rows: str = "") -> torch.optim.Optimizer:
+    """torch's SGD / AdamW; ``sampled_rows`` ("exact" / "lazy"): the step over the rows of a row-sparse
+    gradient only, with that rule (`rowsparse.SampledRowsOptimizer`, the classifier of sampled ``local``)."""
     if sampled_rows:
-        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay)
+        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay, rule=sampled_rows)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adamw":
@@ -235,8 +235,9 @@ class Trainer:
             # Sampled `local`: the gradient is row-sparse and the step touches the sampled rows only.
             self.classifier_opt = make_optimizer([modes.classifier_group(cfg.head.mode, self.classifier, o)],
                                                  o.name, o.classifier_lr, o.classifier_momentum,
-                                                 o.classifier_weight_decay, sampled_rows=cfg.head.mode == "local"
-                                                 and cfg.head.sample_rate < 1.0)
+                                                 o.classifier_weight_decay, sampled_rows=self._sampled_rule())
+            if self._sampled_rule() == "exact":
+                self.classifier.before_gather = self.classifier_opt.catch_up
         self.backbone_opt = comm.distributed_optimizer(
             backbone_opt, averaged, fp16_compression=o.fp16_compression,
             backward_passes_per_step=o.backward_passes_per_step)
@@ -262,6 +263,14 @@ class Trainer:
             except Exception as e:
                 error = f"model.init_backbone: {type(e).__name__}: {e}"
         self.comm.agree(error, name="init_backbone")
+
+    def _sampled_rule(self) -> str:
+        """The sampled-rows optimizer's rule for the classifier ("" : a plain torch optimizer). AdamW has
+        no exact rule (its zero-gradient steps are not linear): "exact" means "lazy" there (rowsparse.py)."""
+        h = self.cfg.head
+        if h.mode != "local" or h.sample_rate >= 1.0 or h.sampled_step == "dense":
+            return ""
+        return "lazy" if self.cfg.optim.name == "adamw" else h.sampled_step
 
     def _rank_shard_indices(self) -> List[int]:
         from .shards import rank_shards

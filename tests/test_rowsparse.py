@@ -107,3 +107,67 @@ def test_two_backward_passes_step_the_union_of_their_rows_once():
     assert torch.allclose(ours.detach(), expect, atol=1e-6)
     assert torch.equal(ours.detach()[[2, 5]], w0[[2, 5]])
     assert torch.allclose(opt.state[ours]["momentum_buffer"], g, atol=1e-6)
+
+
+def _exact_and_dense(sweep_every, steps, lrs, seed=0, width=7):
+    """Run the exact rule and torch's dense SGD (a zero gradient on the unsampled rows) side by side."""
+    torch.manual_seed(seed)
+    w0 = torch.randn(width, 3, dtype=torch.float64)
+    ours, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt = SampledRowsOptimizer([ours], "sgd", lr=0.05, rule="exact", sweep_every=sweep_every, **KINDS["sgd"])
+    ref_opt = _torch_opt("sgd", [ref], 0.05)
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        index = torch.sort(torch.randperm(width, generator=g)[:2]).values   # 2 of 7 rows: most rows wait
+        x = torch.randn(3, generator=g, dtype=torch.float64)
+        for o in (opt, ref_opt):
+            for group in o.param_groups:
+                group["lr"] = lrs(step)
+        opt.catch_up(ours, index)                 # what the head does before scoring the sampled rows
+        for p, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(gather_rows(p, index) if p is ours else p[index], x).backward()
+            o.step()
+    return ours, ref, opt, ref_opt
+
+
+@pytest.mark.parametrize("sweep_every", [1, 4, 1000])
+def test_exact_rule_gives_the_dense_step(sweep_every):
+    # The exact rule touches only the sampled rows, yet every row ends where torch's dense SGD (momentum,
+    # weight decay, a changing lr) puts it, unsampled rows included: they are caught up when next sampled
+    # and at every sweep. float64, so only the summation order differs. 1000: no sweep within the run.
+    ours, ref, opt, ref_opt = _exact_and_dense(sweep_every, 40, lambda s: 0.05 * (1 + 0.5 * (s % 3)))
+    opt._sweep(ours, opt.state[ours], 0.9, 5e-4)   # bring the rows that wait up to the last step
+    assert torch.allclose(ours.detach(), ref.detach(), rtol=0, atol=1e-12)
+    assert torch.allclose(opt.state[ours]["momentum_buffer"], ref_opt.state[ref]["momentum_buffer"],
+                          rtol=0, atol=1e-12)
+    lazy = SampledRowsOptimizer([torch.nn.Parameter(torch.zeros(1))], "sgd", lr=0.1)
+    assert lazy.rule == "lazy"        # the default stays the documented lazy rule
+
+
+def test_exact_rule_resumes_bitwise_mid_window():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6, 2))
+    opt = SampledRowsOptimizer([p], "sgd", lr=0.1, momentum=0.9, weight_decay=0.01, rule="exact", sweep_every=5)
+    for rows in ([1, 3], [0, 3], [2]):        # 3 steps into a window of 5: rows at different lags
+        opt.zero_grad()
+        _loss(gather_rows(p, torch.tensor(rows)), torch.randn(2)).backward()
+        opt.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = SampledRowsOptimizer([q], "sgd", lr=0.1, momentum=0.9, weight_decay=0.01, rule="exact", sweep_every=5)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt2.state[q]["since_base"].tolist() == [2, 1, 3, 2, 0, 0]
+    for rows in ([0, 5], [4], [1, 2]):        # through the sweep at step 5
+        x = torch.randn(2)
+        for param, o in ((p, opt), (q, opt2)):
+            o.zero_grad()
+            _loss(gather_rows(param, torch.tensor(rows)), x).backward()
+            o.step()
+    assert torch.equal(p, q)
+    assert torch.equal(opt.state[p]["momentum_buffer"], opt2.state[q]["momentum_buffer"])
+    assert opt2.state[q]["lrs"] == opt.state[p]["lrs"] and len(opt.state[p]["lrs"]) == 1
+
+
+def test_exact_rule_is_for_sgd_only():
+    with pytest.raises(ValueError, match="exact"):
+        SampledRowsOptimizer([torch.nn.Parameter(torch.zeros(2, 2))], "adamw", lr=0.1, rule="exact")
