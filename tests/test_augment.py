@@ -142,3 +142,17 @@ def test_each_operation_against_an_independent_computation():
         assert np.array_equal(BatchAugment([f"{name}:p=0"], 0, 0)(0, x), x)
         out = BatchAugment([f"{name}:p=1"], 0, 0)(0, x[..., 0])
         assert out.shape == x[..., 0].shape and out.dtype == np.uint8
+
+
+def test_faces_bench_writes_its_table_without_machine_paths(tmp_path):
+    import json
+    from data_tools.bench_loader import run_faces
+    run_faces(str(tmp_path / "out"), 384, 4)   # 4 batches: psutil counts CPU time in 10 ms ticks
+    text = open(tmp_path / "out" / "faces_loader.json").read()
+    res = json.loads(text)
+    assert [(r["augment"], r["workers"]) for r in res["loader"]] == \
+        [(a, w) for a in ("none", "flip", "all") for w in (0, 1, 2)]
+    assert all(r["samples_per_s"] > 0 and r["samples_per_cpu_s"] > 0 for r in res["loader"])
+    for aug, need in res["workers_needed"].items():   # ceil(target / per-worker rate)
+        assert need["10000"] == int(np.ceil(10000 / res["per_worker_samples_per_s"][aug]))
+    assert str(tmp_path) not in text and "/tmp" not in text and res["sample_shape"] == [112, 112, 3]
