@@ -28,8 +28,8 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import comm as comm_lib
 from . import faults
-from .config import Config, diff_configs, dump_config
 from .augment import parse_augment
+from .config import Config, diff_configs, dump_config
 from .data import RankShardDataset, make_loader, prepare_batch
 from .logging_sinks import LoaderWatch, MetricsLog
 from . import modes
@@ -427,7 +427,7 @@ class Trainer:
             metrics.write(rec)
         bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s")
         warning = self.loader_watch.check(done, data_t, step_t, first=last_log == self.start_step)
-        if warning:
+        if warning and self.comm.is_main:   # rank 0's figures, said by rank 0 (tqdm.write ignores `disable`)
             bar.write(warning)
         return done, now
 
