@@ -1,7 +1,6 @@
 """Logging: metrics.jsonl carries data and step time; train.tensorboard writes the same numbers as TensorBoard
 scalars (read back with TensorBoard's own reader); without TensorBoard the config is refused up front."""
 import os
-import subprocess
 import sys
 
 import numpy as np
