@@ -1,13 +1,18 @@
 """Benchmarks of the offline and online data path; prints tables and writes JSON (docs/data.md quotes them).
 
     python -m data_tools.bench_loader [--out runs/bench_data.json] [--fonts-chars 300] [--quick]
+    python -m data_tools.bench_loader --faces OUT [--samples 6000] [--quick]     # section 5 only
+
 
 1. storage: random-batch read speed of one raw shard for chunk sizes x compression (how the defaults of
    `data_tools.build` were chosen);
 2. build throughput (samples/s, the whole ``build`` call): ``fonts`` and ``imagefolder`` (PNG files);
 3. loader throughput (samples/s) of `hvd_partialfc.data.make_loader`, 0 and 2 workers, raw vs encoded;
 4. what the trainer consumes: the default ``resnet`` backbone (64x64, embedding 128), forward + backward +
-   SGD step at batch 128 on one thread; the loader/trainer ratio must be >= 5.
+   SGD step at batch 128 on one thread; the loader/trainer ratio must be >= 5;
+5. faces (``--faces OUT``: this section alone, JSON in OUT/faces_loader.json): the loader on an encoded shard
+   set of 112x112x3 JPEGs (quality 95, as InsightFace's .rec), 0/1/2 workers, without augmentation, with
+   ``flip`` and with every augmentation; one worker's rate is one core's, which sizes the workers a GPU needs.
 """
 from __future__ import annotations
 
@@ -129,6 +134,103 @@ def bench_trainer(steps: int) -> dict:
             "step_s": sec, "samples_per_s": 128 / sec}
 
 
+FACE_AUGMENT = {"none": [], "flip": ["flip"], "all": ["flip", "lowres", "blur", "jitter", "gray"]}
+
+
+def _face_jpegs(n: int, unique: int = 2000, seed: int = 0) -> tuple:
+    """``n`` JPEG blobs (quality 95) of 112x112x3 smooth random colour images plus mild noise (``unique``
+    distinct ones, repeated), and labels of 20 samples per class."""
+    import io
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    blobs = []
+    for _ in range(min(n, unique)):
+        small = Image.fromarray(rng.integers(0, 256, (7, 7, 3), dtype=np.uint8)).resize((112, 112), Image.BICUBIC)
+        img = np.clip(np.asarray(small, np.float32) + rng.normal(0, 6, (112, 112, 3)), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=95)
+        blobs.append(np.frombuffer(buf.getvalue(), np.uint8))
+    blobs = [blobs[i % len(blobs)] for i in range(n)]
+    return blobs, np.arange(n) // 20
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its live children (the DataLoader workers)."""
+    import psutil
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def bench_faces(tmp: str, n: int, batches: int) -> dict:
+    """Loader samples/s on 112x112 JPEGs for 0/1/2 workers x {none, flip, all} augmentation, plus the bare
+    ``decode_image`` rate on one core."""
+    import torch
+    from hvd_partialfc.data import RankShardDataset, make_loader
+    from hvd_partialfc.partition import even_slices
+    from hvd_partialfc.shards import decode_image, write_shard_set
+    torch.set_num_threads(1)
+    blobs, labels = _face_jpegs(n)
+    d = os.path.join(tmp, "faces")
+    write_shard_set(d, "encoded", blobs, labels, even_slices(int(labels[-1]) + 1, 4), int(labels[-1]) + 1,
+                    sample_shape=[112, 112, 3])
+    t = time.process_time()
+    k = min(n, 2000)
+    for b in blobs[:k]:
+        decode_image(b, (112, 112, 3))
+    decode_rate = k / (time.process_time() - t)      # per CPU-second of this (single-threaded) process
+    ds = RankShardDataset(d, 0, 1)
+    rows = []
+    for aug, specs in FACE_AUGMENT.items():
+        for workers in (0, 1, 2):
+            loader, _ = make_loader(ds, batch_size=128, seed=0, workers=workers, augment=specs)
+            it = iter(loader)
+            for _ in range(2 * workers + 1):                # warm-up: workers started, their queues filled
+                next(it)
+            t, cpu = time.perf_counter(), _cpu_seconds()
+            for _ in range(batches):
+                x, _y = next(it)
+            wall, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
+            rows.append({"augment": aug, "workers": workers, "samples_per_s": batches * 128 / wall,
+                         "samples_per_cpu_s": batches * 128 / cpu})
+            del it, loader
+    # A worker is one process on one core: the loader's samples per CPU-second (trainer process and workers
+    # together, so the hand-over is included) is what one dedicated core delivers, whatever else runs.
+    per_worker = {aug: float(np.median([r["samples_per_cpu_s"] for r in rows if r["augment"] == aug and r["workers"]]))
+                  for aug in FACE_AUGMENT}
+    need = {aug: {str(target): int(np.ceil(target / rate)) for target in (3000, 10000)}
+            for aug, rate in per_worker.items()}
+    return {"command": "python -m data_tools.bench_loader --faces OUT", "samples": n, "jpeg_quality": 95, "sample_shape": [112, 112, 3], "batch": 128,
+            "batches_timed": batches, "jpeg_bytes_mean": float(np.mean([len(b) for b in blobs])),
+            "augment": FACE_AUGMENT, "decode_image_per_cpu_s": decode_rate, "loader": rows,
+            "per_worker_samples_per_s": per_worker, "workers_needed": need, "cpu_count": os.cpu_count()}
+
+
+def run_faces(out: str, n: int, batches: int) -> dict:
+    tmp = tempfile.mkdtemp(prefix="bench-faces-")
+    try:
+        res = bench_faces(tmp, n, batches)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _table(f"faces: make_loader on encoded 112x112x3 JPEG q95 (mean {res['jpeg_bytes_mean']:.0f} B), batch 128; "
+           f"bare decode_image {res['decode_image_per_cpu_s']:.0f} per CPU-second", res["loader"],
+           ["augment", "workers", "samples_per_s", "samples_per_cpu_s"])
+    for aug, need in res["workers_needed"].items():
+        print(f"  augment {aug}: {res['per_worker_samples_per_s'][aug]:.0f} samples per CPU-second per worker: "
+              f"{need['3000']} workers for 3,000 samples/s, {need['10000']} for 10,000")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "faces_loader.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nwrote {path}")
+    return res
+
+
 def _table(title: str, rows: list, cols: list) -> None:
     print(f"\n{title}")
     print("  " + "  ".join(f"{c:>14}" for c in cols))
@@ -142,7 +244,11 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=12000, help="images of the imagefolder/loader sets")
     p.add_argument("--fonts-chars", type=int, default=200, help="characters of the fonts build (all fonts)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    p.add_argument("--faces", metavar="OUT", help="run only the faces loader benchmark; JSON in OUT/faces_loader.json")
     args = p.parse_args(argv)
+    if args.faces:
+        run_faces(args.faces, 1200 if args.quick else args.samples // 2, 3 if args.quick else 60)
+        return 0
     n, batches, steps = (1200, 5, 2) if args.quick else (args.samples, 60, 10)
     tmp = tempfile.mkdtemp(prefix="bench-data-")
     try:

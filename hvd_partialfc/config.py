@@ -12,6 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from .augment import parse_augment
+from .logging_sinks import tensorboard_missing
+
 
 @dataclass
 class DataConfig:
@@ -19,6 +22,9 @@ class DataConfig:
     batch_size: int = 128       # per rank, per backward pass
     workers: int = 0            # DataLoader worker processes per rank (h5py is opened per worker)
     verify_sha256: bool = False  # hash every shard file before training (slow on big sets)
+    # training-time augmentation, applied in this order (hvd_partialfc/augment.py: flip, lowres, blur,
+    # jitter, gray; "name" or "name:key=value,..."). Empty: glyph classes change under a flip; faces: [flip]
+    augment: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +93,7 @@ class TrainConfig:
     # stop with an error after this many skipped steps in a row (fp16 loss-scale back-offs, on_nonfinite=
     # skip, or one rank's non-finite classifier gradient); 0: never stop
     max_consecutive_skips: int = 50
+    tensorboard: bool = False   # also write metrics.jsonl's scalars as TensorBoard events in OUT/tensorboard
 
 
 @dataclass
@@ -143,6 +150,14 @@ class Config:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
+        try:
+            parse_augment(self.data.augment)
+        except ValueError as e:
+            raise ConfigError(f"data.augment: {e}") from None
+        if self.train.tensorboard:
+            missing = tensorboard_missing()
+            if missing:   # fail now, not at the first log line of a long run
+                raise ConfigError(f"train.tensorboard: {missing}")
         return self
 
     def to_dict(self) -> Dict[str, Any]:

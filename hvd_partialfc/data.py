@@ -11,7 +11,10 @@ Contract:
 * h5py handles are opened lazily in the process that reads (DataLoader workers are forked after
   construction, and an HDF5 handle must not cross a fork);
 * samples leave the loader as stored (uint8 images, float32 features): normalisation happens on the
-  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images.
+  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images;
+* ``data.augment`` (augment.py) runs in the workers, on uint8, with randomness drawn from (seed, rank,
+  batch index): the sampler numbers its batches, so a batch's augmentation does not depend on the worker
+  that reads it, on the number of workers, or on a resume.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from .augment import BatchAugment
 from .seeds import LOADER_WORKERS, derive_seed
 from .shards import (Manifest, ShardError, decode_image, open_shard, rank_shards, read_manifest, read_shard_labels,
                      unreadable_shard)
@@ -131,17 +135,49 @@ class EpochBatchSampler(Sampler):
         return 2 ** 62
 
 
+class NumberedBatches(Sampler):
+    """``EpochBatchSampler``'s batches with their index in the rank's stream: ``(k, positions)``, k from
+    ``start``. The index is what seeds a batch's augmentation."""
+
+    def __init__(self, batches: EpochBatchSampler):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Tuple[int, List[int]]]:
+        return enumerate(self.batches, start=self.batches.start)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class AugmentedBatches:
+    """``dataset[positions]``, then ``augment(k, samples)`` (a no-op when the list is empty), in the process
+    that reads (a DataLoader worker when there are workers)."""
+
+    def __init__(self, dataset: RankShardDataset, augment: BatchAugment):
+        self.dataset, self.augment = dataset, augment
+
+    def __getitem__(self, item: Tuple[int, Sequence[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        k, positions = item
+        samples, labels = self.dataset[positions]
+        if self.augment:
+            samples = torch.from_numpy(self.augment(k, samples.numpy()))
+        return samples, labels
+
+
 def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: int = 0,
-                start: int = 0, pin_memory: bool = False) -> Tuple[DataLoader, int]:
-    """(endless DataLoader over the rank's samples, steps per epoch on this rank)."""
-    sampler = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
+                start: int = 0, pin_memory: bool = False, augment: Sequence[str] = ()) -> Tuple[DataLoader, int]:
+    """(endless DataLoader over the rank's samples, steps per epoch on this rank). ``augment``: the
+    ``data.augment`` list (augment.py), seeded by (``seed``, rank, batch index)."""
+    batches = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
+    sampler = NumberedBatches(batches)
+    source = AugmentedBatches(dataset, BatchAugment(augment, seed, dataset.rank, dataset.kind))
     # Its own generator: ``iter(loader)`` draws the workers' base seed from it, not from torch's global
     # one, which then stays exactly where a checkpoint restored it (dropout, sampled heads resume bitwise).
     generator = torch.Generator().manual_seed(derive_seed(seed, dataset.rank, start, LOADER_WORKERS))
-    loader = DataLoader(dataset, sampler=sampler, batch_size=None, num_workers=workers,
+    loader = DataLoader(source, sampler=sampler, batch_size=None, num_workers=workers,
                         pin_memory=pin_memory, persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None, generator=generator)
-    return loader, sampler.steps_per_epoch
+    return loader, batches.steps_per_epoch
 
 
 def prepare_batch(samples: torch.Tensor, labels: torch.Tensor, device: torch.device,

@@ -14,7 +14,6 @@ on every rank, and the number of steps is agreed (uneven shards never deadlock).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -29,8 +28,10 @@ from tqdm import tqdm
 from . import checkpoint as ckpt
 from . import comm as comm_lib
 from . import faults
+from .augment import parse_augment
 from .config import Config, diff_configs, dump_config
 from .data import RankShardDataset, make_loader, prepare_batch
+from .logging_sinks import LoaderWatch, MetricsLog
 from . import modes
 from .models import create_model
 from .models.recompute import set_activation_checkpointing
@@ -43,7 +44,7 @@ from .shards import manifest_digest, read_manifest
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
                     "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
-                    "model.checkpoint_activations")
+                    "model.checkpoint_activations", "train.tensorboard")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
@@ -147,7 +148,7 @@ class Trainer:
         self.total_steps = cfg.train.steps or max(1, int(cfg.train.epochs * min_spe))
         self.loader, _ = make_loader(self.dataset, cfg.data.batch_size, cfg.train.seed, cfg.data.workers,
                                      start=self.start_step * cfg.optim.backward_passes_per_step,
-                                     pin_memory=self.device.type == "cuda")
+                                     pin_memory=self.device.type == "cuda", augment=cfg.data.augment)
         run_info = {"num_classes": self.manifest.num_classes, "embedding_dim": cfg.model.embedding_dim,
                     "shard_slices": [[s.start, s.end] for s in self.manifest.shard_slices()],
                     "manifest_sha256": self.manifest_sha256, "config": cfg.to_dict()}
@@ -155,6 +156,7 @@ class Trainer:
         # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
         self.checkpointer.prepare(self.start_step, log=lambda m: print(m, flush=True))
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
+        self.loader_watch = LoaderWatch(cfg.data.workers)
 
     @classmethod
     def for_synthetic(cls, cfg: Config, comm, slices, num_classes: int, sample_shape) -> "Trainer":
@@ -182,6 +184,7 @@ class Trainer:
         self.manifest = read_manifest(cfg.data.shards)
         self.manifest_sha256 = manifest_digest(cfg.data.shards)
         self.dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, self.manifest)
+        parse_augment(cfg.data.augment, self.manifest.kind)   # features cannot be augmented: an agreed error
         if cfg.data.verify_sha256:
             from .shards import check_shard_file
             for i in self._rank_shard_indices():
@@ -376,7 +379,8 @@ class Trainer:
             dump_config(cfg, os.path.join(cfg.out, "config.yaml"))
         if self.start_step >= self.total_steps:
             return self._nothing_to_train()
-        metrics = open(os.path.join(cfg.out, "metrics.jsonl"), "a") if comm.is_main else None
+        metrics = MetricsLog(cfg.out, cfg.train.tensorboard) if comm.is_main else None
+        interval = {"data_time": 0.0, "step_time": 0.0}   # seconds summed since the last log line
         samples_per_step = cfg.data.batch_size * cfg.optim.backward_passes_per_step * comm.size
         bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
                    dynamic_ncols=True, desc=f"train np={comm.size}")
@@ -396,6 +400,8 @@ class Trainer:
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
                     out = self.train_step(step, batches)
+                    for key in interval:
+                        interval[key] += out[key]
                     done = step + 1
                     final = done == self.total_steps
                     # The vote started after the previous step: did any rank get a stop signal, is rank 0's
@@ -403,7 +409,8 @@ class Trainer:
                     stop, time_due = (v > 0 for v in vote.result()) if vote is not None else (False, False)
                     vote = None
                     if done % cfg.train.log_every == 0 or final:
-                        last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar)
+                        last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar,
+                                                     interval)
                     bar.update(1)
                     self.maybe_evaluate(done, final=final, bar=bar, metrics=metrics)
                     if self.checkpointer.due(done, final) or stop or time_due:
@@ -424,23 +431,31 @@ class Trainer:
         return ckpt_dir
 
     def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
-             metrics, bar) -> Tuple[int, float]:
-        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks)."""
+             metrics, bar, interval: Dict[str, float]) -> Tuple[int, float]:
+        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks).
+        ``interval``: rank 0's data and step seconds summed since the last line (reset here); the record
+        holds their means per step, and the first interval after a (re)start, which includes the workers'
+        start-up, never warns."""
         cfg = self.cfg
         mean_loss = self.comm.allreduce_scalar(out["loss"], "average", name="log.loss")
         cls_skips = int(self.comm.allreduce_scalar(self.classifier_skipped_steps, "sum", name="log.cls_skips"))
         now = time.perf_counter()
         sps = samples_per_step * (done - last_log) / max(now - last_t, 1e-9)
         lr = cfg.optim.backbone_lr * out["lr_factor"]
+        data_t, step_t = (interval[k] / max(1, done - last_log) for k in ("data_time", "step_time"))
+        interval.update(data_time=0.0, step_time=0.0)
         if metrics:
             rec = {"step": done, "loss": mean_loss, "rank0_loss": out["loss"], "lr": lr,
                    "grad_norm": out["grad_norm"], "samples_per_s": sps, "skipped_steps": self.skipped_steps,
-                   "classifier_skipped_steps": cls_skips, "time": time.time()}
+                   "classifier_skipped_steps": cls_skips, "data_time": data_t, "step_time": step_t,
+                   "time": time.time()}
             if self.loss_scale.enabled:
                 rec["loss_scale"] = self.loss_scale.scale
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}")
+            metrics.write(rec)
+        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s")
+        warning = self.loader_watch.check(done, data_t, step_t, first=last_log == self.start_step)
+        if warning and self.comm.is_main:   # rank 0's figures, said by rank 0 (tqdm.write ignores `disable`)
+            bar.write(warning)
         return done, now
 
     def _nothing_to_train(self) -> str:
@@ -470,8 +485,7 @@ class Trainer:
         records = self.evaluator.run(step, self.backbone)
         if metrics:
             for rec in records.values():
-                metrics.write(json.dumps({"eval": rec, "step": step}) + "\n")
-            metrics.flush()
+                metrics.write({"eval": rec, "step": step})
         if bar is not None:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in self.evaluator.summary(records).items()))
         return records

@@ -96,6 +96,14 @@ if ! "$PY" -c "import onnx, onnxscript, onnxruntime, sys; sys.exit((onnx.__versi
   $PIP install $ONNX_PACKAGES
 fi
 
+# TensorBoard (train.tensorboard; also the extra `hvd_partialfc[tensorboard]`): optional for users, installed
+# here so its tests run. absl-py is the one dependency the event writer and reader import beyond ours.
+TENSORBOARD_VERSION="2.21.0"
+if ! "$PY" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null; then
+  log "pip install tensorboard==$TENSORBOARD_VERSION"
+  $PIP install "tensorboard==$TENSORBOARD_VERSION" "absl-py==2.5.1"
+fi
+
 # --- Horovod ---------------------------------------------------------------------------------------
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
 

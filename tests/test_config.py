@@ -1,4 +1,6 @@
 """One config object: YAML + --set overrides; unknown keys and wrong types are errors."""
+import os
+
 import pytest
 
 from hvd_partialfc.config import ConfigError, diff_configs, dump_config, load_config
@@ -37,3 +39,38 @@ def test_diff_names_the_field():
     a = load_config(None, ["data.shards=/x"]).to_dict()
     b = load_config(None, ["data.shards=/x", "head.margin=0.3"]).to_dict()
     assert diff_configs(a, b) == ["head.margin: 0.5 != 0.3"]
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# arcface_torch's published values (configs/<name>.py at deepinsight/insightface): loss, margin, weight decay,
+# PartialFC sample rate; all: r50/r100, embedding 512, s=64, batch 128, SGD lr 0.1 momentum 0.9, 20 epochs, fp16.
+RECIPES = {"ms1mv3_r50": ("iresnet50", "arcface", 0.5, 5e-4, 1.0),
+           "ms1mv3_r100": ("iresnet100", "arcface", 0.5, 5e-4, 1.0),
+           "glint360k_r50": ("iresnet50", "cosface", 0.4, 1e-4, 1.0),
+           "glint360k_r100": ("iresnet100", "cosface", 0.4, 1e-4, 1.0),
+           "wf4m_r50": ("iresnet50", "cosface", 0.4, 5e-4, 1.0),
+           "wf42m_pfc02_r100": ("iresnet100", "cosface", 0.4, 5e-4, 0.2)}
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")))
+def test_every_config_in_configs_loads(name):
+    # load_config validates keys, types and choices but builds no model: iresnet names need no registry here
+    cfg = load_config(os.path.join(CONFIG_DIR, name + ".yaml"), ["data.shards=/x"])
+    assert cfg.data.shards == "/x"
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_face_recipes_translate_arcface_torch(name):
+    model, loss, margin, wd, rate = RECIPES[name]
+    path = os.path.join(CONFIG_DIR, name + ".yaml")
+    c = load_config(path, ["data.shards=/x"])
+    assert (c.model.name, c.model.embedding_dim, c.head.loss, c.head.scale, c.head.margin, c.head.sample_rate) == \
+        (model, 512, loss, 64.0, margin, rate)
+    assert (c.data.batch_size, c.data.augment, c.eval.flip, c.train.epochs, c.train.precision) == \
+        (128, ["flip"], True, 20.0, "fp16")
+    o = c.optim
+    assert (o.name, o.backbone_lr, o.classifier_lr, o.backbone_momentum, o.classifier_momentum) == \
+        ("sgd", 0.1, 0.1, 0.9, 0.9)
+    assert o.backbone_weight_decay == o.classifier_weight_decay == wd
+    assert (o.schedule, o.poly_power, o.warmup_steps, o.clip_grad_norm) == ("poly", 1.0, 0, 5.0)
+    assert f"arcface_torch's configs/{name}.py" in open(path).read()     # the comment names what it reproduces

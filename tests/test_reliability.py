@@ -144,6 +144,24 @@ def test_resume_is_bitwise_with_random_streams(image_shards, tmp_path, mode, opt
         assert tensors_equal(a["weight"], b["weight"]) and tensors_equal(a["optimizer"]["state"], b["optimizer"]["state"])
 
 
+def test_resume_is_bitwise_with_augmentation_at_any_worker_count(image_shards, tmp_path):
+    # data.augment draws from (seed, rank, batch index), never from worker seeds or torch's global stream:
+    # 0 workers straight, 1 worker until the crash at step 10, 2 workers after the resume: the same run.
+    sets = ["model.name=resnet", "model.kwargs={width: 8}",
+            "data.augment=[flip, 'lowres:p=0.5', 'blur:p=0.5', 'jitter:p=0.5']"]
+    straight, resumed, plain = (str(tmp_path / n) for n in ("straight", "resumed", "plain"))
+    train(2, image_shards, straight, sets + ["data.workers=0"], steps=16)
+    p = train(2, image_shards, resumed, sets, steps=16, fault="raise@10", check=False)
+    assert p.returncode != 0 and latest(resumed) == "step-00000010"
+    train(2, image_shards, resumed, sets + ["checkpoint.resume=auto", "data.workers=2"], steps=16)
+    train(2, image_shards, plain, sets[:2] + ["data.workers=0"], steps=16)
+    (m1, bb1, c1), (m2, bb2, c2), (_, bb3, _) = load_ckpt(straight), load_ckpt(resumed), load_ckpt(plain)
+    assert tensors_equal(bb1["state_dict"], bb2["state_dict"]) and m1["digests"] == m2["digests"]
+    for a, b in zip(c1, c2):
+        assert tensors_equal(a["weight"], b["weight"]) and tensors_equal(a["optimizer"]["state"], b["optimizer"]["state"])
+    assert not tensors_equal(bb1["state_dict"], bb3["state_dict"])   # the augmentation did take part
+
+
 @pytest.mark.parametrize("old_np,new_np", [(2, 1), (1, 2), (4, 2)])
 def test_reshard_to_another_world_size(shards4, tmp_path, old_np, new_np):
     run = str(tmp_path / "run")
