@@ -69,7 +69,7 @@ def pair_grid(backbone: str, pairs_path: str, threshold: float, out: str, per_ki
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .evaluate import score_pairs
+    from .verification.embedding import score_pairs
     from .export import load_backbone
     from .pairs import read_pairs
     model, _ = load_backbone(backbone)
