@@ -244,3 +244,24 @@ def test_streaming_memory_does_not_grow_with_images(tmp_path):
         peaks.append(int(kb))
     print("peak RSS KiB", peaks)
     assert peaks[1] - peaks[0] < 12 * 1024, peaks      # KiB
+
+
+def test_eval_takes_a_plain_state_dict_with_model(pattern_set, tmp_path):
+    """arcface_torch saves ``backbone.pth`` as a bare state_dict: ``--model`` names what it loads into."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.models import create_model
+    torch.manual_seed(1)
+    model = create_model("resnet", in_shape=[32, 32], embedding_dim=8, width=4)
+    torch.save(model.state_dict(), tmp_path / "backbone.pth")
+    root, _ = pattern_set
+    # width is an architecture kwarg the plain file cannot carry: the default-width resnet does not fit
+    assert main(["eval", "--backbone", str(tmp_path / "backbone.pth"), "--model", "resnet", "--in-shape", "32,32",
+                 "--embedding-dim", "8", "--ijb", root, "--ijb-no-flip", "--out", str(tmp_path / "o")]) == 2
+    torch.manual_seed(1)
+    default = create_model("resnet", in_shape=[32, 32], embedding_dim=8)
+    torch.save(default.state_dict(), tmp_path / "backbone.pth")
+    assert main(["eval", "--backbone", str(tmp_path / "backbone.pth"), "--model", "resnet", "--in-shape", "32,32",
+                 "--embedding-dim", "8", "--ijb", root, "--ijb-no-flip", "--out", str(tmp_path / "o")]) == 0
+    m = json.load(open(tmp_path / "o/eval.json"))["ijb"]["IJBC"]
+    lib = ijb.evaluate_ijb(default.eval(), [32, 32], root, "IJBC", 256, flip=False)
+    assert m["tar@far=1e-2"] == lib["tar@far=1e-2"] and m["auc"] == pytest.approx(lib["auc"], abs=1e-12)
