@@ -143,7 +143,8 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
                   f"crops, five-point aligned; {m['same_pairs']:,} same and {m['different_pairs']:,} different template "
                   f"pairs; {opts}): AUC {m['auc']:.4f}, "
                   + ", ".join(f"{k.replace('tar@far=', 'TAR@FAR=')} {_fmt(v)}" for k, v in m.items()
-                              if k.startswith("tar@far=") and v is not None) + "."]
+                              if k.startswith("tar@far=") and v is not None) + ".",
+                  "", f"![{name} ROC](eval/roc-{name.lower()}.png)"]
     for shard_dir, m in ev.get("identification", {}).items():   # `eval --identification`
         lines += ["", f"1:N identification ({m['gallery']:,} gallery classes, {m['mated_probes']:,} mated and "
                   f"{m['nonmated_probes']:,} non-mated probes): rank-1 {_fmt(m['rank1'])}, rank-5 {_fmt(m['rank5'])}, "
