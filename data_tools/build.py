@@ -19,7 +19,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvd_partialfc.partition import balanced_slices, even_slices, imbalance
-from hvd_partialfc.shards import Manifest, ShardError, write_shard_set
+from hvd_partialfc.shards import Manifest, ShardError
+
+from .shard_writer import write_shard_set
 
 # Chosen by measurement (`python -m data_tools.bench_loader`, docs/data.md): a contiguous, uncompressed
 # dataset (chunk_samples=0) reads a random batch of 128 ~17x faster than any chunked layout, and

@@ -11,6 +11,8 @@
     hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
     hvd-partialfc-shards pairs FILE.bin|FILE.h5 --out OTHER.h5|OTHER.bin      (conversion)
+    hvd-partialfc-shards ijb SHARDS_DIR --out DIR [--name IJBC|IJBB] [--templates K] [--impostor-pairs P]
+        [--seed S] [--overwrite]               (an IJB-shaped set: `hvd-partialfc eval --ijb DIR`)
 """
 from __future__ import annotations
 
@@ -177,6 +179,15 @@ def _pairs(args) -> int:
     return 0
 
 
+def _ijb(args) -> int:
+    from .ijb_glyphs import glyph_ijb_from_shards
+    r = glyph_ijb_from_shards(args.source, args.out, name=args.name, seed=args.seed, templates=args.templates,
+                              impostor_pairs=args.impostor_pairs, overwrite=args.overwrite)
+    print(f"wrote {args.out}: {r['name']} layout, {r['classes']} classes, {r['templates']} templates, {r['media']} "
+          f"media, {r['images']} images, {r['same_pairs']} same and {r['different_pairs']} different template pairs")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from .importers import list_importers
     p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0])
@@ -240,6 +251,15 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--bin", action="store_true", help="write the LFW-style .bin")
     q.set_defaults(fn=_pairs)
+    j = sub.add_parser("ijb", help="an IJB-B/C-shaped set (loose crops, landmarks, templates) from held-out classes")
+    j.add_argument("source", help="a shard set of aligned images (held-out classes)")
+    j.add_argument("--out", required=True, help="the folder `hvd-partialfc eval --ijb` reads")
+    j.add_argument("--name", default="IJBC", type=str.upper, choices=["IJBC", "IJBB"], help="names the meta files")
+    j.add_argument("--templates", type=int, default=3, help="templates per class")
+    j.add_argument("--impostor-pairs", type=int, default=100_000, help="different-class template pairs")
+    j.add_argument("--seed", type=int, default=0)
+    j.add_argument("--overwrite", action="store_true")
+    j.set_defaults(fn=_ijb)
     return p
 
 

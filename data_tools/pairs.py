@@ -3,16 +3,19 @@
 ``make_pairs`` draws ``num_pairs`` pairs, half "same" (two distinct samples of one class) and half
 "different" (one sample from each of two distinct classes), from a seeded generator: the same shard set and
 seed give the same file. Only the images the pairs use are written, in shard order. The output formats
-are those of `hvd_partialfc.pairs` (the evaluation reads both).
+are those of `hvd_partialfc.pairs` (the evaluation reads both); `write_pairs_h5` and `write_bin` write them.
 """
 from __future__ import annotations
 
 import os
-from typing import List, Optional, Tuple
+import pickle
+from typing import List, Optional, Sequence, Tuple
 
+import h5py
 import numpy as np
 
-from hvd_partialfc.pairs import read_pairs, write_bin, write_pairs_h5
+from hvd_partialfc.atomic import atomic_path
+from hvd_partialfc.pairs import FORMAT, VERSION, read_pairs
 from hvd_partialfc.shards import ShardError, open_shard, read_manifest, read_shard_labels, unreadable_shard
 
 
@@ -98,3 +101,27 @@ def convert_pairs(src: str, out: str) -> dict:
     else:
         write_pairs_h5(out, ps.images, np.stack([ps.left, ps.right], 1), ps.same)
     return {"out": out, "pairs": ps.num_pairs, "same": int(ps.same.sum()), "images": int(len(ps.images))}
+
+
+def write_pairs_h5(path: str, images: np.ndarray, pairs: np.ndarray, same: np.ndarray,
+                   labels: Optional[np.ndarray] = None, class_names: Optional[List[str]] = None) -> None:
+    """Write a ``.h5`` pair set (raw uint8 images), atomically."""
+    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+        f.create_dataset("images", data=np.asarray(images, dtype=np.uint8))
+        f.create_dataset("pairs", data=np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
+        f.create_dataset("same", data=np.asarray(same, dtype=bool))
+        if labels is not None:
+            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
+        f.attrs["format"] = FORMAT
+        f.attrs["version"] = VERSION
+        if class_names is not None:
+            f.attrs["class_names"] = np.array(class_names, dtype=h5py.string_dtype())
+
+
+def write_bin(path: str, encoded_images: Sequence[bytes], issame: Sequence[bool]) -> None:
+    """Write an LFW-style ``.bin`` (what InsightFace writes: a pickle of (list of bytes, list of bools)),
+    atomically: images 2k and 2k+1 form pair k."""
+    if len(encoded_images) != 2 * len(issame):
+        raise ValueError(f"{len(encoded_images)} images for {len(issame)} pairs (expected 2 per pair)")
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        pickle.dump((list(encoded_images), list(bool(s) for s in issame)), f, protocol=4)

@@ -46,7 +46,9 @@ import numpy as np
 
 from hvd_partialfc.atomic import atomic_path, fsync_dir, write_text
 from hvd_partialfc.shards import (FORMAT, VERSION, Manifest, ShardEntry, ShardError, decode_image, sha256_file,
-                                  shard_name, write_manifest)
+                                  shard_name)
+
+from .shard_writer import write_manifest
 
 PLAN = "plan.json"
 FINGERPRINT = "fingerprint.json"
@@ -387,7 +389,7 @@ def _write_rows(ds, kind: str, start: int, samples) -> None:
     m = len(samples)
     if not m:
         return
-    if kind == "encoded":       # low-level write, as hvd_partialfc.shards.write_shard
+    if kind == "encoded":       # low-level write, as data_tools.shard_writer.write_shard
         blobs = np.empty(m, dtype=object)
         for i, b in enumerate(samples):
             blobs[i] = b if isinstance(b, np.ndarray) else np.frombuffer(bytes(b), dtype=np.uint8)

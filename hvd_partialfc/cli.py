@@ -6,7 +6,8 @@
     hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
     hvd-partialfc upgrade RUN|CKPT                  (checkpoints written before format 2, once)
     hvd-partialfc eval   --backbone FILE|RUN [--pairs PAIRS ...] [--all-pairs SHARDS ...] [--flip] [--baselines]
-                         [--batch-size N] [--threads N] [--out DIR]
+                         [--ijb DIR --ijb-name IJBC|IJBB] [--identification SHARDS ...] [--model NAME]
+                         [--batch-size N] [--workers N] [--threads N] [--out DIR]   (docs/evaluation.md)
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
 """
@@ -107,12 +108,16 @@ def _info(args) -> int:
 
 def _eval(args) -> int:
     import torch
-    from .evaluate import evaluate_files
+    from .verification.suite import IJBRequest, PlainStateDict, evaluate_files
     if args.threads:
         torch.set_num_threads(args.threads)
+    ijb = IJBRequest(args.ijb, args.ijb_name, not args.ijb_no_flip, not args.no_norm_score, not args.no_detector_score,
+                     args.workers) if args.ijb else None
+    plain = PlainStateDict(args.model, tuple(args.in_shape), args.embedding_dim) if args.model else None
     try:
         report = evaluate_files(args.backbone, args.pairs or [], flip=args.flip, baselines=args.baselines,
-                                batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [])
+                                batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [],
+                                ijb=ijb, identification_dirs=args.identification or [], plain=plain)
     except (OSError, ValueError) as err:      # a missing or unreadable backbone / pair file: say which, no traceback
         print(f"hvd-partialfc eval: error: {err}", file=sys.stderr)
         return 2
@@ -188,14 +193,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     i.add_argument("run")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
-    v = sub.add_parser("eval", help="open-set verification on pair sets: 10-fold acc, AUC, TAR@FAR, ROC plot")
+    v = sub.add_parser("eval", help="open-set evaluation: pair sets, all pairs, IJB-B/C, 1:N identification")
     v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder or run folder")
     v.add_argument("--pairs", action="append", help=".h5 pair set or LFW-style .bin (repeatable)")
     v.add_argument("--all-pairs", action="append", metavar="SHARDS",
                    help="a held-out shard set, verified over every pair of its samples (repeatable)")
     v.add_argument("--flip", action="store_true", help="add the mirror image's embedding (faces; not glyphs)")
     v.add_argument("--baselines", action="store_true", help="also raw pixels and the random-init backbone")
+    v.add_argument("--ijb", metavar="DIR", help="IJB-B/C release folder (loose_crop/, meta/): 1:1 template verification")
+    v.add_argument("--ijb-name", default="IJBC", type=str.upper, choices=["IJBC", "IJBB"])
+    v.add_argument("--ijb-no-flip", action="store_true", help="IJB: no mirror-image embedding (on by default, "
+                                                              "as InsightFace; glyphs: turn it off)")
+    v.add_argument("--no-norm-score", action="store_true", help="IJB: L2-normalise image features before pooling")
+    v.add_argument("--no-detector-score", action="store_true", help="IJB: no weighting by the detector's score")
+    v.add_argument("--identification", action="append", metavar="SHARDS",
+                   help="a held-out shard set: 1:N search, seeded gallery/probe split (repeatable)")
+    v.add_argument("--model", help="for a plain state_dict file (arcface_torch's backbone.pth): the registered "
+                                   "backbone it loads into")
+    v.add_argument("--in-shape", type=lambda x: [int(n) for n in x.split(",")], default=[112, 112, 3],
+                   help="with --model: the input shape H,W[,C] (default 112,112,3)")
+    v.add_argument("--embedding-dim", type=int, default=512, help="with --model: the embedding width")
     v.add_argument("--batch-size", type=int, default=256)
+    v.add_argument("--workers", type=int, default=0, help="IJB: image-reading processes (0: in this process)")
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     v.add_argument("--out", help="output folder (default: the run/checkpoint folder, or beside the file)")
     v.set_defaults(fn=_eval)

@@ -1,4 +1,4 @@
-"""Verification pair sets: reading (and writing) the two formats the evaluation takes.
+"""Verification pair sets: reading the two formats the evaluation takes (`data_tools.pairs` writes them).
 
 * ``*.h5`` (written by ``hvd-partialfc-shards pairs``): datasets ``images`` uint8 (M, H, W[, C]) — or
   ``encoded`` variable-length uint8 (M,) with attribute ``sample_shape`` — plus ``pairs`` int64 (P, 2)
@@ -29,7 +29,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import h5py
 import numpy as np
 
-from .atomic import atomic_path
 from .shards import decode_image
 
 try:                                    # numpy >= 2
@@ -177,27 +176,3 @@ def read_pairs(path: str) -> PairSet:
     if len(pairs) and (pairs.min() < 0 or pairs.max() >= len(images)):
         raise PairSetError(f"{path}: pair indices outside [0, {len(images)})")
     return PairSet(name, images, pairs[:, 0].copy(), pairs[:, 1].copy(), same)
-
-
-def write_pairs_h5(path: str, images: np.ndarray, pairs: np.ndarray, same: np.ndarray,
-                   labels: Optional[np.ndarray] = None, class_names: Optional[List[str]] = None) -> None:
-    """Write a ``.h5`` pair set (raw uint8 images), atomically."""
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
-        f.create_dataset("images", data=np.asarray(images, dtype=np.uint8))
-        f.create_dataset("pairs", data=np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
-        f.create_dataset("same", data=np.asarray(same, dtype=bool))
-        if labels is not None:
-            f.create_dataset("labels", data=np.asarray(labels, dtype=np.int64))
-        f.attrs["format"] = FORMAT
-        f.attrs["version"] = VERSION
-        if class_names is not None:
-            f.attrs["class_names"] = np.array(class_names, dtype=h5py.string_dtype())
-
-
-def write_bin(path: str, encoded_images: Sequence[bytes], issame: Sequence[bool]) -> None:
-    """Write an LFW-style ``.bin`` (what InsightFace writes: a pickle of (list of bytes, list of bools)),
-    atomically: images 2k and 2k+1 form pair k."""
-    if len(encoded_images) != 2 * len(issame):
-        raise ValueError(f"{len(encoded_images)} images for {len(issame)} pairs (expected 2 per pair)")
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        pickle.dump((list(encoded_images), list(bool(s) for s in issame)), f, protocol=4)

@@ -69,7 +69,7 @@ def pair_grid(backbone: str, pairs_path: str, threshold: float, out: str, per_ki
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .evaluate import score_pairs
+    from .verification.embedding import score_pairs
     from .export import load_backbone
     from .pairs import read_pairs
     model, _ = load_backbone(backbone)
@@ -137,6 +137,19 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
                   f"{m['different_pairs']:,} different; `{shard_dir}`), trained backbone: AUC {m['auc']:.4f}, "
                   + ", ".join(f"{k.replace('tar@far=', 'TAR@FAR=')} {_fmt(v)}" for k, v in m.items()
                               if k.startswith("tar@far=")) + "."]
+    for name, m in ev.get("ijb", {}).items():              # `eval --ijb`: the IJB-shaped glyph set
+        opts = ", ".join(f"{k.replace('_', '-')} {'on' if m[k] else 'off'}" for k in ("flip", "norm_score", "detector_score"))
+        lines += ["", f"{name}-style 1:1 template verification ({m['templates']:,} templates of {m['images']:,} loose "
+                  f"crops, five-point aligned; {m['same_pairs']:,} same and {m['different_pairs']:,} different template "
+                  f"pairs; {opts}): AUC {m['auc']:.4f}, "
+                  + ", ".join(f"{k.replace('tar@far=', 'TAR@FAR=')} {_fmt(v)}" for k, v in m.items()
+                              if k.startswith("tar@far=") and v is not None) + ".",
+                  "", f"![{name} ROC](eval/roc-{name.lower()}.png)"]
+    for shard_dir, m in ev.get("identification", {}).items():   # `eval --identification`
+        lines += ["", f"1:N identification ({m['gallery']:,} gallery classes, {m['mated_probes']:,} mated and "
+                  f"{m['nonmated_probes']:,} non-mated probes): rank-1 {_fmt(m['rank1'])}, rank-5 {_fmt(m['rank5'])}, "
+                  + ", ".join(f"{k.replace('tpir@fpir=', 'TPIR@FPIR=')} {_fmt(v)}" for k, v in m.items()
+                              if k.startswith("tpir@fpir=")) + "."]
     lines += ["", "![ROC](eval/roc.png)", ""]
     curves = plot_curves(run, os.path.join(run, "curves.png"))
     if curves:

@@ -40,6 +40,8 @@ from .preempt import StopSignals
 from .rowsparse import SampledRowsOptimizer, grad_values
 from .seeds import RESHARD_RESEED, derive_seed
 from .shards import manifest_digest, read_manifest
+from .verification.evaluator import Evaluator
+from .verification.pairs import check_input_shape
 
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
@@ -196,14 +198,12 @@ class Trainer:
                              f"{cfg.optim.backward_passes_per_step} x {cfg.data.batch_size}")
         self.all_slices = _all_slices(self.manifest, comm.size)
         self._build_model(self.manifest.sample_shape, self.manifest.num_classes)
-        # Verification during training runs on rank 0 only; its pair sets are read (and checked) here, so
-        # a bad path fails before training, agreed like every other setup error.
-        self.evaluator = None
-        if cfg.eval.pairs and comm.is_main:
-            from .evaluate import Evaluator, check_input_shape
-            self.evaluator = Evaluator.from_config(cfg.eval, cfg.out)
-            for pairset in self.evaluator.sets:
-                check_input_shape(self.model_args, pairset)
+        # Verification during training: every rank holds the evaluator (it averages BatchNorm buffers, a
+        # collective), rank 0 reads and checks the pair sets here, so a bad path fails before training,
+        # agreed like every other setup error.
+        self.evaluator = Evaluator.from_config(cfg.eval, cfg.out, comm=comm)
+        for pairset in self.evaluator.sets:
+            check_input_shape(self.model_args, pairset)
 
     def _build_model(self, sample_shape, num_classes: int) -> None:
         """Backbone, the mode's classifier and the optimizers; the mode (``head.mode``, see modes.py)
@@ -470,19 +470,11 @@ class Trainer:
             return r["path"]
         return self.save_checkpoint(self.start_step)
 
-    def eval_due(self, step: int, final: bool) -> bool:
-        """The same answer on every rank (it depends on the config only): evaluation needs a collective."""
-        e = self.cfg.eval
-        return bool(e.pairs) and (final or (e.every > 0 and step % e.every == 0))
-
     def maybe_evaluate(self, step: int, final: bool, bar=None, metrics=None) -> Optional[Dict[str, Any]]:
-        """Average BatchNorm buffers on all ranks (collective), then verify on rank 0."""
-        if not self.eval_due(step, final):
+        """The evaluator decides and averages the buffers (every rank); rank 0 logs its records."""
+        records = self.evaluator.maybe_run(step, final, self.backbone)
+        if records is None:
             return None
-        self.comm.average_buffers(self.backbone, name=f"eval.{step}")
-        if self.evaluator is None:
-            return None
-        records = self.evaluator.run(step, self.backbone)
         if metrics:
             for rec in records.values():
                 metrics.write({"eval": rec, "step": step})

@@ -116,7 +116,7 @@ def extra_cost(args, variant: str, np_: int, every: int, share: int) -> dict:
 
 
 def all_pairs(run: str, heldout: str) -> dict:
-    """Every pair of the held-out set (`hvd_partialfc.evaluate.all_pairs_metrics`), once per run."""
+    """Every pair of the held-out set (`hvd_partialfc.verification.all_pairs.all_pairs_metrics`), once per run."""
     out = os.path.join(run, "all-pairs")
     path = os.path.join(out, "eval.json")
     if not os.path.isfile(path):

@@ -194,7 +194,7 @@ def test_two_builds_give_identical_sha256(folder, tmp_path):
 def test_interrupted_build_leaves_no_output(folder, tmp_path, monkeypatch):
     from data_tools import build as B
     from data_tools.importers import get_importer
-    from hvd_partialfc import shards
+    from data_tools import shard_writer as shards
     root, _ = folder
     calls = []
     real = shards.write_shard

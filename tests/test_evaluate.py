@@ -16,7 +16,8 @@ import torch
 
 from hvd_partialfc import evaluate as ev
 from hvd_partialfc.models import create_model
-from hvd_partialfc.pairs import PairSet, read_pairs, write_bin, write_pairs_h5
+from data_tools.pairs import write_bin, write_pairs_h5
+from hvd_partialfc.pairs import PairSet, read_pairs
 
 BIN = os.path.dirname(sys.executable)
 

@@ -227,7 +227,7 @@ def test_bad_sample_on_one_rank_only(tmp_path):
     import io
     from PIL import Image
     from hvd_partialfc.partition import even_slices
-    from hvd_partialfc.shards import write_shard_set
+    from data_tools.shard_writer import write_manifest, write_shard_set
     rng = np.random.default_rng(0)
     blobs, labels = [], []
     for c in range(8):
@@ -239,9 +239,8 @@ def test_bad_sample_on_one_rank_only(tmp_path):
     blobs[7 * 12 + 3] = b"not an image"
     shards = str(tmp_path / "enc")
     m = write_shard_set(shards, "encoded", blobs, labels, even_slices(8, 2), 8)
-    import hvd_partialfc.shards as sh
     m.sample_shape = [32, 32]
-    sh.write_manifest(shards, m)
+    write_manifest(shards, m)
     p = train(2, shards, str(tmp_path / "run"), ["model.name=resnet", "model.kwargs={width: 8}"], steps=30,
               check=False, timeout=120)
     text = p.stdout + p.stderr

@@ -202,9 +202,10 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
 
 def test_evaluation_during_training_np2(image_shards, tmp_path):
     # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
-    from hvd_partialfc.evaluate import evaluate_backbone
+    from hvd_partialfc.verification.pairs import evaluate_backbone
     from hvd_partialfc.export import load_backbone
-    from hvd_partialfc.pairs import read_pairs, write_pairs_h5
+    from data_tools.pairs import write_pairs_h5
+    from hvd_partialfc.pairs import read_pairs
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
     pairs = rng.integers(0, 40, size=(60, 2))

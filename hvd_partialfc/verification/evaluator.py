@@ -1,0 +1,94 @@
+"""The training-loop component: verification on held-out pair sets every ``eval.every`` steps.
+
+Contract: the trainer builds one `Evaluator` on *every* rank, with the run's comm, and calls
+`Evaluator.maybe_run` after every step on every rank. The evaluator decides whether it is due (from the
+config alone, so every rank gives the same answer), averages the BatchNorm buffers across ranks through
+the comm (a collective every rank must join: each rank's running statistics come from its own classes),
+and evaluates on the main rank only, which alone reads the pair sets. Horovod is not imported here: the
+comm is any object with ``is_main`` and ``average_buffers(module, name)`` (`hvd_partialfc.comm.Comm`);
+without one (``comm=None``) the evaluator is a single process's, that averages nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+import torch.nn as nn
+
+from ..pairs import read_pairs
+from .metrics import FARS, N_FOLDS, check_scores, far_key
+from .pairs import check_names, evaluate_backbone
+
+
+class Evaluator:
+    """Verification during training: decides when (`due`), averages buffers and evaluates (`maybe_run`).
+
+    The pair sets are read and checked once, here, on the main rank, so a bad path fails before training
+    rather than at the first evaluation. `run` (main rank only) changes nothing in the backbone (see
+    `embedding.embed`) and appends one JSON line per set to ``out_dir/eval.jsonl``.
+    """
+
+    def __init__(self, pairs_paths: List[str], every: int, flip: bool = False, batch_size: int = 256,
+                 out_dir: str = ".", fars: Sequence[float] = FARS, comm: Any = None):
+        if every < 0:
+            raise ValueError(f"eval every must be >= 0 (0: only at the end), got {every}")
+        self.comm = comm
+        self.is_main = comm is None or comm.is_main
+        self.pairs_paths = list(pairs_paths)
+        self.sets = [read_pairs(p) for p in pairs_paths] if self.is_main else []
+        check_names(self.sets, pairs_paths)
+        for s in self.sets:
+            check_scores(np.zeros(s.num_pairs), s.same)      # both classes present
+            if s.num_pairs < N_FOLDS:
+                raise ValueError(f"pair set {s.name!r}: {s.num_pairs} pairs, the 10-fold protocol needs >= 10")
+        self.every, self.flip, self.batch_size, self.fars = every, flip, batch_size, tuple(fars)
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, "eval.jsonl")
+
+    @classmethod
+    def from_config(cls, eval_cfg, out_dir: str, comm: Any = None) -> "Evaluator":
+        """From the ``eval`` config section (``pairs``, ``every``, ``flip``, ``batch_size``)."""
+        return cls(list(eval_cfg.pairs), eval_cfg.every, eval_cfg.flip, eval_cfg.batch_size, out_dir, comm=comm)
+
+    def due(self, step: int, final: bool) -> bool:
+        """True every ``every`` steps and at the final step (never without pair sets); the same answer on
+        every rank (it depends on the config only)."""
+        return bool(self.pairs_paths) and (final or (self.every > 0 and step % self.every == 0))
+
+    def maybe_run(self, step: int, final: bool, backbone: nn.Module) -> Optional[Dict[str, Dict[str, Any]]]:
+        """On every rank: when due, average the backbone's buffers across ranks (collective, named
+        ``buffers.eval.<step>``), then evaluate on the main rank; returns the main rank's records, else
+        None. The averaged buffers stay in the backbone (the checkpoint written next stores them)."""
+        if not self.due(step, final):
+            return None
+        if self.comm is not None:
+            self.comm.average_buffers(backbone, name=f"eval.{step}")
+        return self.run(step, backbone) if self.is_main else None
+
+    def run(self, step: int, backbone: nn.Module) -> Dict[str, Dict[str, Any]]:
+        """Evaluate ``backbone`` on every set; returns ``{set name: record}`` and appends the records."""
+        records = {}
+        for s in self.sets:
+            m = evaluate_backbone(backbone, s, self.batch_size, self.flip, self.fars, roc=False)
+            rec = {"step": int(step), "set": s.name, "acc": m["acc"], "acc_std": m["acc_std"], "auc": m["auc"]}
+            rec.update({far_key(f): m[far_key(f)] for f in self.fars})
+            rec.update({"best_threshold": m["best_threshold"], "pairs": m["pairs"], "time_s": m["time_s"]})
+            records[s.name] = rec
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(self.path, "a") as f:
+            for rec in records.values():
+                f.write(json.dumps(rec) + "\n")
+        return records
+
+    @staticmethod
+    def summary(records: Dict[str, Dict[str, Any]]) -> Dict[str, str]:
+        """Short progress-bar fields: ``{"<set>_acc": "0.912", "<set>_tar@1e-3": "0.55"}``."""
+        out = {}
+        for name, r in records.items():
+            out[f"{name}_acc"] = f"{r['acc']:.3f}"
+            if r.get("tar@far=1e-3") is not None:
+                out[f"{name}_tar@1e-3"] = f"{r['tar@far=1e-3']:.3f}"
+        return out
+

@@ -1,0 +1,121 @@
+"""What ``hvd-partialfc eval`` runs: load a backbone, run every protocol asked for, write one ``eval.json``.
+
+``eval.json`` holds ``backbone``, ``model``, ``flip``, ``batch_size``, ``pairs`` (set name -> file),
+``sets`` (pair protocol: set name -> model key (``backbone``, ``pixels``, ``pixels_ncc``,
+``random_init``) -> the `metrics.verification_metrics` keys plus ``roc``), ``all_pairs`` (shard dir ->
+metrics), ``ijb`` (``IJBB``/``IJBC`` -> `metrics.template_metrics` keys, the options that were on,
+counts and times) and ``identification`` (shard dir -> rank-k and ``tpir@fpir=...``). Every protocol's
+TAR keys are the same ``tar@far=...``. PNGs: ``roc.png`` (pair sets), ``roc-ijbc.png`` / ``roc-ijbb.png``.
+
+The backbone is a file or folder written by this package (`hvd_partialfc.export.load_backbone`), or a
+plain ``state_dict`` file such as arcface_torch's ``backbone.pth`` together with the registered backbone
+``model`` name it loads into (its keys must match exactly; ``in_shape`` and ``embedding_dim`` give the
+architecture's input and width).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ..atomic import write_text
+from ..checkpoint import load_file
+from ..export import load_backbone
+from ..models import create_model
+from ..pairs import read_pairs
+from .all_pairs import evaluate_all_pairs
+from .identification import evaluate_identification
+from .ijb import evaluate_ijb, print_progress
+from .metrics import jsonable
+from .output import default_out_dir, format_all_pairs, format_identification, format_ijb, format_table, plot_roc
+from .pairs import check_input_shape, check_names, evaluate_backbone, evaluate_baselines
+
+
+@dataclass
+class IJBRequest:
+    """One IJB evaluation: the release folder, ``IJBB`` or ``IJBC``, and the protocol's three options."""
+
+    root: str
+    name: str = "IJBC"
+    flip: bool = True
+    norm_score: bool = True
+    detector_score: bool = True
+    workers: int = 0
+
+
+@dataclass
+class PlainStateDict:
+    """How to build the module a plain ``state_dict`` file loads into (``eval --model``)."""
+
+    model: str
+    in_shape: Tuple[int, ...] = (112, 112, 3)
+    embedding_dim: int = 512
+
+
+def load_any_backbone(path: str, plain: Optional[PlainStateDict] = None) -> Tuple[nn.Module, Dict[str, Any]]:
+    """(eval-mode backbone, model args) from this package's files, or from a plain ``state_dict`` file
+    when ``plain`` names the architecture. Every file loads with ``weights_only=True``."""
+    if plain is None or os.path.isdir(path):
+        return load_backbone(path)
+    state = load_file(path, "backbone file")
+    if isinstance(state, dict) and "state_dict" in state and "model" in state:   # written by this package
+        return load_backbone(path)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: neither a backbone written by hvd_partialfc nor a plain state_dict of tensors")
+    args = {"name": plain.model, "in_shape": [int(v) for v in plain.in_shape],
+            "embedding_dim": int(plain.embedding_dim), "kwargs": {}}
+    model = create_model(plain.model, in_shape=args["in_shape"], embedding_dim=args["embedding_dim"])
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: does not load into backbone {plain.model!r} ({str(e).splitlines()[0]}); check "
+                         f"--model and --embedding-dim") from None
+    return model.eval(), args
+
+
+def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False, baselines: bool = False,
+                   batch_size: int = 256, out_dir: Optional[str] = None, seed: int = 0,
+                   all_pairs_dirs: Sequence[str] = (), ijb: Optional[IJBRequest] = None,
+                   identification_dirs: Sequence[str] = (), plain: Optional[PlainStateDict] = None) -> Dict[str, Any]:
+    """Evaluate a backbone (file, checkpoint or run) on every protocol given, write ``eval.json`` and the
+    ROC PNGs into ``out_dir``; returns the JSON dict with ``tables`` (text, one per result) and ``files``.
+    ``flip`` applies to the pair, all-pairs and identification protocols; IJB has its own (``ijb.flip``)."""
+    model, args = load_any_backbone(backbone, plain)
+    if not pairs_paths and not all_pairs_dirs and ijb is None and not identification_dirs:
+        raise ValueError("nothing to evaluate: give pair sets, shard sets (all-pairs, identification) or an IJB folder")
+    sets = [read_pairs(p) for p in pairs_paths]
+    check_names(sets, pairs_paths)
+    for s in sets:
+        check_input_shape(args, s)
+    out_dir = out_dir or default_out_dir(backbone)
+    os.makedirs(out_dir, exist_ok=True)
+    results: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for s in sets:
+        results[s.name] = {"backbone": evaluate_backbone(model, s, batch_size, flip)}
+        if baselines:
+            results[s.name].update(evaluate_baselines(args, s, batch_size, flip, seed))
+    all_pairs = {os.path.abspath(d): evaluate_all_pairs(model, d, batch_size, flip) for d in all_pairs_dirs}
+    ijb_results = {}
+    if ijb is not None:
+        ijb_results[ijb.name.upper()] = evaluate_ijb(
+            model, args["in_shape"], ijb.root, ijb.name, batch_size, ijb.flip, ijb.norm_score, ijb.detector_score,
+            ijb.workers, progress=print_progress())
+    ident = {os.path.abspath(d): evaluate_identification(model, d, batch_size, flip, seed) for d in identification_dirs}
+    report = {"backbone": os.path.abspath(backbone), "model": args, "flip": flip, "batch_size": batch_size,
+              "pairs": {s.name: os.path.abspath(p) for s, p in zip(sets, pairs_paths)}, "sets": results,
+              "all_pairs": all_pairs, "ijb": ijb_results, "identification": ident}
+    json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "roc.png")
+    write_text(json_path, json.dumps(jsonable(report), indent=1))
+    files = {"json": json_path, "roc": plot_roc(results, png_path) if results else None}
+    for name, m in ijb_results.items():
+        files[f"roc_{name.lower()}"] = plot_roc({name: {"backbone": m}}, os.path.join(out_dir, f"roc-{name.lower()}.png"))
+    report["files"] = files
+    report["tables"] = [format_table(name, rows) for name, rows in results.items()]
+    report["tables"] += [format_all_pairs(d, m) for d, m in all_pairs.items()]
+    report["tables"] += [format_ijb(m) for m in ijb_results.values()]
+    report["tables"] += [format_identification(d, m) for d, m in ident.items()]
+    return report
