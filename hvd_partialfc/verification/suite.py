@@ -19,13 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import torch
 import torch.nn as nn
 
 from ..atomic import write_text
-from ..checkpoint import load_file
 from ..export import load_backbone
 from ..models import create_model
+from ..pretrained import key_mismatch, read_backbone_file
 from ..pairs import read_pairs
 from .all_pairs import evaluate_all_pairs
 from .identification import evaluate_identification
@@ -61,19 +60,17 @@ def load_any_backbone(path: str, plain: Optional[PlainStateDict] = None) -> Tupl
     when ``plain`` names the architecture. Every file loads with ``weights_only=True``."""
     if plain is None or os.path.isdir(path):
         return load_backbone(path)
-    state = load_file(path, "backbone file")
-    if isinstance(state, dict) and "state_dict" in state and "model" in state:   # written by this package
+    state, own_args = read_backbone_file(path)          # the one reader of backbone files (pretrained.py)
+    if own_args is not None:                             # written by this package: it names its architecture
         return load_backbone(path)
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: neither a backbone written by hvd_partialfc nor a plain state_dict of tensors")
     args = {"name": plain.model, "in_shape": [int(v) for v in plain.in_shape],
             "embedding_dim": int(plain.embedding_dim), "kwargs": {}}
     model = create_model(plain.model, in_shape=args["in_shape"], embedding_dim=args["embedding_dim"])
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise ValueError(f"{path}: does not load into backbone {plain.model!r} ({str(e).splitlines()[0]}); check "
-                         f"--model and --embedding-dim") from None
+    problems = key_mismatch(model, state)
+    if problems:
+        raise ValueError(f"{path}: does not load into backbone {plain.model!r} ({'; '.join(problems)}); check "
+                         f"--model and --embedding-dim")
+    model.load_state_dict(state, strict=True)
     return model.eval(), args
 
 
