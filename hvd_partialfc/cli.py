@@ -178,7 +178,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     e.add_argument("--out", required=True, help="output file, e.g. backbone.pt")
     e.add_argument("--onnx", action="store_true",
                    help="write an ONNX model (dynamic batch, float32 NCHW input normalised to [-1, 1], output "
-                        "the embedding), checked against PyTorch with onnxruntime (docs/face.md)")
+                        "the embedding), checked against PyTorch with onnxruntime (docs/faces.md)")
     e.set_defaults(fn=_export)
     r = sub.add_parser("reshard", help="redistribute a checkpoint's classifier rows to another world size")
     r.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")

@@ -86,7 +86,7 @@ if ! "$PY" -c "import numpy, h5py, PIL, tqdm, yaml, pytest, fontTools, matplotli
     cloudpickle psutil pyyaml packaging
 fi
 
-# ONNX export (`hvd-partialfc export --onnx`, docs/face.md) and its tests: torch's exporter needs onnx and
+# ONNX export (`hvd-partialfc export --onnx`, docs/faces.md) and its tests: torch's exporter needs onnx and
 # onnxscript, the check runs onnxruntime. Their new dependencies are pinned too (the set `pip install
 # --dry-run` resolved against torch 2.13's venv); sympy, numpy, packaging come with torch.
 ONNX_PACKAGES="onnx==1.23.1 onnxscript==0.7.2 onnx-ir==1.1.0 onnxruntime==1.30.0 protobuf==7.36.2 \

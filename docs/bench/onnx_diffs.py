@@ -1,4 +1,4 @@
-"""The full-size rows of docs/face.md's ONNX table: each backbone at D = 512, BatchNorm statistics from two
+"""The full-size rows of docs/faces.md's ONNX table: each backbone at D = 512, BatchNorm statistics from two
 training-mode batches of random inputs, then ``onnx_export.export_onnx`` (export, onnxruntime vs PyTorch on
 64 inputs, atomic write).
 
