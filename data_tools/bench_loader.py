@@ -174,7 +174,8 @@ def bench_faces(tmp: str, n: int, batches: int) -> dict:
     import torch
     from hvd_partialfc.data import RankShardDataset, make_loader
     from hvd_partialfc.partition import even_slices
-    from hvd_partialfc.shards import decode_image, write_shard_set
+    from data_tools.shard_writer import write_shard_set
+    from hvd_partialfc.shards import decode_image
     torch.set_num_threads(1)
     blobs, labels = _face_jpegs(n)
     d = os.path.join(tmp, "faces")

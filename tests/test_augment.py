@@ -13,7 +13,7 @@ from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.data import RankShardDataset, make_loader
 from hvd_partialfc.partition import even_slices
 from hvd_partialfc.seeds import derive_seed
-from hvd_partialfc.shards import write_shard_set
+from data_tools.shard_writer import write_shard_set
 
 ALL = ["flip", "lowres:p=0.5", "blur:p=0.5", "jitter:p=0.5", "gray:p=0.3"]
 

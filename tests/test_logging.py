@@ -9,7 +9,7 @@ import pytest
 from conftest import launch_env, read_json_lines, run_job
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.logging_sinks import LoaderWatch, scalars
-from hvd_partialfc.pairs import write_pairs_h5
+from data_tools.pairs import write_pairs_h5
 
 
 def _pairs(path, n_images=40, n_pairs=40, seed=0):
