@@ -42,7 +42,8 @@ class LocalHead(LocalClassifier):
     others up to r x width rows (PartialFC's rule, ``rowsparse.sample_rows``, shared with ``global`` mode),
     and the margin softmax runs over those rows only. Only they receive a gradient, and it is row-sparse
     (``rowsparse.gather_rows``): the classifier's optimizer is then ``SampledRowsOptimizer``, which steps
-    only those rows (an unsampled row's weight, momentum and weight decay wait; rowsparse.py). At r = 1
+    only those rows (``head.sampled_step``: ``exact``, the default, brings a sampled row up to the dense step's
+    value before it is scored; ``lazy`` lets an unsampled row wait; rowsparse.py). At r = 1
     nothing is drawn and the path is the unsampled one, bitwise.
     """
 

@@ -14,7 +14,25 @@ r ~ 0.15 (17 ms at 0.1; 42 ms at 0.3). Here the gradient is a sparse (W, D) tens
 sampled rows, and ``SampledRowsOptimizer`` gathers, updates and scatters back those K rows of the weight
 and of its state.
 
-The rule is PartialFC v1's and PLSC's *sparse momentum* (PLSC, sample_ratio < 1: its
+Two rules (``head.sampled_step``; ``dense`` is a third: a dense gradient and torch's step, no code here).
+
+``exact`` (the default, SGD): the numbers of the dense step at the sampled rows' cost. A step with a zero
+gradient is linear in a row's (weight, momentum) and the same for every row: with lr_k of step k,
+A_k = [[1 - lr_k wd, -lr_k mu], [wd, mu]]. So a row may skip steps and be brought up later by the product
+of the A_k it skipped, a 2 x 2 map per element: the head calls ``catch_up`` on the rows it samples *before*
+scoring them (so the logits see what the dense step would have made of them), then the step updates them
+as torch's fused SGD does. The products come from the lrs of the steps since the last *sweep*, which
+brings every row up each ``sweep_every`` = 64 steps (O(W D) once per 64 steps), so the table stays short
+and no row lags further. Tested against torch's dense SGD (momentum, weight decay, a changing lr) to
+1e-12 in float64 (``test_rowsparse.py``); in float32 the difference is round-off, since the sums are
+ordered differently. Why: on the demo data at np=2, r=0.1 (docs/accuracy.md), the lazy rule below lost
+4% of all-pairs TAR@1e-3 against r=1, the dense step lost nothing. A lazily stepped row misses the weight
+decay of every step it is not sampled in (about 90% of them at r=0.1), so its norm grows, and with
+normalised (cosine) logits a larger norm means a smaller effective learning rate. The rows shared as
+cross-shard negatives are shared as they are, up to 63 steps behind their dense values. AdamW has no exact
+rule (its zero-gradient steps are not linear): it always runs the lazy rule below.
+
+``lazy``: PartialFC v1's and PLSC's *sparse momentum* (PLSC, sample_ratio < 1: its
 ``gather_optimization_pass`` replaces the classifier's momentum op by ``sparse_momentum`` fed with the
 gather's ``Index`` and the gathered (K, D) gradient, weight decay included in the op): a row that is not
 sampled this step is left exactly as it is, weight and optimizer state (no weight decay, no momentum
@@ -32,8 +50,10 @@ drift); a sampled row takes one ordinary optimizer step with its own state. Nume
   its own gradients. torch's SparseAdam corrects with the global step instead, which over-trusts the
   moments of rarely sampled rows (1 - beta2^t ~ 1 while the row has seen one gradient).
 
-Cost per step: O(K x D) for gather, update and scatter (the K rows come sorted and unique: no sort). The
-per-row state ((W, D) moments, (W,) AdamW step) is allocated once, saved by ``state_dict`` and cut per
+Cost per step: O(K x D) for gather, update and scatter (the K rows come sorted and unique: no sort), plus
+for ``exact`` the catch-up (three more passes over the K rows) and the sweep (O(W x D) / 64). The per-row
+state ((W, D) moments, (W,) AdamW step, (W,) ``since_base`` of the exact rule: a row's step count since
+the last sweep, small integers exact in any float type) is allocated once, saved by ``state_dict`` and cut per
 row by ``checkpoint.gather_classifier_rows`` for re-sharding.
 """
 from __future__ import annotations
@@ -175,9 +195,10 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         if self.rule == "exact":
             if "since_base" not in state:   # (W,): steps after the last sweep through which each row is current
                 state.update(since_base=torch.zeros(p.shape[0], dtype=torch.float32, device=p.device), lrs=[])
-            coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
             since = state["since_base"].index_select(0, rows).long()                  # (K,)
-            _apply_catch_up(coef[since], w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
+            if bool((since < len(state["lrs"])).any()):    # rows the head's catch_up did not already bring up
+                coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
+                _apply_catch_up(coef[since], w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
         torch._fused_sgd_([w], [g.contiguous()], bufs, weight_decay=wd, momentum=mu, lr=lr, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False)
         if mu:
@@ -199,8 +220,10 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
             return
         group = self.param_groups[0]
         mu, wd, k = group.get("momentum", 0.0), group["weight_decay"], rows.numel()
-        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
         since = state["since_base"].index_select(0, rows).long()
+        if not bool((since < len(state["lrs"])).any()):
+            return
+        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
         w = torch.index_select(p, 0, rows, out=self._rows("cw", k, p))
         m = torch.index_select(state["momentum_buffer"], 0, rows, out=self._rows("cm", k, p)) if mu else None
         _apply_catch_up(coef[since], w, m, self._rows("ct", k, p))

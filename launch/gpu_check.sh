@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check (one NVIDIA GPU, no network): build Horovod 0.28.1 with NCCL (from the pip package nvidia-nccl)
 # against the machine's torch, run the trainer on CUDA (np=1, NCCL for GPU tensors), export/info, and a
-# throughput figure. Needs the Horovod sdist at $HOROVOD_SDIST (pip download --no-binary :all: horovod==0.28.1).
+# throughput figure, and the face workload (launch/gpu_face_check.py; on CPU: `--tiny`). Needs the Horovod sdist at $HOROVOD_SDIST (pip download --no-binary :all: horovod==0.28.1).
 set -x
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
@@ -59,4 +59,8 @@ for size, width, bs in [(32, 16, 256), (64, 16, 256), (112, 64, 256)]:
         torch.cuda.synchronize(); dt = (time.perf_counter() - t) / n
         print(f"resnet w{width} {size}px batch {bs} {prec} + 100k-class local head: {bs/dt:,.0f} samples/s")
 PY
+# The face workload (issue 13): iresnet50 at 112x112, fp16 and bf16, from encoded JPEG shards through the real
+# loader; the step split (a) full step with a 125,000-class local classifier, (b) backbone alone, (c) loader alone
+python3 launch/gpu_face_check.py /tmp/faces 2>&1 | tail -16
+cp /tmp/faces/face_check.json $OUT/ 2>/dev/null
 echo "total $(( $(date +%s) - T0 )) s"
