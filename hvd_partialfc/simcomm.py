@@ -5,8 +5,7 @@ One Python thread per virtual rank runs the unchanged ``Trainer``; their collect
 The baton. Exactly one virtual rank runs at a time: it holds the baton, and gives it up only inside a
 collective (the next rank in line takes it), so collectives that block inside autograd (``global`` mode's
 all-gather in the forward AND the backward) work as under Horovod, and the process computes like one
-process on the global batch (no oversubscription of the cores: the running rank gets all of torch's
-intra-op threads). Because one rank runs at a time, the process-global random generators (torch CPU,
+process on the global batch (no oversubscription of the cores). Because one rank runs at a time, the process-global random generators (torch CPU,
 numpy, Python ``random``; CUDA when used) are each rank's own: when the baton passes to another rank, the
 states of the rank that ran are saved and the next rank's restored. So ``torch.manual_seed`` in
 ``Trainer._build_model``, dropout, head sampling, and a checkpoint's save/restore of the RNG states act on
@@ -211,11 +210,14 @@ def _average_lists(lists: List[List[torch.Tensor]]) -> List[torch.Tensor]:
 
 
 class SimComm(CommBase):
-    """Virtual rank ``rank`` of ``world``. ``local_size`` is 1: the ranks take turns with the whole host, so
-    the trainer's default intra-op thread count is all cores (``train.threads`` sets it)."""
+    """Virtual rank ``rank`` of ``world``, as if all ranks shared this host: ``local_size`` is N, so the
+    trainer's default intra-op thread count is a real run's here (cores // N, at least 1). It matters: the
+    convolutions round differently with 1 and 2 threads, and only the same count is bitwise a real run
+    (``train.threads`` sets another). ``local_rank`` is 0: on a GPU host every virtual rank uses the first.
+    """
 
     def __init__(self, world: SimWorld, rank: int):
-        super().__init__(rank=rank, size=world.size, local_rank=0, local_size=1)
+        super().__init__(rank=rank, size=world.size, local_rank=0, local_size=world.size)
         self.world = world
 
     def _meet(self, kind: str, name: str, value: Any, combine) -> Any:

@@ -8,8 +8,9 @@ optimizers; the backbone gradient is averaged over the virtual ranks; the cross-
 metrics, checkpoints with every rank's classifier file and digests): ``info``, ``eval``, ``export``,
 ``reshard`` and ``--resume`` work on it, and a real run can resume it (and the other way round).
 
-One virtual rank computes at a time (simcomm.py: the baton), with all of the host's cores: the cost is
-about that of one process training on the global batch (docs/simulate.md). DataLoader workers are off
+One virtual rank computes at a time (simcomm.py: the baton), with the intra-op threads a real rank would
+have on this host (``train.threads`` sets more): the cost is about that of one process training on the
+global batch (docs/simulate.md). DataLoader workers are off
 (``data.workers`` = 0: N ranks would fork N x workers processes from a threaded process); the loader then
 reads in the computing thread. The run's numbers do not depend on it.
 
