@@ -220,3 +220,49 @@ def test_stop_signal_reaches_threads():
         t.join(10)
         assert main.received == "SIGUSR1"
     assert seen == [None, "SIGUSR1"]
+
+
+def _in_threads(n, fn):
+    """Run ``fn(comm)`` on ``n`` virtual ranks (simcomm alone, no trainer); every rank's result or error."""
+    from hvd_partialfc.simcomm import SimComm, SimWorld
+    world, out = SimWorld(n), [None] * n
+
+    def target(r):
+        try:
+            world.enter(r)
+            out[r] = fn(SimComm(world, r))
+        except Exception as e:
+            out[r] = e
+            world.fail(r, e)
+            return
+        world.leave(r)
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    world.begin()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_collectives_mismatch_and_the_average():
+    from hvd_partialfc.commbase import RankFailure
+    # rank 1 calls another collective than rank 0: both stop with the names, neither waits forever
+    out = _in_threads(2, lambda c: c.allreduce_scalar(c.rank, "sum", name=f"step{c.rank}"))
+    assert all(isinstance(e, RankFailure) for e in out) and "step0" in str(out[0]) + str(out[1])
+    # the average is the sum over ranks in rank order times 1/N (Horovod's Average), out of place per rank
+    vals = [torch.randn(1000) for _ in range(3)]
+    out = _in_threads(3, lambda c: c.grouped_average([vals[c.rank]], name="g")[0])
+    expect = ((vals[0] + vals[1]) + vals[2]) * (1.0 / 3)
+    assert all(torch.equal(o, expect) for o in out) and out[0] is not out[1]
+    # the all-gather's backward: this rank's rows of the SUM over ranks of the gradients, x grad_scale
+    def gather(c):
+        x = torch.full((c.rank + 1, 2), float(c.rank), requires_grad=True)
+        y = c.allgather_with_grad(x, "f", grad_scale=3.0)                          # (1 + 2 + 3, 2)
+        (y * (c.rank + 1)).sum().backward()
+        return y.detach(), x.grad
+    out = _in_threads(3, gather)
+    assert torch.equal(out[0][0], torch.tensor([[0.0] * 2, [1.0] * 2, [1.0] * 2, [2.0] * 2, [2.0] * 2, [2.0] * 2]))
+    for r, (_, g) in enumerate(out):
+        assert torch.equal(g, torch.full((r + 1, 2), (1 + 2 + 3) * 3.0))
