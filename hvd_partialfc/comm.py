@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import horovod.torch as hvd
 
-from .commbase import CommBase, RankFailure, backbone_params  # noqa: F401  (RankFailure: part of this API)
+from .commbase import CommBase, RankFailure, backbone_params  # noqa: F401  (RankFailure: re-exported)
 
 
 class Comm(CommBase):

@@ -266,3 +266,9 @@ def test_collectives_mismatch_and_the_average():
     assert torch.equal(out[0][0], torch.tensor([[0.0] * 2, [1.0] * 2, [1.0] * 2, [2.0] * 2, [2.0] * 2, [2.0] * 2]))
     for r, (_, g) in enumerate(out):
         assert torch.equal(g, torch.full((r + 1, 2), (1 + 2 + 3) * 3.0))
+
+
+def test_simcomm_imports_no_horovod():
+    code = "import sys, hvd_partialfc.simcomm, hvd_partialfc.commbase; assert 'horovod' not in sys.modules"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env())
+    assert r.returncode == 0, r.stderr
