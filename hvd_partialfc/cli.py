@@ -1,6 +1,7 @@
 """``hvd-partialfc``: thin subcommands that parse, build, call and clean up.
 
     hvd-partialfc train  [--config FILE] [--shards DIR] [--out RUN] [--steps N] [--set key=value ...]
+    hvd-partialfc simulate --ranks N [the train options]   (N virtual ranks in one process, no horovodrun)
     hvd-partialfc export RUN --rank K --out backbone.pt [--onnx]
     hvd-partialfc info   RUN [--json]
     hvd-partialfc reshard RUN|CKPT --world-size M --out DIR
@@ -20,7 +21,8 @@ import traceback
 from typing import List, Optional
 
 
-def _train(args) -> int:
+def _train_config(args):
+    """The config of ``train`` and ``simulate``: the YAML, the --set overrides, then the named options."""
     from .config import load_config
     extra = {}
     if args.shards:
@@ -37,7 +39,21 @@ def _train(args) -> int:
         extra.setdefault("model", {})["init_backbone"] = args.init_backbone
     if args.sample_rate is not None:
         extra.setdefault("head", {})["sample_rate"] = args.sample_rate
-    cfg = load_config(args.config, args.set or [], extra)
+    return load_config(args.config, args.set or [], extra)
+
+
+def _expected_errors():
+    """The errors raised on purpose, which carry their explanation (anything else also gets its traceback)."""
+    from .checkpoint import CheckpointError
+    from .commbase import RankFailure
+    from .config import ConfigError
+    from .shards import ShardError
+    from .train import NonFiniteError
+    return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)
+
+
+def _train(args) -> int:
+    cfg = _train_config(args)
     from . import comm as comm_lib
     from .train import Trainer
     comm = comm_lib.init()
@@ -46,13 +62,7 @@ def _train(args) -> int:
         ckpt = trainer.fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
-        # Errors we raise on purpose carry their explanation; anything else also gets its traceback.
-        from .checkpoint import CheckpointError
-        from .comm import RankFailure
-        from .config import ConfigError
-        from .shards import ShardError
-        from .train import NonFiniteError
-        if not isinstance(e, (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)):
+        if not isinstance(e, _expected_errors()):
             traceback.print_exc()
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -64,6 +74,26 @@ def _train(args) -> int:
     if comm.is_main:
         print(f"done: {ckpt}")
     comm.shutdown()
+    return 0
+
+
+def _simulate(args) -> int:
+    """``train``'s run for ``--ranks`` virtual ranks in this process (simulate.py); the same exit codes."""
+    cfg = _train_config(args)
+    from .simulate import SimFailure, simulate
+    try:
+        result = simulate(cfg, args.ranks)
+    except SimFailure as f:
+        if not isinstance(f.error, _expected_errors()):
+            traceback.print_exception(f.error)
+        print(f"[rank {f.rank}] error: {type(f.error).__name__}: {f.error}", file=sys.stderr, flush=True)
+        return 1
+    if result.stopped_by:
+        from .preempt import EXIT_PREEMPTED
+        print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
+              "(resume with --resume auto)", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    print(f"done: {result.checkpoint}")
     return 0
 
 
@@ -152,10 +182,8 @@ def _estimate(args) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train under horovodrun / mpirun (or alone, as one rank)")
+def _train_arguments(t) -> None:
+    """The options of ``train`` (and ``simulate``)."""
     t.add_argument("--config", help="YAML config (sections: data, model, head, optim, train, checkpoint)")
     t.add_argument("--shards", help="shard set directory (= --set data.shards=DIR)")
     t.add_argument("--out", help="run directory (= --set out=DIR)")
@@ -171,7 +199,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="start the backbone from an exported backbone or an arcface_torch backbone.pth; the "
                         "classifier starts fresh; not re-applied on resume (= --set model.init_backbone=FILE)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train under horovodrun / mpirun (or alone, as one rank)")
+    _train_arguments(t)
     t.set_defaults(fn=_train)
+    m = sub.add_parser("simulate", help="train as N virtual ranks in one process, with a real N-rank run's "
+                                        "numbers (docs/simulate.md)")
+    m.add_argument("--ranks", type=int, required=True, help="virtual ranks (the shard count must be a multiple)")
+    _train_arguments(m)
+    m.set_defaults(fn=_simulate)
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")
     e.add_argument("run", help="run folder or checkpoint folder")
     e.add_argument("--rank", type=int, default=0, help="whose copy (all must agree)")
@@ -242,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.fn(args)
     except (ValueError, OSError, RuntimeError) as err:
-        if args.cmd == "train":
+        if args.cmd in ("train", "simulate"):
             raise
         print(f"hvd-partialfc {args.cmd}: error: {err}", file=sys.stderr)
         return 2

@@ -6,6 +6,10 @@ ranks agree on it (``Comm.vote_async``), write a checkpoint together and exit wi
 signal that reaches one rank only (a node's agent, a test) is enough: the vote is a max over ranks.
 DataLoader workers forked while the handler is installed inherit it and keep running, so the step that
 is in flight when the signal comes completes.
+
+Handlers can only be installed in the main thread. In another thread (the simulator's virtual ranks,
+``simulate.py``) nothing is installed, and ``received`` reports what the main thread's active StopSignals
+received: a signal to the simulator reaches every virtual rank, which then agree on it like processes.
 """
 from __future__ import annotations
 
@@ -20,22 +24,37 @@ EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requ
 class StopSignals:
     """Context manager: installs the handlers on entry (main thread only), restores the old ones on exit."""
 
+    _main: Optional["StopSignals"] = None   # the main thread's, while it is entered
+
     def __init__(self):
-        self.received: Optional[str] = None
+        self._received: Optional[str] = None
         self._old: Dict[int, object] = {}
+        self._in_main = False
+
+    @property
+    def received(self) -> Optional[str]:
+        """The name of the first stop signal received (in another thread: the main thread's), or None."""
+        main = StopSignals._main
+        if self._received is None and not self._in_main and main is not None:
+            return main._received
+        return self._received
 
     def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum).name
+        if self._received is None:
+            self._received = signal.Signals(signum).name
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
+            self._in_main = True
             for name in SIGNALS:
                 sig = getattr(signal, name)
                 self._old[sig] = signal.signal(sig, self._handle)
+            StopSignals._main = self
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if StopSignals._main is self:
+            StopSignals._main = None

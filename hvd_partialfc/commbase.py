@@ -1,0 +1,148 @@
+"""The half of the ``Comm`` interface that needs no Horovod: the collectives built from a few primitives.
+
+Two implementations provide the primitives: ``comm.Comm`` (Horovod, one process per rank) and
+``simcomm.SimComm`` (N virtual ranks in one process, the simulator). What is built on them lives here,
+once, so both compute the same thing: error agreement, backbone digests and their check, BatchNorm buffer
+averaging (the pooled statistics), and the all-gather whose backward sums over ranks.
+
+Primitives a subclass provides (each a collective: every rank calls it, in the same order, same name):
+``allreduce_scalar``, ``allgather_object``, ``allreduce_tensor``, ``allgather_tensor``, ``grouped_average``
+(elementwise mean of a list of tensors), ``vote_async``, ``broadcast_module``, ``distributed_optimizer``,
+``shutdown``. Not a collective to import; imports no Horovod.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .digest import state_digest
+
+
+class RankFailure(RuntimeError):
+    """Raised on *every* rank when at least one rank reported an error in an agreement point."""
+
+
+def backbone_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """``module``'s named parameters, checking that ``optimizer`` holds exactly those (not a collective).
+
+    The averaging optimizer must hold the backbone's parameters and nothing else: the local classifier has
+    its own plain optimizer and is never communicated.
+    """
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    named = list(module.named_parameters())
+    if held != {id(p) for _, p in named}:
+        raise ValueError("the backbone optimizer must hold exactly the backbone's parameters")
+    return named
+
+
+@dataclass
+class CommBase:
+    """Rank/size of this rank, and the collectives built from the primitives."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    # Traffic of the tensor collectives (not of allreduce_scalar / objects): bytes of the tensors this rank
+    # hands in, and seconds spent waiting in them. Read and reset by the benchmark.
+    sent_bytes: int = 0
+    wait_s: float = 0.0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, error: Optional[str], name: str) -> None:
+        """Raise RankFailure on every rank if any rank passes an error message (None = this rank is fine).
+
+        Errors found before training (bad shards, bad config) go through here, so a rank whose input is
+        fine does not wait forever in the first training collective for a rank that already died.
+        """
+        errors = self.allgather_object(error, name=f"agree.{name}")
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
+            raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}")
+
+    def allgather_with_grad(self, tensor: torch.Tensor, name: str, grad_scale: float = 1.0) -> torch.Tensor:
+        """(n_r, ...) on rank r -> (sum_r n_r, ...) on every rank, with the backward a model-parallel loss needs.
+
+        Each rank's loss uses the *whole* gathered tensor, so the gradient of the total loss with respect
+        to rank r's rows is the SUM over ranks of the incoming gradients' rows of r (a reduce-scatter).
+        ``hvd.allgather``'s own autograd *averages* them instead (1/N of the right value). ``grad_scale``
+        multiplies the result: pass the world size when the gradient then goes through an averaging
+        DistributedOptimizer (InsightFace's PartialFC AllGatherFunc does the same ``*= world_size``).
+        """
+        return _AllGatherSum.apply(tensor, self, name, float(grad_scale))
+
+    def average_buffers(self, module: nn.Module, name: str) -> None:
+        """Make BatchNorm running statistics (and other float buffers) equal on all ranks.
+
+        Each rank's statistics come from its own classes only. For BatchNorm the pooled statistics of
+        the union are used: mean = avg(mean_r), var = avg(var_r) + avg(mean_r^2) - mean^2 (the law of
+        total variance with equal counts per rank, which holds since all ranks run the same steps with
+        the same batch size). Integer buffers (num_batches_tracked) are equal already.
+        """
+        bn_means, bn_vars, bn_sq, others = [], [], [], []
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats \
+                    and m.running_mean is not None:
+                bn_means.append(m.running_mean)
+                bn_vars.append(m.running_var)
+                bn_sq.append(m.running_mean * m.running_mean)
+        bn_ids = {id(t) for t in bn_means + bn_vars}
+        for _, b in module.named_buffers():
+            if b.is_floating_point() and id(b) not in bn_ids:
+                others.append(b)
+        tensors = bn_means + bn_vars + bn_sq + others
+        if not tensors:
+            return
+        avg = self.grouped_average(tensors, name=f"buffers.{name}")
+        k = len(bn_means)
+        for i in range(k):
+            mean, var, sq = avg[i], avg[k + i], avg[2 * k + i]
+            bn_means[i].copy_(mean)
+            bn_vars[i].copy_((var + sq - mean * mean).clamp_min(0))
+        for b, a in zip(others, avg[3 * k:]):
+            b.copy_(a)
+
+    def backbone_digests(self, module: nn.Module, name: str) -> List[str]:
+        """Every rank's sha256 of the backbone state (parameters and buffers), in rank order."""
+        return self.allgather_object(state_digest(module), name=f"digest.{name}")
+
+    def check_identical(self, module: nn.Module, name: str) -> List[str]:
+        """Raise RankFailure on every rank unless all ranks' backbones are bitwise identical."""
+        digests = self.backbone_digests(module, name)
+        if len(set(digests)) != 1:
+            detail = ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
+            raise RankFailure(f"backbones differ across ranks at '{name}' ({detail})")
+        return digests
+
+
+class _AllGatherSum(torch.autograd.Function):
+    """Forward: allgather along dim 0. Backward: sum over ranks of the gradient, this rank's rows, x scale."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, comm: CommBase, name: str, grad_scale: float) -> torch.Tensor:
+        n = torch.tensor([tensor.shape[0]], dtype=torch.int64)
+        counts = comm.allgather_tensor(n, f"{name}.rows")                          # (N,) rows per rank
+        ctx.comm, ctx.name, ctx.grad_scale = comm, name, grad_scale
+        ctx.counts = [int(c) for c in counts]
+        return comm.allgather_tensor(tensor.contiguous(), name)                    # (M, ...)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        comm, counts = ctx.comm, ctx.counts
+        # Allreduce the whole (M, ...) gradient and keep this rank's rows. Not a reduce-scatter: with
+        # Horovod 0.28 + Gloo, once a reducescatter has run, every later collective of the process is
+        # ~10-60x slower on this machine (the benchmark's `global` step at 10k classes, D=128: 860 ms
+        # with it, 219 ms without; an allgather of 128 KB: 68 ms after one, 1-2 ms otherwise).
+        total = comm.allreduce_tensor(grad.contiguous(), "sum", f"gather.{ctx.name}.grad")  # (M, ...)
+        start = sum(counts[:comm.rank])
+        mine = total[start:start + counts[comm.rank]]                              # (n_r, ...)
+        if ctx.grad_scale != 1.0:
+            mine = mine * ctx.grad_scale
+        return mine, None, None, None

@@ -1,0 +1,378 @@
+"""The ``Comm`` interface for N virtual ranks in one process: the simulator's collectives. No Horovod.
+
+One Python thread per virtual rank runs the unchanged ``Trainer``; their collectives meet here.
+
+The baton. Exactly one virtual rank runs at a time: it holds the baton, and gives it up only inside a
+collective (the next rank in line takes it), so collectives that block inside autograd (``global`` mode's
+all-gather in the forward AND the backward) work as under Horovod, and the process computes like one
+process on the global batch (no oversubscription of the cores). Because one rank runs at a time, the process-global random generators (torch CPU,
+numpy, Python ``random``; CUDA when used) are each rank's own: when the baton passes to another rank, the
+states of the rank that ran are saved and the next rank's restored. So ``torch.manual_seed`` in
+``Trainer._build_model``, dropout, head sampling, and a checkpoint's save/restore of the RNG states act on
+the rank's own streams, as in a process per rank.
+
+The numbers. A collective is computed once, by the last rank to arrive, over the ranks' values in rank
+order. Averages are Horovod's: the sum over ranks, then times 1/N (its ``Average`` is a ``Sum`` with a 1/N
+post-scale). At N = 2 the sum a + b does not depend on the order, so a simulated run is bitwise the
+``horovodrun -np 2`` run (tested); for N > 2 Gloo's ring adds in another order, and the parameters differ
+at float32 round-off (docs/simulate.md has the figures).
+
+Failures. A rank that raises (anywhere) marks the world failed and wakes every rank; a rank waiting in a
+collective, or for the baton, then raises ``SimAbort``, so no rank waits forever (Horovod's launcher kills
+the other processes instead). A rank calling another collective than the others (kind or name), or a rank
+finishing while others wait in a collective, fails the world with a message that says so.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .commbase import CommBase, RankFailure, backbone_params
+
+
+class SimAbort(RankFailure):
+    """Raised in a virtual rank that waits while another rank has failed (not the cause: see ``SimWorld.failure``)."""
+
+
+class _Round:
+    """One collective in progress: its kind and name, every rank's value, and the result once complete."""
+
+    def __init__(self, kind: str, name: str, size: int):
+        self.kind, self.name = kind, name
+        self.values: List[Any] = [None] * size
+        self.arrived = 0
+        self.result: Any = None
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class SimWorld:
+    """N virtual ranks: the baton, the rendezvous of their collectives, and the failure state.
+
+    Threads call ``enter(rank)`` first (wait for the baton), then run; ``leave(rank)`` when done, or
+    ``fail(rank, exc)`` on an error. The thread that created the world calls ``begin()`` once every rank
+    thread is started. Every rank starts with the random generator states of the creating thread.
+    """
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise ValueError(f"ranks must be >= 1, got {size}")
+        self.size = size
+        self._lock = threading.Lock()
+        self._wake = [threading.Semaphore(0) for _ in range(size)]
+        self._ready = deque(range(size))        # ranks waiting for the baton, in the order they get it
+        self._round: Optional[_Round] = None
+        self._finished: set = set()
+        initial = _rng_state()
+        self._rng: List[Dict[str, Any]] = [copy.deepcopy(initial) for _ in range(size)]
+        self._rng_owner: Optional[int] = None  # whose streams the process generators hold now
+        self.failure: Optional[BaseException] = None   # the first error of any rank (not a SimAbort)
+        self.failed_rank: Optional[int] = None
+        self.collectives = 0
+
+    # --- the baton ------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Hand the baton to the first rank (rank 0)."""
+        self._pass()
+
+    def enter(self, rank: int) -> None:
+        """A rank thread's first call: wait for the baton."""
+        self._wake[rank].acquire()
+        self._resume(rank)
+
+    def leave(self, rank: int) -> None:
+        """A rank is done (its trainer returned): hand the baton on. Others still in a collective would wait
+        forever: that fails the world."""
+        with self._lock:
+            self._finished.add(rank)
+            pending = self._round
+        if pending is not None and self.failure is None:
+            waiting = [r for r, v in enumerate(pending.values) if v is not None]
+            self.fail(rank, RankFailure(f"rank {rank} finished while ranks {waiting} wait in {pending.kind} "
+                                        f"'{pending.name}'"))
+            return
+        self._pass()
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        """Record the first real error and wake every rank (each raises SimAbort where it waits)."""
+        with self._lock:
+            self._finished.add(rank)
+            if self.failure is None and not isinstance(exc, SimAbort):
+                self.failure, self.failed_rank = exc, rank
+            elif self.failure is None:
+                return
+        for sem in self._wake:
+            sem.release()
+
+    def _pass(self) -> Optional[int]:
+        """Give the baton to the next rank in line (None: nobody is waiting for it)."""
+        with self._lock:
+            nxt = self._ready.popleft() if self._ready else None
+        if nxt is not None:
+            self._wake[nxt].release()
+        return nxt
+
+    def _resume(self, rank: int) -> None:
+        """Called by a rank that was woken: raise if the world failed, else load its random streams."""
+        if self.failure is not None:
+            raise SimAbort(f"rank {rank}: stopped because rank {self.failed_rank} failed "
+                           f"({type(self.failure).__name__}: {self.failure})")
+        if self._rng_owner != rank:
+            if self._rng_owner is not None:
+                self._rng[self._rng_owner] = _rng_state()
+            _set_rng_state(self._rng[rank])
+            self._rng_owner = rank
+
+    # --- collectives ------------------------------------------------------------------------------------
+    def meet(self, rank: int, kind: str, name: str, value: Any, combine: Callable[[List[Any]], Any]) -> Any:
+        """A collective: deposit ``value``; the last rank to arrive computes ``combine(values in rank order)``
+        once; every rank returns that result, ranks resuming in rank order."""
+        if self.failure is not None:
+            self._resume(rank)   # raises
+        r = self._round
+        if self._finished:
+            self._fail_here(rank, f"rank {rank} calls {kind} '{name}' after ranks {sorted(self._finished)} "
+                                  f"finished")
+        if r is None:
+            r = self._round = _Round(kind, name, self.size)
+        elif (r.kind, r.name) != (kind, name):
+            self._fail_here(rank, f"collective mismatch: rank {rank} calls {kind} '{name}' while ranks "
+                                  f"{[i for i, v in enumerate(r.values) if v is not None]} are in {r.kind} '{r.name}'")
+        if value is None:
+            value = _NONE
+        r.values[rank] = value
+        r.arrived += 1
+        if r.arrived == self.size:
+            self._round = None
+            self.collectives += 1
+            try:
+                r.result = combine([None if v is _NONE else v for v in r.values])
+            except Exception as e:
+                self._fail_here(rank, f"{kind} '{name}': {type(e).__name__}: {e}")
+            r.values = None
+            with self._lock:
+                self._ready.extend(range(self.size))
+        nxt = self._pass()
+        if nxt != rank:
+            if nxt is None:
+                self._fail_here(rank, f"deadlock: no rank can run after rank {rank} entered {kind} '{name}'")
+            self._wake[rank].acquire()
+        self._resume(rank)
+        return r.result
+
+    def _fail_here(self, rank: int, message: str) -> None:
+        exc = RankFailure(message)
+        self.fail(rank, exc)
+        raise exc
+
+
+_NONE = object()   # a rank's value None (allgather_object of "no error"), told apart from "not arrived"
+
+
+def _sum(values: List[torch.Tensor]) -> torch.Tensor:
+    """Sum over ranks in rank order (Horovod's reduction is a sum; at N = 2, a + b in any order)."""
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc.add_(v)
+    return acc
+
+
+def _average_lists(lists: List[List[torch.Tensor]]) -> List[torch.Tensor]:
+    """Elementwise mean over ranks of each position of equal-length tensor lists: the sum, then x 1/N."""
+    acc = [t.clone() for t in lists[0]]
+    for other in lists[1:]:
+        torch._foreach_add_(acc, other)
+    if len(lists) > 1:
+        torch._foreach_mul_(acc, 1.0 / len(lists))
+    return acc
+
+
+class SimComm(CommBase):
+    """Virtual rank ``rank`` of ``world``, as if all ranks shared this host: ``local_size`` is N, so the
+    trainer's default intra-op thread count is a real run's here (cores // N, at least 1). It matters: the
+    convolutions round differently with 1 and 2 threads, and only the same count is bitwise a real run
+    (``train.threads`` sets another). ``local_rank`` is 0: on a GPU host every virtual rank uses the first.
+    """
+
+    def __init__(self, world: SimWorld, rank: int):
+        super().__init__(rank=rank, size=world.size, local_rank=0, local_size=world.size)
+        self.world = world
+
+    def _meet(self, kind: str, name: str, value: Any, combine) -> Any:
+        return self.world.meet(self.rank, kind, name, value, combine)
+
+    # --- small named collectives --------------------------------------------------------------------
+    def allreduce_scalar(self, value: float, op: str, name: str) -> float:
+        """min / max / sum / average of one number over ranks (float64, summed in rank order)."""
+        def combine(vals):
+            if op in ("min", "max"):
+                return (min if op == "min" else max)(vals)
+            total = 0.0
+            for v in vals:
+                total += v
+            return total * (1.0 / len(vals)) if op == "average" else total
+        if op not in ("min", "max", "sum", "average"):
+            raise ValueError(f"unknown op {op!r}")
+        return float(self._meet("scalar", name, float(value), combine))
+
+    def allgather_object(self, obj: Any, name: str) -> List[Any]:
+        """Every rank's ``obj``, in rank order (each rank gets its own copy, as after unpickling)."""
+        return copy.deepcopy(self._meet("object", name, obj, list))
+
+    def vote_async(self, flags: List[float], name: str) -> "SimVote":
+        """The flags' elementwise max over ranks, resolved when ``.result()`` is called (a collective there)."""
+        return SimVote(self, [float(f) for f in flags], name)
+
+    # --- tensor collectives --------------------------------------------------------------------------
+    def allreduce_tensor(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        """Elementwise max / sum of a tensor over ranks, out of place. No autograd."""
+        if op == "sum":
+            combine = _sum
+        elif op == "max":
+            def combine(vals):
+                return torch.stack(vals).amax(dim=0)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return self._timed(tensor, lambda t: self._meet("tensor", name, t, combine).clone())
+
+    def allgather_tensor(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0, in rank order (row counts may differ)."""
+        return self._timed(tensor, lambda t: self._meet("gather", name, t, torch.cat).clone())
+
+    def grouped_average(self, tensors: List[torch.Tensor], name: str) -> List[torch.Tensor]:
+        """Elementwise mean over ranks of each tensor, out of place."""
+        out = self._meet("grouped", name, [t.detach() for t in tensors], _average_lists)
+        return [t.clone() for t in out]
+
+    def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
+        out = fn(tensor.detach())
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    # --- the backbone -------------------------------------------------------------------------------
+    def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:
+        """Overwrite ``module``'s parameters *and* buffers with root's (identical starts)."""
+        state = dict(module.named_parameters())
+        state.update(dict(module.named_buffers()))
+        root = self._meet("broadcast", name, state, lambda vals: vals[root_rank])
+        if self.rank != root_rank:
+            if list(root) != list(state):
+                raise RankFailure(f"rank {self.rank}: '{name}' differs from rank {root_rank}'s module")
+            with torch.no_grad():
+                for k, v in state.items():
+                    v.copy_(root[k])
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
+                              fp16_compression: bool = False,
+                              backward_passes_per_step: int = 1) -> "SimDistributedOptimizer":
+        """Wrap the *backbone's* optimizer: its gradients are averaged over ranks before each step."""
+        return SimDistributedOptimizer(self, optimizer, backbone_params(optimizer, module), fp16_compression,
+                                       backward_passes_per_step)
+
+    def average_gradients(self, grads: List[torch.Tensor], name: str, fp16: bool) -> List[torch.Tensor]:
+        """The elementwise mean over ranks of each gradient (``fp16``: sent, summed and scaled in float16,
+        as Horovod's fp16 compression does), in the gradients' dtype."""
+        sent = [g.half() for g in grads] if fp16 else grads
+        return self._meet("gradients", name, sent, _average_lists)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SimVote:
+    """A vote started by ``SimComm.vote_async``: the max over ranks is taken when ``result`` is called."""
+
+    def __init__(self, comm: SimComm, flags: List[float], name: str):
+        self.comm, self.flags, self.name = comm, flags, name
+
+    def result(self) -> List[float]:
+        t = torch.tensor(self.flags, dtype=torch.float64)                          # (K,)
+        out = self.comm.world.meet(self.comm.rank, "vote", self.name, t, lambda v: torch.stack(v).amax(dim=0))
+        return [float(v) for v in out]
+
+
+class SimDistributedOptimizer:
+    """Horovod's DistributedOptimizer, as the trainer uses it, for a virtual rank.
+
+    ``synchronize()`` replaces every gradient by its mean over ranks (a parameter without a gradient
+    sends zeros, as Horovod does); ``step()`` synchronizes first unless inside ``skip_synchronize()``;
+    ``zero_grad``, ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict`` are the wrapped
+    optimizer's (the same state-dict format as Horovod's, whose optimizer is the same class). Gradients are
+    accumulated locally over ``backward_passes_per_step`` passes and averaged once, as Horovod's hooks do.
+    At one rank nothing is averaged (Horovod registers no hooks there either).
+    """
+
+    def __init__(self, comm: SimComm, optimizer: torch.optim.Optimizer, named_params, fp16_compression: bool,
+                 backward_passes_per_step: int):
+        self._comm, self._opt = comm, optimizer
+        self._params = [p for _, p in named_params if p.requires_grad]
+        self._fp16 = bool(fp16_compression)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._should_synchronize = True
+
+    @property
+    def param_groups(self):
+        return self._opt.param_groups
+
+    @property
+    def state(self):
+        return self._opt.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._opt.zero_grad(set_to_none=set_to_none)
+
+    def synchronize(self) -> None:
+        if self._comm.size == 1:
+            return
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                raise RuntimeError("sparse gradients are not averaged by the simulator")
+        grads = [p.grad for p in self._params]
+        avg = self._comm.average_gradients(grads, "backbone.gradients", self._fp16)
+        with torch.no_grad():
+            torch._foreach_copy_(grads, avg)
+
+    @contextmanager
+    def skip_synchronize(self):
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            self.synchronize()
+        return self._opt.step(closure)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._opt.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._opt.load_state_dict(state)
