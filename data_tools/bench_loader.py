@@ -138,7 +138,7 @@ def bench_trainer(steps: int) -> dict:
 FACE_AUGMENT = {"none": [], "flip": ["flip"], "all": ["flip", "lowres", "blur", "jitter", "gray"]}
 
 
-def _face_jpegs(n: int, unique: int = 2000, seed: int = 0) -> tuple:
+def face_jpegs(n: int, unique: int = 2000, seed: int = 0) -> tuple:
     """``n`` JPEG blobs (quality 95) of 112x112x3 smooth random colour images plus mild noise (``unique``
     distinct ones, repeated), and labels of 20 samples per class."""
     import io
@@ -177,7 +177,7 @@ def bench_faces(tmp: str, n: int, batches: int) -> dict:
     from data_tools.shard_writer import write_shard_set
     from hvd_partialfc.shards import decode_image
     torch.set_num_threads(1)
-    blobs, labels = _face_jpegs(n)
+    blobs, labels = face_jpegs(n)
     d = os.path.join(tmp, "faces")
     write_shard_set(d, "encoded", blobs, labels, even_slices(int(labels[-1]) + 1, 4), int(labels[-1]) + 1,
                     sample_shape=[112, 112, 3])

@@ -11,7 +11,8 @@ the classifier, its gradient, its optimizer state and the logits):
   (``heads.margin_cross_entropy``) and the fused optimizer make no other (W, D) array, except, for
   sampled ``global``, the sampled rows, their gradient and the scatter back into a (W, D) gradient;
 * sampled ``local`` (``sample_rate`` < 1): a row-sparse gradient of the K = rate x W sampled rows, and the
-  sampled step's gathered copies of those rows (weight and optimizer state);
+  sampled step's gathered copies of those rows (weight and optimizer state); with SGD and
+  ``head.sampled_step=exact`` also the catch-up's three (K, D) copies, a (W,) lag vector and one sweep block;
 * logits: rows M (B for ``local`` / ``replicated``, B x N gathered rows for ``global``) x W columns
   (x ``sample_rate`` for sampled ``global`` and ``local``) in ``LOGIT_COPIES`` buffer (the fused head makes the
   cosines, the softmax and its gradient in the same buffer);
@@ -43,6 +44,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .rowsparse import SWEEP_BLOCK
+
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGIT_COPIES = 1
 RUNTIME_MB = 335.0
@@ -73,7 +76,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
              in_shape: Optional[Sequence[int]] = None, backbone_kwargs: Optional[Dict[str, Any]] = None,
              runtime_mb: float = RUNTIME_MB, fp16_compression: bool = False,
              bb: Optional[Dict[str, int]] = None, negatives_every: int = 0,
-             negatives_share: int = 0) -> Dict[str, Any]:
+             negatives_share: int = 0, sampled_step: str = "exact") -> Dict[str, Any]:
     """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode).
 
     ``negatives_every`` = K > 0 (``local`` only): cross-shard negatives; the other ranks' shared centres
@@ -106,6 +109,10 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         # the K rows and the sampled step's gathered rows of the weight and of its state
         "classifier temporaries": ((2 * own * dim + width * dim) * e if mode == "global" else
                                    (2 + state) * own * dim * e) if sampled else 0,
+        # sampled local, SGD, head.sampled_step=exact: the catch-up's gathered rows (weight, momentum, a
+        # copy), the (W,) lag vector and one block of the sweep (rowsparse.py)
+        "exact sampled step": (3 * own * dim * e + width * 4 + min(width, SWEEP_BLOCK) * dim * e)
+        if sampled and mode == "local" and optimizer.startswith("sgd") and sampled_step == "exact" else 0,
         "logits": LOGIT_COPIES * rows * cols * e,
         "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
         "remote centres (negatives)": remote * dim * 4,

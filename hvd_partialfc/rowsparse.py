@@ -129,6 +129,9 @@ def grad_values(grad: torch.Tensor) -> torch.Tensor:
     return sparse_rows(grad)[1] if grad.is_sparse else grad
 
 
+SWEEP_BLOCK = 65536   # rows per block of the exact rule's sweep: a 32 MB temporary at D = 128
+
+
 def _apply_catch_up(coef: torch.Tensor, w: torch.Tensor, m, tmp: torch.Tensor) -> None:
     """In place, per row: (w, m) <- (a w + b m, c w + d m) with ``coef`` (K, 4) rows [a, b, c, d]."""
     a, b, c, d = (coef[:, i:i + 1] for i in range(4))                                 # (K, 1) each
@@ -152,6 +155,7 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
             raise ValueError(f"sampled-rows rule {rule!r} with {kind}: 'lazy' (sgd, adamw) or 'exact' (sgd)")
         self.kind, self.rule, self.sweep_every = kind, rule, int(sweep_every)
         self._scratch: Dict[str, torch.Tensor] = {}
+        self._caught = None   # (param, rows, weight rows, momentum rows) of the last catch_up, for its step
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps))
 
     def _rows(self, name: str, k: int, like: torch.Tensor) -> torch.Tensor:
@@ -175,14 +179,19 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
                     rows, g = torch.arange(p.shape[0], device=p.device), p.grad
                 # index_select / index_copy_: ~4x / 2x faster than p[rows] / p[rows] = w (5 x 10^4 of
                 # 5 x 10^5 rows, D = 128, one thread: 25 -> 6 ms, 18 -> 9 ms)
-                w = torch.index_select(p, 0, rows, out=self._rows("w", rows.numel(), p))   # (K, D) copy
+                caught, self._caught = self._caught, None
+                if caught is not None and (caught[0] is not p or not torch.equal(caught[1], rows)):
+                    caught = None
+                # the rows the head's catch_up just brought up are in its scratch: no second gather
+                w = caught[2] if caught is not None else \
+                    torch.index_select(p, 0, rows, out=self._rows("w", rows.numel(), p))   # (K, D) copy
                 if self.kind == "sgd":
-                    self._sgd(p, rows, w, g, group)
+                    self._sgd(p, rows, w, g, group, None if caught is None else caught[3])
                 else:
                     self._adamw(p, rows, w, g, group)
                 scatter_rows(p, rows, w)
 
-    def _sgd(self, p, rows, w, g, group) -> None:
+    def _sgd(self, p, rows, w, g, group, m_rows=None) -> None:
         # torch's own fused SGD kernel (what SGD(fused=True) runs) on the K gathered rows: one pass instead
         # of three elementwise ones
         lr, mu, wd = group["lr"], group.get("momentum", 0.0), group["weight_decay"]
@@ -191,7 +200,8 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
             if "momentum_buffer" not in state:           # zeros: the first step gives m = d, as torch's clone
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            bufs = [torch.index_select(buf, 0, rows, out=self._rows("m", rows.numel(), p))]
+            bufs = [m_rows if m_rows is not None else
+                    torch.index_select(buf, 0, rows, out=self._rows("m", rows.numel(), p))]
         if self.rule == "exact":
             if "since_base" not in state:   # (W,): steps after the last sweep through which each row is current
                 state.update(since_base=torch.zeros(p.shape[0], dtype=torch.float32, device=p.device), lrs=[])
@@ -215,6 +225,7 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         """The exact rule's catch-up of rows ``rows`` (sorted, unique) of ``p`` to the last step, weight and
         momentum. The head calls it on the rows it samples *before* its forward, so the logits see the
         weights the dense step would have (a row's zero-gradient steps move it: momentum, weight decay)."""
+        self._caught = None
         state = self.state.get(p)
         if self.rule != "exact" or not state or "since_base" not in state or not state["lrs"]:
             return
@@ -231,6 +242,7 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         if mu:
             scatter_rows(state["momentum_buffer"], rows, m)
         scatter_rows(state["since_base"], rows, torch.full((k,), float(len(state["lrs"])), device=p.device))
+        self._caught = (p, rows, w, m)
 
     @staticmethod
     def _catch_up_coefficients(state, mu: float, wd: float, dtype=torch.float32) -> torch.Tensor:
@@ -253,10 +265,16 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
 
     def _sweep(self, p, state, mu: float, wd: float) -> None:
         """Bring every row up to the last step (every ``sweep_every`` steps: O(W D) / sweep_every per step),
-        so no row is ever more than ``sweep_every`` steps behind and the table stays short."""
-        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)[state["since_base"].long()]   # (W, 4)
+        so no row is ever more than ``sweep_every`` steps behind and the table stays short. In blocks of
+        ``SWEEP_BLOCK`` rows, so the temporary is one block, not a second (W, D) matrix."""
+        table = self._catch_up_coefficients(state, mu, wd, p.dtype)
+        since = state["since_base"].long()
+        buf = state["momentum_buffer"] if mu else None
         with torch.no_grad():
-            _apply_catch_up(coef, p.data, state["momentum_buffer"] if mu else None, torch.empty_like(p))
+            for lo in range(0, p.shape[0], SWEEP_BLOCK):
+                hi = min(lo + SWEEP_BLOCK, p.shape[0])
+                _apply_catch_up(table[since[lo:hi]], p.data[lo:hi], None if buf is None else buf[lo:hi],
+                                self._rows("sweep", hi - lo, p))
         state["since_base"].zero_()
         state["lrs"] = []
 

@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 
+from hvd_partialfc import rowsparse
 from hvd_partialfc.rowsparse import SampledRowsOptimizer, gather_rows
 
 KINDS = {"sgd": dict(momentum=0.9, weight_decay=5e-4), "adamw": dict(weight_decay=0.1)}
@@ -132,7 +133,8 @@ def _exact_and_dense(sweep_every, steps, lrs, seed=0, width=7):
 
 
 @pytest.mark.parametrize("sweep_every", [1, 4, 1000])
-def test_exact_rule_gives_the_dense_step(sweep_every):
+def test_exact_rule_gives_the_dense_step(sweep_every, monkeypatch):
+    monkeypatch.setattr(rowsparse, "SWEEP_BLOCK", 3)   # the sweep's blocks: rows 0-2, 3-5, 6
     # The exact rule touches only the sampled rows, yet every row ends where torch's dense SGD (momentum,
     # weight decay, a changing lr) puts it, unsampled rows included: they are caught up when next sampled
     # and at every sweep. float64, so only the summation order differs. 1000: no sweep within the run.
