@@ -13,7 +13,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Dict, Iterable, List
 
 import torch
@@ -63,13 +62,6 @@ class Comm(CommBase):
         """Every rank's ``tensor`` concatenated along dim 0, in rank order (row counts may differ).
         No autograd; see ``allgather_with_grad`` for features."""
         return self._timed(tensor, lambda t: hvd.allgather(t, name=f"gather.{name}"))
-
-    def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
-        self.sent_bytes += tensor.numel() * tensor.element_size()
-        t0 = time.perf_counter()
-        out = fn(tensor.detach())
-        self.wait_s += time.perf_counter() - t0
-        return out
 
     # --- the backbone -------------------------------------------------------------------------------
     def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:

@@ -12,6 +12,7 @@ Primitives a subclass provides (each a collective: every rank calls it, in the s
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -54,6 +55,14 @@ class CommBase:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
+        """``fn(tensor)`` (a tensor collective), counted in ``sent_bytes`` and ``wait_s``."""
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+        t0 = time.perf_counter()
+        out = fn(tensor.detach())
+        self.wait_s += time.perf_counter() - t0
+        return out
 
     def agree(self, error: Optional[str], name: str) -> None:
         """Raise RankFailure on every rank if any rank passes an error message (None = this rank is fine).

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import random
 import threading
-import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, Optional
@@ -265,13 +264,6 @@ class SimComm(CommBase):
         """Elementwise mean over ranks of each tensor, out of place."""
         out = self._meet("grouped", name, [t.detach() for t in tensors], _average_lists)
         return [t.clone() for t in out]
-
-    def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
-        self.sent_bytes += tensor.numel() * tensor.element_size()
-        t0 = time.perf_counter()
-        out = fn(tensor.detach())
-        self.wait_s += time.perf_counter() - t0
-        return out
 
     # --- the backbone -------------------------------------------------------------------------------
     def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:
