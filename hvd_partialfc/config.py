@@ -244,6 +244,19 @@ def config_from_dict(d: Dict[str, Any]) -> Config:
     return cfg
 
 
+def saved_config(d: Dict[str, Any]) -> Dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's), completed with what it meant: keys added
+    since take their defaults (they did not exist, so the run had the default's behaviour), except
+    ``head.sampled_step``, whose default changed its numbers: a sampled ``local`` run from before it
+    existed ran the ``lazy`` rule. Resume compares this against the current config, so upgrading the
+    package never refuses to resume a run whose settings did not change."""
+    head = d.get("head", {})
+    full = config_from_dict(d).to_dict()
+    if "sampled_step" not in head and head.get("mode", "local") == "local" and head.get("sample_rate", 1.0) < 1.0:
+        full["head"]["sampled_step"] = "lazy"
+    return full
+
+
 def dump_config(cfg: Config, path: str) -> None:
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

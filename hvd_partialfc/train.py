@@ -29,7 +29,7 @@ from . import checkpoint as ckpt
 from . import comm as comm_lib
 from . import faults
 from .augment import parse_augment
-from .config import Config, diff_configs, dump_config
+from .config import Config, diff_configs, dump_config, saved_config
 from .data import RankShardDataset, make_loader, prepare_batch
 from .logging_sinks import LoaderWatch, MetricsLog
 from . import modes
@@ -524,7 +524,7 @@ class Trainer:
         if meta["manifest_sha256"] != self.manifest_sha256:
             raise ValueError("the shard set differs from the checkpoint's (manifest sha256 "
                              f"{meta['manifest_sha256'][:12]} != {self.manifest_sha256[:12]})")
-        diffs = [d for d in diff_configs(meta["config"], self.cfg.to_dict())
+        diffs = [d for d in diff_configs(saved_config(meta["config"]), self.cfg.to_dict())
                  if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
         extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
         diffs = [d for d in diffs if d not in extended]

@@ -133,6 +133,10 @@ def _downgrade_to_format1(ck):
     """What hvd_partialfc wrote before format 2: numpy RNG arrays, counters at the top, no version."""
     meta = json.load(open(ck / "meta.json"))
     meta.pop("format_version")
+    # config keys added since (2026-12): an older package's run has none of them, and still resumes
+    for section, key in (("data", "augment"), ("model", "init_backbone"), ("model", "checkpoint_activations"),
+                         ("head", "sampled_step"), ("train", "tensorboard")):
+        meta["config"][section].pop(key)
     json.dump(meta, open(ck / "meta.json", "w"))
     for f in meta["classifier_files"]:
         d = torch.load(ck / f, weights_only=True)
@@ -300,3 +304,15 @@ def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
     assert state["step"].tolist() == [1, 0, 1, 2, 1]          # rows 2, 3 of rank 0, rows 0..2 of rank 1
     for k in ("step", "exp_avg", "exp_avg_sq"):
         assert torch.equal(state[k], full[k][2:7])
+
+
+def test_an_older_config_means_the_defaults_and_the_lazy_sampled_step():
+    from hvd_partialfc.config import Config, saved_config
+    old = Config().to_dict()
+    for section, key in (("data", "augment"), ("head", "sampled_step")):
+        old[section].pop(key)
+    assert saved_config(old) == Config().to_dict()          # unsampled: every new key at its default
+    old["head"]["sample_rate"] = 0.1                           # a sampled local run of then ran the lazy rule
+    assert saved_config(old)["head"]["sampled_step"] == "lazy"
+    old["head"]["mode"] = "global"
+    assert saved_config(old)["head"]["sampled_step"] == "exact"   # (global never used it)
