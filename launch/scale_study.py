@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -118,12 +119,27 @@ def commands(args, c: Cell) -> Dict[str, List[str]]:
     return {"train": train, "eval": ev}
 
 
-def _cli(argv: List[str]) -> None:
+def _cli(argv: List[str], log: Optional[str] = None) -> None:
+    """Run ``hvd-partialfc ARGV`` from the repository root; its output goes to ``log`` (appended) or is kept
+    for the error message. SIGTERM to this driver is passed on: the run checkpoints and exits 75 (as under a
+    scheduler), and this driver stops with 75; the same command later resumes the cell."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli"] + argv, cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"`hvd-partialfc {' '.join(argv)}` failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    with open(log, "a") if log else open(os.devnull, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "hvd_partialfc.cli"] + argv, cwd=ROOT, env=env,
+                                stdout=sink if log else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+        try:
+            text = proc.communicate()[0] or ""
+        finally:
+            signal.signal(signal.SIGTERM, old)
+    if proc.returncode == 75:
+        print(f"`hvd-partialfc {argv[0]}` stopped at a checkpoint (signal); run the study again to resume",
+              file=sys.stderr)
+        raise SystemExit(75)
+    if proc.returncode != 0:
+        if log:
+            text = open(log).read()
+        raise SystemExit(f"`hvd-partialfc {' '.join(argv)}` failed (exit {proc.returncode}):\n{text[-4000:]}")
 
 
 def run_cell(args, c: Cell) -> None:
@@ -132,10 +148,16 @@ def run_cell(args, c: Cell) -> None:
     cmd = commands(args, c)
     trained = os.path.join(out, "trained.json")
     if not os.path.isfile(trained):
-        resumed = os.path.isdir(out)        # an earlier session began it: its time is not in train_s
+        os.makedirs(out, exist_ok=True)
+        sessions = os.path.join(out, "train_sessions.json")     # wall seconds of every session (resumes)
         t0 = time.time()
-        _cli(cmd["train"])
-        _write(trained, {"train_s": time.time() - t0, "resumed": resumed})
+        try:
+            _cli(cmd["train"], os.path.join(out, "train.log"))
+        finally:
+            past = json.load(open(sessions)) if os.path.isfile(sessions) else []
+            _write(sessions, past + [round(time.time() - t0, 1)])
+        past = json.load(open(sessions))
+        _write(trained, {"train_s": sum(past), "train_sessions": len(past)})
     t0 = time.time()
     _cli(cmd["eval"])
     tmp = os.path.join(out, "eval.tmp")

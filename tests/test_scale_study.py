@@ -1,5 +1,6 @@
-"""launch/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped;
-and data_tools.subset's prefix manifests (the fixed classes-per-rank series)."""
+"""launch/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
+a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
+classes-per-rank series)."""
 import importlib.util
 import json
 import os
@@ -72,7 +73,7 @@ def test_prefix_subset_is_a_shard_set_of_the_first_shards(sets, tmp_path):
         write_prefix_subset(train, str(tmp_path / "x"), 5)
 
 
-def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path):
+def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path, monkeypatch):
     d, train, held, pairs = sets
     study = _study()
     out = tmp_path / "study"
@@ -114,7 +115,15 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path)
     assert all(r["ap_tar@far=1e-3"] is not None and r["ap_tar@far=1e-4"] is not None for r in rows.values())
     before = {n: (os.stat(out / n / "done.json").st_mtime_ns, os.stat(out / n / "metrics.jsonl").st_mtime_ns)
               for n in names[:2]}
-    assert study.main(argv) == 0                                              # the rest: one cell
+    monkeypatch.setenv("HVD_PARTIALFC_FAULT", "kill@4")     # the third cell dies after its step-3 checkpoint
+    with pytest.raises(SystemExit, match="failed"):
+        study.main(argv)
+    assert not os.path.isfile(out / names[2] / "done.json")
+    monkeypatch.delenv("HVD_PARTIALFC_FAULT")
+    assert study.main(argv) == 0                             # the rest: the third cell, resumed at step 3
+    steps = [m["step"] for m in map(json.loads, open(out / names[2] / "metrics.jsonl")) if "loss" in m]
+    assert steps.count(1) == 1 and steps[-1] == 5 and steps.count(4) == 2, steps
+    assert json.load(open(out / names[2] / "trained.json"))["train_sessions"] == 2
     assert {n: (os.stat(out / n / "done.json").st_mtime_ns, os.stat(out / n / "metrics.jsonl").st_mtime_ns)
             for n in names[:2]} == before                                     # not retrained, not re-evaluated
     s = json.load(open(out / "study.json"))
