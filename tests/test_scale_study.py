@@ -1,0 +1,133 @@
+"""launch/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
+a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
+classes-per-rank series)."""
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from conftest import ROOT, build_shards, make_image_npz
+
+from data_tools.pairs import write_pairs_h5
+from data_tools.subset import write_prefix_subset
+from hvd_partialfc.data import RankShardDataset
+from hvd_partialfc.shards import ShardError, read_manifest
+
+
+def _strings(obj):
+    """Every string of a nested JSON / YAML value."""
+    if isinstance(obj, str):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else []
+    return [t for v in items for t in _strings(v)]
+
+
+def _study():
+    spec = importlib.util.spec_from_file_location("scale_study", os.path.join(ROOT, "launch", "scale_study.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["scale_study"] = mod             # its dataclass looks its module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    """Training: 16 classes x 8 images in 4 shards (4 classes each); held out: 20 classes x 10 images and
+    40 pairs of them."""
+    d = tmp_path_factory.mktemp("scale")
+    train = build_shards(make_image_npz(d / "t.npz", 16, 8), d / "train", 4)
+    held = build_shards(make_image_npz(d / "h.npz", 20, 10, seed=1), d / "heldout", 1)   # 17,100 impostor pairs
+    z = np.load(d / "h.npz")
+    rng = np.random.default_rng(0)
+    pairs = rng.integers(0, len(z["labels"]), (40, 2))
+    pairs[::2, 1] = pairs[::2, 0] // 10 * 10 + (pairs[::2, 0] + 1) % 10        # every other pair: same class
+    write_pairs_h5(str(d / "pairs.h5"), z["images"], pairs, z["labels"][pairs[:, 0]] == z["labels"][pairs[:, 1]],
+                   z["labels"])
+    return d, train, held, str(d / "pairs.h5")
+
+
+def test_prefix_subset_is_a_shard_set_of_the_first_shards(sets, tmp_path):
+    d, train, _, _ = sets
+    src = read_manifest(train)
+    sub = write_prefix_subset(train, str(tmp_path / "first2"), 2)
+    assert sub.num_shards == 2 and sub.num_classes == src.shards[1].label_end == 8
+    assert all(not os.path.isabs(e.file) for e in sub.shards)
+    for rank in (0, 1):                        # 2 ranks on the subset: 4 classes each, the source's samples
+        ds = RankShardDataset(str(tmp_path / "first2"), rank, 2)
+        assert (ds.label_slice.start, ds.label_slice.end) == (4 * rank, 4 * rank + 4)
+        with h5py.File(os.path.join(train, src.shards[rank].file)) as f:
+            want_x, want_y = f["images"][:], f["labels"][:]
+        x, y = ds[list(range(len(ds)))]
+        np.testing.assert_array_equal(x.numpy(), want_x)
+        np.testing.assert_array_equal(y.numpy() + 4 * rank, want_y)
+    mtime = os.stat(tmp_path / "first2" / "manifest.json").st_mtime_ns
+    write_prefix_subset(train, str(tmp_path / "first2"), 2)          # same content: not rewritten (its sha256
+    assert os.stat(tmp_path / "first2" / "manifest.json").st_mtime_ns == mtime   # is in every checkpoint)
+    with pytest.raises(ValueError, match="prefix of 5 shards"):
+        write_prefix_subset(train, str(tmp_path / "x"), 5)
+
+
+def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path, monkeypatch):
+    d, train, held, pairs = sets
+    study = _study()
+    out = tmp_path / "study"
+    argv = ["--shards", train, "--heldout", held, "--pairs", pairs, "--out", str(out), "--ranks", "2", "4",
+            "--first", "2", "4", "--seeds", "0", "--variants", "local", "--fixed-variants", "local",
+            "--steps", "5", "--global-batch", "16", "--checkpoint-every", "3", "--log-every", "1",
+            "--set", "model.kwargs={width: 4}", "--set", "model.embedding_dim=16", "--set", "optim.warmup_steps=2",
+            "--set", "eval.batch_size=64"]
+    assert study.main(argv + ["--max-cells", "2"]) == 0
+    # planned: local-n2, local-n4 (every class), local-n2-1sh (2 of 4 shards); N=4 x 1 shard = the whole set
+    names = ["local-n2-seed0", "local-n4-seed0", "local-n2-1sh-seed0"]
+    assert [os.path.isfile(out / n / "done.json") for n in names] == [True, True, False]
+    s = json.load(open(out / "study.json"))
+    assert s["settings"]["cells_planned"] == 3 and s["settings"]["cells_done"] == 2
+    rows = {r["cell"]: r for r in s["cells"]}
+    assert rows["local-n4-seed0"]["per_rank_batch"] == 4 and rows["local-n2-seed0"]["per_rank_batch"] == 8
+    for r in rows.values():
+        for k in ("ap_tar@far=1e-3", "ap_tar@far=1e-4", "acc", "train_s", "eval_s", "extra_vs_grad",
+                  "iresnet50_extra_vs_grad", "classes_per_rank"):
+            assert k in r
+        assert 0.0 <= r["acc"] <= 1.0
+    # extra traffic of local's default negatives (every 50 steps, whole slices of 16 / N classes): an
+    # all-gather of W x D x 4 bytes hands in one share and gets N back; the gradient allreduce 2 x P x 4
+    from hvd_partialfc.models import create_model
+    p = sum(t.numel() for t in create_model("resnet", in_shape=[32, 32], embedding_dim=16, width=4).parameters())
+    for n in (2, 4):
+        want = (n + 1) * (16 // n) * 16 * 4 / 50 / (2 * p * 4)
+        assert rows[f"local-n{n}-seed0"]["extra_vs_grad"] == pytest.approx(want)
+    table = {(t["series"], t["n"], t["variant"]): t for t in s["table"]}
+    assert table[("all", 4, "local")]["classes_per_rank"] == 4 and table[("all", 2, "local")]["seeds"] == [0]
+    md = open(out / "study.md").read()
+    assert "| all | 4 | 4 | 4 | local | 0 |" in md and os.path.getsize(out / "study.png") > 0
+    strings = _strings(json.load(open(out / "study.json")))                  # no absolute paths anywhere
+    for n in names[:2]:
+        strings += _strings(json.load(open(out / n / "done.json"))) + _strings(json.load(open(out / n / "eval.json")))
+        strings += _strings(yaml.safe_load(open(out / n / "config.yaml")))
+    assert strings and not [t for t in strings if os.path.isabs(t) or t.startswith(str(tmp_path))]
+    assert not re.search(r"[`(\s]/[A-Za-z]", md)
+    assert all(r["ap_tar@far=1e-3"] is not None and r["ap_tar@far=1e-4"] is not None for r in rows.values())
+    before = {n: (os.stat(out / n / "done.json").st_mtime_ns, os.stat(out / n / "metrics.jsonl").st_mtime_ns)
+              for n in names[:2]}
+    monkeypatch.setenv("HVD_PARTIALFC_FAULT", "kill@4")     # the third cell dies after its step-3 checkpoint
+    with pytest.raises(SystemExit, match="failed"):
+        study.main(argv)
+    assert not os.path.isfile(out / names[2] / "done.json")
+    monkeypatch.delenv("HVD_PARTIALFC_FAULT")
+    assert study.main(argv) == 0                             # the rest: the third cell, resumed at step 3
+    steps = [m["step"] for m in map(json.loads, open(out / names[2] / "metrics.jsonl")) if "loss" in m]
+    assert steps.count(1) == 1 and steps[-1] == 5 and steps.count(4) == 2, steps
+    assert json.load(open(out / names[2] / "trained.json"))["train_sessions"] == 2
+    assert {n: (os.stat(out / n / "done.json").st_mtime_ns, os.stat(out / n / "metrics.jsonl").st_mtime_ns)
+            for n in names[:2]} == before                                     # not retrained, not re-evaluated
+    s = json.load(open(out / "study.json"))
+    fixed = {r["cell"]: r for r in s["cells"]}["local-n2-1sh-seed0"]
+    src = read_manifest(train)
+    assert fixed["classes"] == src.shards[1].label_end and fixed["classes_per_rank"] == src.shards[0].label_end
+    assert fixed["shards"] == os.path.relpath(str(out / "subsets" / "first-2-shards"), ROOT)
