@@ -60,7 +60,9 @@ def run_one(args, variant: str, np_: int, seed: int, every: int = 0, share: int 
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{p.stderr[-4000:]}")
         with open(os.path.join(out, "done.json"), "w") as f:
-            json.dump({"wall_s": time.time() - t0, "cmd": cmd}, f)
+            # the command as run from the repository root (no machine paths in what the study writes)
+            json.dump({"wall_s": time.time() - t0, "cmd": [os.path.relpath(c, ROOT) if os.path.isabs(c) else c
+                                                           for c in cmd]}, f)
     return load_row(args, name)
 
 

@@ -232,7 +232,7 @@ def evaluate_ijb(model: nn.Module, in_shape: Sequence[int], root: str, name: str
     del raw
     scores = score_template_pairs(ids, tfeat, meta.pairs)
     out = template_metrics(scores, meta.labels, fars)
-    out.update({"name": meta.name, "root": os.path.abspath(root), "images": len(meta.images),
+    out.update({"name": meta.name, "root": os.path.normpath(root), "images": len(meta.images),
                 "templates": int(len(ids)), "media": int(len(np.unique(np.stack([meta.templates, meta.media], 1), axis=0))),
                 "flip": flip, "norm_score": norm_score, "detector_score": detector_score,
                 "in_shape": [int(v) for v in in_shape], "embed_s": round(embed_s, 3),

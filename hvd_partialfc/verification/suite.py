@@ -95,15 +95,15 @@ def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False
         results[s.name] = {"backbone": evaluate_backbone(model, s, batch_size, flip)}
         if baselines:
             results[s.name].update(evaluate_baselines(args, s, batch_size, flip, seed))
-    all_pairs = {os.path.abspath(d): evaluate_all_pairs(model, d, batch_size, flip) for d in all_pairs_dirs}
+    all_pairs = {os.path.normpath(d): evaluate_all_pairs(model, d, batch_size, flip) for d in all_pairs_dirs}
     ijb_results = {}
     if ijb is not None:
         ijb_results[ijb.name.upper()] = evaluate_ijb(
             model, args["in_shape"], ijb.root, ijb.name, batch_size, ijb.flip, ijb.norm_score, ijb.detector_score,
             ijb.workers, progress=print_progress())
-    ident = {os.path.abspath(d): evaluate_identification(model, d, batch_size, flip, seed) for d in identification_dirs}
-    report = {"backbone": os.path.abspath(backbone), "model": args, "flip": flip, "batch_size": batch_size,
-              "pairs": {s.name: os.path.abspath(p) for s, p in zip(sets, pairs_paths)}, "sets": results,
+    ident = {os.path.normpath(d): evaluate_identification(model, d, batch_size, flip, seed) for d in identification_dirs}
+    report = {"backbone": os.path.normpath(backbone), "model": args, "flip": flip, "batch_size": batch_size,
+              "pairs": {s.name: os.path.normpath(p) for s, p in zip(sets, pairs_paths)}, "sets": results,
               "all_pairs": all_pairs, "ijb": ijb_results, "identification": ident}
     json_path, png_path = os.path.join(out_dir, "eval.json"), os.path.join(out_dir, "roc.png")
     write_text(json_path, json.dumps(jsonable(report), indent=1))
