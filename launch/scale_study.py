@@ -175,6 +175,19 @@ def run_cell(args, c: Cell) -> None:
             "per_rank_batch": args.global_batch // c.n, **json.load(open(trained)),
             "eval_s": time.time() - t0, "commands": {k: ["hvd-partialfc"] + v for k, v in cmd.items()}}
     _write(os.path.join(out, "done.json"), done)
+    if args.keep:      # the finished cell's figures, kept in the repository: a later session skips the cell
+        os.makedirs(args.keep, exist_ok=True)
+        _write(os.path.join(args.keep, f"{c.name}.json"), {"done": done, "eval": figures})
+
+
+def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
+    """(done, eval) of a finished cell: from OUT, or from the copy kept in ``--keep``; None if unfinished."""
+    out = os.path.join(args.out, c.name)
+    if os.path.isfile(os.path.join(out, "done.json")):
+        return {"done": json.load(open(os.path.join(out, "done.json"))),
+                "eval": json.load(open(os.path.join(out, "eval.json")))}
+    kept = os.path.join(args.keep, f"{c.name}.json") if args.keep else ""
+    return json.load(open(kept)) if kept and os.path.isfile(kept) else None
 
 
 def _write(path: str, obj) -> None:
@@ -206,11 +219,11 @@ def collective_bytes(args, c: Cell, bb_params: int, dim: int) -> Dict[str, float
 def load_rows(args, cells: List[Cell], bb: Dict[str, int]) -> List[dict]:
     rows = []
     for c in cells:
-        out = os.path.join(args.out, c.name)
-        if not os.path.isfile(os.path.join(out, "done.json")):
+        cell = finished(args, c)
+        if cell is None:
             continue
-        row = {k: v for k, v in json.load(open(os.path.join(out, "done.json"))).items() if k != "commands"}
-        row.update(json.load(open(os.path.join(out, "eval.json"))))
+        row = {k: v for k, v in cell["done"].items() if k != "commands"}
+        row.update(cell["eval"])
         row["classes_per_rank"] = -(-c.classes // c.n)
         demo = collective_bytes(args, c, bb["study"], bb["dim"])
         big = collective_bytes(args, c, bb["iresnet50"], IRESNET50[1])
@@ -350,6 +363,9 @@ def parse(argv: Optional[List[str]] = None):
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every cell (keep one OUT per setting)")
+    p.add_argument("--keep", default="docs/accuracy/scale/cells",
+                   help="folder (in the repository) where each finished cell's figures are copied; a cell found "
+                        "there is finished, so the study continues across sessions and machines ('': off)")
     p.add_argument("--max-cells", type=int, default=0, help="run at most K unfinished cells, then stop (0: all)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their commands; run nothing")
     p.add_argument("--report-only", action="store_true", help="only rebuild study.json / .md / .png")
@@ -372,7 +388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return rel(d), write_prefix_subset(args.shards, d, m).num_classes
 
     cells = plan(args, src.num_shards, prefix_classes)
-    todo = [c for c in cells if not os.path.isfile(os.path.join(args.out, c.name, "done.json"))]
+    todo = [c for c in cells if finished(args, c) is None]
     if args.dry_run:
         for i, c in enumerate(cells):
             state = "todo" if c in todo else "done"

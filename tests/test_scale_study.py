@@ -73,7 +73,7 @@ def test_prefix_subset_is_a_shard_set_of_the_first_shards(sets, tmp_path):
         write_prefix_subset(train, str(tmp_path / "x"), 5)
 
 
-def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path, monkeypatch):
+def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path, monkeypatch, capsys):
     d, train, held, pairs = sets
     study = _study()
     out = tmp_path / "study"
@@ -81,8 +81,13 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
             "--first", "2", "4", "--seeds", "0", "--variants", "local", "--fixed-variants", "local",
             "--steps", "5", "--global-batch", "16", "--checkpoint-every", "3", "--log-every", "1",
             "--set", "model.kwargs={width: 4}", "--set", "model.embedding_dim=16", "--set", "optim.warmup_steps=2",
-            "--set", "eval.batch_size=64"]
+            "--set", "eval.batch_size=64", "--keep", str(tmp_path / "keep")]
     assert study.main(argv + ["--max-cells", "2"]) == 0
+    # the kept copies carry the finished cells to a fresh OUT (another session, another machine)
+    assert sorted(os.listdir(tmp_path / "keep")) == ["local-n2-seed0.json", "local-n4-seed0.json"]
+    fresh = [a if a != str(out) else str(tmp_path / "fresh") for a in argv]
+    capsys.readouterr()
+    assert study.main(fresh + ["--dry-run"]) == 0 and "3 cells, 1 to run" in capsys.readouterr().out
     # planned: local-n2, local-n4 (every class), local-n2-1sh (2 of 4 shards); N=4 x 1 shard = the whole set
     names = ["local-n2-seed0", "local-n4-seed0", "local-n2-1sh-seed0"]
     assert [os.path.isfile(out / n / "done.json") for n in names] == [True, True, False]
