@@ -205,10 +205,9 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         if self.rule == "exact":
             if "since_base" not in state:   # (W,): steps after the last sweep through which each row is current
                 state.update(since_base=torch.zeros(p.shape[0], dtype=torch.float32, device=p.device), lrs=[])
-            since = state["since_base"].index_select(0, rows).long()                  # (K,)
-            if bool((since < len(state["lrs"])).any()):    # rows the head's catch_up did not already bring up
-                coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
-                _apply_catch_up(coef[since], w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
+            coef = self._lagging(state, rows, mu, wd, p.dtype)   # rows the head's catch_up did not bring up
+            if coef is not None:
+                _apply_catch_up(coef, w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
         torch._fused_sgd_([w], [g.contiguous()], bufs, weight_decay=wd, momentum=mu, lr=lr, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False)
         if mu:
@@ -231,18 +230,24 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
             return
         group = self.param_groups[0]
         mu, wd, k = group.get("momentum", 0.0), group["weight_decay"], rows.numel()
-        since = state["since_base"].index_select(0, rows).long()
-        if not bool((since < len(state["lrs"])).any()):
+        coef = self._lagging(state, rows, mu, wd, p.dtype)
+        if coef is None:
             return
-        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)
         w = torch.index_select(p, 0, rows, out=self._rows("cw", k, p))
         m = torch.index_select(state["momentum_buffer"], 0, rows, out=self._rows("cm", k, p)) if mu else None
-        _apply_catch_up(coef[since], w, m, self._rows("ct", k, p))
+        _apply_catch_up(coef, w, m, self._rows("ct", k, p))
         scatter_rows(p, rows, w)
         if mu:
             scatter_rows(state["momentum_buffer"], rows, m)
         scatter_rows(state["since_base"], rows, torch.full((k,), float(len(state["lrs"])), device=p.device))
         self._caught = (p, rows, w, m)
+
+    def _lagging(self, state, rows: torch.Tensor, mu: float, wd: float, dtype):
+        """(K, 4) catch-up maps of ``rows``, or None when every one of them is current already."""
+        since = state["since_base"].index_select(0, rows).long()                  # (K,)
+        if not bool((since < len(state["lrs"])).any()):
+            return None
+        return self._catch_up_coefficients(state, mu, wd, dtype)[since]
 
     @staticmethod
     def _catch_up_coefficients(state, mu: float, wd: float, dtype=torch.float32) -> torch.Tensor:

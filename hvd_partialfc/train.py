@@ -236,10 +236,11 @@ class Trainer:
         else:
             # The classifier: a plain optimizer, local gradient only, never communicated.
             # Sampled `local`: the gradient is row-sparse and the step touches the sampled rows only.
+            rule = self._sampled_rule()
             self.classifier_opt = make_optimizer([modes.classifier_group(cfg.head.mode, self.classifier, o)],
                                                  o.name, o.classifier_lr, o.classifier_momentum,
-                                                 o.classifier_weight_decay, sampled_rows=self._sampled_rule())
-            if self._sampled_rule() == "exact":
+                                                 o.classifier_weight_decay, sampled_rows=rule)
+            if rule == "exact":
                 self.classifier.before_gather = self.classifier_opt.catch_up
         self.backbone_opt = comm.distributed_optimizer(
             backbone_opt, averaged, fp16_compression=o.fp16_compression,
