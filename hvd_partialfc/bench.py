@@ -118,7 +118,7 @@ def run_worker(a) -> Dict[str, Any]:
                                          f"head.mode={a.mode if a.mode in MODES else 'local'}",
                                          f"model.embedding_dim={a.dim}", f"data.batch_size={a.batch}",
                                          "train.threads=1", f"head.negatives_every={every}",
-                                         f"head.negatives_share={a.negatives_share}"])
+                                         f"head.negatives_share={a.negatives_share}", "head.negatives_pool=0"])
     rss_runtime = _peak_rss()
     in_shape = [a.in_dim]
     # the trainer's own components, without shards on disk; every rank's width (the negatives' shares)

@@ -175,7 +175,7 @@ def _estimate(args) -> int:
         results.insert(1 if "local" in modes else 0, estimate(
             args.classes, args.world_size, args.dim, args.batch, args.backbone, "local", args.dtype,
             optimizer=args.optimizer, in_shape=args.in_shape, negatives_every=args.negatives_every,
-            negatives_share=args.negatives_share))
+            negatives_share=args.negatives_share, negatives_pool=args.negatives_pool))
     print(json.dumps(results, indent=1) if args.json else table(results))
     if not args.json:
         print(f"\nbackbone {args.backbone}: {results[0]['backbone_params']:,} parameters")
@@ -276,6 +276,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")
     s.add_argument("--negatives-every", type=int, default=0, help="also local + cross-shard negatives every K steps")
     s.add_argument("--negatives-share", type=int, default=0, help="centres each rank shares (0: its whole slice)")
+    s.add_argument("--negatives-pool", type=int, default=0,
+                   help="at most this many centres shared by all ranks together (the share capped at ceil(pool / N); "
+                        "0: no cap; training's default head.negatives_pool is 8192)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_estimate)
     args = p.parse_args(argv)

@@ -56,6 +56,11 @@ class HeadConfig:
     # and do not use it. Defaults picked from the measurements there.
     negatives_every: int = 50
     negatives_share: int = 1024  # centres each rank shares per exchange, a random subset (0: its whole slice)
+    # the most centres all N ranks share together per exchange: a rank shares min(negatives_share,
+    # ceil(pool / N)), so what each rank receives (~pool rows) and holds stays constant as N grows instead of
+    # growing with N (0: no cap). 8192 = 1,024 a rank at N=8, where the default was measured; iresnet50:
+    # 0.11% of its gradient's traffic at any N (docs/accuracy.md, "At 64-256 ranks")
+    negatives_pool: int = 8192
 
 
 @dataclass
@@ -141,8 +146,8 @@ class Config:
             raise ConfigError("data.shards is required (a shard set directory)")
         if not 0.0 < self.head.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
-        if self.head.negatives_every < 0 or self.head.negatives_share < 0:
-            raise ConfigError("head.negatives_every and head.negatives_share must be >= 0")
+        if min(self.head.negatives_every, self.head.negatives_share, self.head.negatives_pool) < 0:
+            raise ConfigError("head.negatives_every, head.negatives_share and head.negatives_pool must be >= 0")
         if self.head.sample_rate < 1.0 and self.head.mode == "replicated":
             raise ConfigError("head.sample_rate < 1 samples the centres of head.mode=global or local, "
                               "not replicated")
@@ -244,16 +249,25 @@ def config_from_dict(d: Dict[str, Any]) -> Config:
     return cfg
 
 
-def saved_config(d: Dict[str, Any]) -> Dict[str, Any]:
-    """A config dict saved by an earlier version (a checkpoint's), completed with what it meant: keys added
-    since take their defaults (they did not exist, so the run had the default's behaviour), except
-    ``head.sampled_step``, whose default changed its numbers: a sampled ``local`` run from before it
-    existed ran the ``lazy`` rule. Resume compares this against the current config, so upgrading the
-    package never refuses to resume a run whose settings did not change."""
+def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's, written at ``world_size`` ranks), completed
+    with what it meant: keys added since take their defaults (they did not exist, so the run had the
+    default's behaviour), except where a new default changed the numbers:
+
+    * ``head.sampled_step``: a sampled ``local`` run from before it existed ran the ``lazy`` rule;
+    * ``head.negatives_pool``: before it, nothing capped the share, which the default cap leaves unchanged
+      only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0).
+
+    Resume compares this against the current config, so upgrading the package never refuses to resume a
+    run whose settings did not change, and refuses one whose numbers would."""
     head = d.get("head", {})
     full = config_from_dict(d).to_dict()
-    if "sampled_step" not in head and head.get("mode", "local") == "local" and head.get("sample_rate", 1.0) < 1.0:
-        full["head"]["sampled_step"] = "lazy"
+    h = full["head"]
+    if "sampled_step" not in head and h["mode"] == "local" and h["sample_rate"] < 1.0:
+        h["sampled_step"] = "lazy"
+    if "negatives_pool" not in head and h["mode"] == "local" and h["negatives_every"] > 0 \
+            and (h["negatives_share"] == 0 or h["negatives_share"] * world_size > h["negatives_pool"]):
+        h["negatives_pool"] = 0
     return full
 
 

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from .modes import negatives_share as negatives_share_rows
 from .rowsparse import SWEEP_BLOCK
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -76,12 +77,13 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
              in_shape: Optional[Sequence[int]] = None, backbone_kwargs: Optional[Dict[str, Any]] = None,
              runtime_mb: float = RUNTIME_MB, fp16_compression: bool = False,
              bb: Optional[Dict[str, int]] = None, negatives_every: int = 0,
-             negatives_share: int = 0, sampled_step: str = "exact") -> Dict[str, Any]:
+             negatives_share: int = 0, sampled_step: str = "exact", negatives_pool: int = 0) -> Dict[str, Any]:
     """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode).
 
     ``negatives_every`` = K > 0 (``local`` only): cross-shard negatives; the other ranks' shared centres
-    ((N - 1) x share rows, share = ``negatives_share`` or the whole slice) are held as a buffer and are
-    extra logit columns, and the all-gather of this rank's share is amortised over K steps.
+    ((N - 1) x share rows, share = ``negatives_share`` or the whole slice, at most ceil(``negatives_pool`` / N)
+    when the pool is > 0: ``modes.negatives_share``) are held as a buffer and are extra logit columns, and the
+    all-gather of this rank's share is amortised over K steps.
     """
     if mode not in ("local", "global", "replicated"):
         raise ValueError(f"unknown mode {mode!r}; known: local, global, replicated")
@@ -95,7 +97,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     sampled = sample_rate < 1.0 and mode in ("global", "local")
     own = max(1, int(width * sample_rate)) if sampled else width     # this rank's columns scored per step
     cols = own
-    share = min(negatives_share or width, width) if negatives_every else 0
+    share = negatives_share_rows(width, world_size, negatives_share, negatives_pool) if negatives_every else 0
     remote = (world_size - 1) * share                  # frozen remote centres (rows), fp32 buffer
     cols += remote
     bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)

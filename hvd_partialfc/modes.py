@@ -73,6 +73,15 @@ class LocalHead(LocalClassifier):
         return margin_cross_entropy(features, weight, labels, self.margin)
 
 
+def negatives_share(width: int, world_size: int, share: int, pool: int) -> int:
+    """Centres a rank of slice ``width`` publishes per exchange: ``share`` of them (0: all), at most
+    ceil(``pool`` / N) when ``pool`` > 0. Every rank receives every share, so without the pool what a rank
+    receives and holds grows with N: at iresnet50's D = 512 and 1,024 a rank, 0.11% of the gradient's traffic
+    at N=8 but 3.1% at N=256 (docs/accuracy.md, "At 64-256 ranks"); with it, ~pool rows at any N."""
+    k = min(share or width, width)
+    return min(k, -(-pool // world_size)) if pool > 0 else k
+
+
 class CrossShardNegativesHead(LocalHead):
     """The method plus other ranks' class centres as extra, frozen negatives (issue: accuracy).
 
@@ -97,11 +106,12 @@ class CrossShardNegativesHead(LocalHead):
 
     def __init__(self, width: int, dim: int, label_start: int, comm, every: int, share: int,
                  slice_widths, seed: int = 0, name: str = "negatives", sample_rate: float = 1.0,
-                 sparse_step: bool = True, **margin):
+                 sparse_step: bool = True, pool: int = 0, **margin):
         super().__init__(width, dim, sample_rate, sparse_step, **margin)
         self.row_start = label_start
         self.comm, self.every, self.share, self.seed, self.name = comm, int(every), int(share), int(seed), name
-        self.shares = [min(self.share or w, w) for w in slice_widths]  # rows each rank publishes
+        # rows each rank publishes
+        self.shares = [negatives_share(w, len(slice_widths), self.share, pool) for w in slice_widths]
         self.register_buffer("remote", torch.zeros(0, dim), persistent=False)   # (R, D), no gradient
         self.exchanges = 0
 
@@ -109,11 +119,13 @@ class CrossShardNegativesHead(LocalHead):
         """One line for the start of a run: the exchange's cost, amortised, against the backbone gradient."""
         dim = self.weight.shape[1]
         remote = sum(self.shares) - self.shares[self.comm.rank]
-        per_step = self.shares[self.comm.rank] * dim * 4 / self.every
+        # bytes through this rank per step, amortised: its share handed in, every rank's share received;
+        # against the gradient's allreduce, handed in and received (the convention of the scale study)
+        per_step = (self.shares[self.comm.rank] + sum(self.shares)) * dim * 4 / self.every
         return (f"cross-shard negatives: every {self.every} steps, {self.shares[self.comm.rank]} of "
                 f"{self.width} centres shared per rank, {remote} remote centres held "
-                f"({remote * dim * 4 / 2 ** 20:.1f} MB); {per_step:,.0f} B/step amortised = "
-                f"{per_step / max(backbone_grad_bytes, 1):.2%} of the backbone gradient")
+                f"({remote * dim * 4 / 2 ** 20:.1f} MB); {per_step:,.0f} B/step sent + received, amortised = "
+                f"{per_step / max(2 * backbone_grad_bytes, 1):.2%} of the backbone gradient's")
 
     def before_step(self, step: int) -> None:
         # Every rank takes the same decision: same config, and ``remote`` is empty on all ranks or none
@@ -209,7 +221,7 @@ def create_head(mode: str, label_slice, num_classes: int, dim: int, head_cfg, co
     if mode == "local" and head_cfg.negatives_every > 0:
         return CrossShardNegativesHead(label_slice.width, dim, label_slice.start, comm, head_cfg.negatives_every,
                                        head_cfg.negatives_share, slice_widths, seed,
-                                       sample_rate=head_cfg.sample_rate,
+                                       sample_rate=head_cfg.sample_rate, pool=head_cfg.negatives_pool,
                                        sparse_step=head_cfg.sampled_step != "dense", **margin)
     if mode == "local":
         head = LocalHead(label_slice.width, dim, head_cfg.sample_rate, head_cfg.sampled_step != "dense", **margin)

@@ -525,7 +525,7 @@ class Trainer:
         if meta["manifest_sha256"] != self.manifest_sha256:
             raise ValueError("the shard set differs from the checkpoint's (manifest sha256 "
                              f"{meta['manifest_sha256'][:12]} != {self.manifest_sha256[:12]})")
-        diffs = [d for d in diff_configs(saved_config(meta["config"]), self.cfg.to_dict())
+        diffs = [d for d in diff_configs(saved_config(meta["config"], meta["world_size"]), self.cfg.to_dict())
                  if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
         extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
         diffs = [d for d in diffs if d not in extended]

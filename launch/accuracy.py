@@ -29,7 +29,7 @@ BIN = os.path.dirname(sys.executable)
 
 VARIANTS = {
     "local": ["head.negatives_every=0"],
-    "local+negatives": ["head.negatives_every={every}", "head.negatives_share={share}"],
+    "local+negatives": ["head.negatives_every={every}", "head.negatives_share={share}", "head.negatives_pool=0"],
     "global": ["head.mode=global"],
 }
 

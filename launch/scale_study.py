@@ -201,14 +201,16 @@ def collective_bytes(args, c: Cell, bb_params: int, dim: int) -> Dict[str, float
     bytes per rank hands in s and gets back N x s ((N + 1) s). From `estimate.estimate`'s components, which
     count bytes handed in only: the negatives' centres are an all-gather of share x D x 4 every K steps;
     ``global``'s features and labels are all-gathers, its feature gradient and softmax statistics
-    allreduces. The share is what a real run shares: min(negatives_share or W, W), W = ceil(C / N)."""
+    allreduces. The share is what a real run shares (``modes.negatives_share``: negatives_share or W, capped
+    at ceil(negatives_pool / N)), W = ceil(C / N)."""
     from hvd_partialfc.config import load_config
     from hvd_partialfc.estimate import estimate
     h = load_config(args.config, c.sets, {"data": {"shards": c.shards}}).head
     kw = dict(classes=c.classes, world_size=c.n, dim=dim, batch=args.global_batch // c.n,
               bb={"params": bb_params, "activation_bytes": 0})
     est = estimate(mode=h.mode, negatives_every=h.negatives_every if h.mode == "local" else 0,
-                   negatives_share=h.negatives_share, sample_rate=h.sample_rate, **kw)
+                   negatives_share=h.negatives_share, negatives_pool=h.negatives_pool, sample_rate=h.sample_rate,
+                   **kw)
     gather = ("features (allgather)", "labels (allgather)", "centres (allgather, amortised)")
     extra = sum(v * ((c.n + 1) if k in gather else 2) for k, v in est["traffic_bytes"].items()
                 if k != "backbone gradient")

@@ -306,13 +306,17 @@ def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
         assert torch.equal(state[k], full[k][2:7])
 
 
-def test_an_older_config_means_the_defaults_and_the_lazy_sampled_step():
+def test_an_older_config_means_the_defaults_the_lazy_sampled_step_and_no_pool():
     from hvd_partialfc.config import Config, saved_config
     old = Config().to_dict()
-    for section, key in (("data", "augment"), ("head", "sampled_step")):
+    for section, key in (("data", "augment"), ("head", "sampled_step"), ("head", "negatives_pool")):
         old[section].pop(key)
-    assert saved_config(old) == Config().to_dict()          # unsampled: every new key at its default
+    assert saved_config(old, 8) == Config().to_dict()       # unsampled: every new key at its default
+    # the negatives' pool caps 1,024 a rank only above N=8 (8,192 rows): an older run at N=16 had no cap
+    assert saved_config(old, 16)["head"]["negatives_pool"] == 0
+    old["head"]["negatives_every"] = 0
+    assert saved_config(old, 16)["head"]["negatives_pool"] == 8192     # (no negatives: nothing to cap)
     old["head"]["sample_rate"] = 0.1                           # a sampled local run of then ran the lazy rule
-    assert saved_config(old)["head"]["sampled_step"] == "lazy"
+    assert saved_config(old, 8)["head"]["sampled_step"] == "lazy"
     old["head"]["mode"] = "global"
-    assert saved_config(old)["head"]["sampled_step"] == "exact"   # (global never used it)
+    assert saved_config(old, 8)["head"]["sampled_step"] == "exact"   # (global never used it)

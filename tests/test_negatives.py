@@ -34,17 +34,18 @@ def test_remote_columns_score_like_their_owner(tmp_path):
             assert c["grad_w_err"] <= 1e-5 * max(1.0, c["grad_w_scale"]), (name, c)
 
 
-@pytest.mark.parametrize("share,loss", [(0, "softmax"), (2, "arcface")])
-def test_exchange_uneven_slices_frozen_remote_local_classifier(tmp_path, share, loss):
+@pytest.mark.parametrize("share,loss,pool", [(0, "softmax", 0), (2, "arcface", 0), (0, "cosface", 3)])
+def test_exchange_uneven_slices_frozen_remote_local_classifier(tmp_path, share, loss, pool):
     # 5 classes on 2 ranks: slices [0, 3) and [3, 5) of different widths
     shards = build_shards(make_feature_npz(tmp_path / "f.npz", [12] * 5), tmp_path / "s", 2)
     out = tmp_path / "neg"
-    run_hvd(2, [SCEN, "step", shards, out, 5, share, loss], timeout=120)
+    run_hvd(2, [SCEN, "step", shards, out, 5, share, loss, pool], timeout=120)
     r0, r1 = _ranks(out)
     assert (r0["width"], r1["width"]) == (3, 2)
-    # at steps 0, 2, 4 each rank received exactly the other rank's raw centres (or `share` of them)
+    # at steps 0, 2, 4 each rank received exactly the other rank's raw centres (or `share` of them; with
+    # head.negatives_pool=3 at most ceil(3 / 2) = 2 of each, so rank 0's whole slice of 3 is capped)
     assert r0["exchanges"] == [True, True, True] and r1["exchanges"] == [True, True, True]
-    assert r0["remote_rows"] == 2 and r1["remote_rows"] == (3 if share == 0 else 2)
+    assert r0["remote_rows"] == 2 and r1["remote_rows"] == (3 if share == 0 and pool == 0 else 2)
     # the remote centres are a buffer: no gradient ever reaches them
     for r in (r0, r1):
         assert r["remote_is_buffer"] and not r["remote_requires_grad"] and r["remote_grad_is_none"]
@@ -61,10 +62,18 @@ def test_exchange_uneven_slices_frozen_remote_local_classifier(tmp_path, share, 
 def test_negatives_config_is_checked():
     # on by default in local mode (docs/accuracy.md picks K and the share); the other modes do not use it
     cfg = load_config(None, ["data.shards=/x"])
-    assert (cfg.head.negatives_every, cfg.head.negatives_share) == (50, 1024)
+    assert (cfg.head.negatives_every, cfg.head.negatives_share, cfg.head.negatives_pool) == (50, 1024, 8192)
+    from hvd_partialfc.modes import negatives_share
+    # the share is capped at ceil(pool / N): 1,024 a rank up to N=8, then the pool divided (what a rank
+    # receives stays ~8,192 rows), never more than the slice; pool 0: no cap; share 0: the whole slice
+    assert [negatives_share(3095, n, 1024, 8192) for n in (2, 8, 64, 256)] == [1024, 1024, 128, 32]
+    assert negatives_share(97, 256, 1024, 100000) == 97 and negatives_share(5000, 256, 1024, 0) == 1024
+    assert negatives_share(5000, 64, 0, 8192) == 128 and negatives_share(5000, 64, 0, 0) == 5000
     from hvd_partialfc.modes import GlobalSoftmaxHead, create_head
     from hvd_partialfc.partition import LabelSlice
     g = load_config(None, ["data.shards=/x", "head.mode=global"])
     assert type(create_head("global", LabelSlice(0, 0, 4), 8, 3, g.head, comm=None)) is GlobalSoftmaxHead
     with pytest.raises(ConfigError, match=">= 0"):
         load_config(None, ["data.shards=/x", "head.negatives_every=-1"])
+    with pytest.raises(ConfigError, match=">= 0"):
+        load_config(None, ["data.shards=/x", "head.negatives_pool=-1"])

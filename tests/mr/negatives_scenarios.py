@@ -109,12 +109,13 @@ def scenario_logits(out):
     _write(out, comm.rank, rec)
 
 
-def scenario_step(shards, out, steps, share, loss):
+def scenario_step(shards, out, steps, share, loss, pool):
     """Training with negatives every 2 steps: what each exchange delivered, and step 0's applied updates
     against the offline ones computed from the owners' raw rows (classifier: its own gradient / N)."""
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=4",
                              "model.name=mlp", "optim.schedule=constant", "head.negatives_every=2",
-                             f"head.negatives_share={share}", f"head.loss={loss}", f"head.scale={SCALE}",
+                             f"head.negatives_share={share}", f"head.negatives_pool={pool}",
+                             f"head.loss={loss}", f"head.scale={SCALE}",
                              f"head.margin={MARGIN}", "optim.backbone_lr=0.05"])
     comm = comm_lib.init()
     trainer = Trainer(cfg, comm)
@@ -130,10 +131,11 @@ def scenario_step(shards, out, steps, share, loss):
             bb, w0 = copy.deepcopy(trainer.backbone), head.weight.detach().clone()
             p0 = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
         trainer.train_step(step, iter([batch]))
-        if step % 2 == 0:  # the buffer holds the other ranks' raw rows (all, or `share` of each)
-            raw, index, match = owner_rows(head.remote, others)
+        if step % 2 == 0:  # the buffer holds the other ranks' raw rows (all, or `share` of each, at most
+            raw, index, match = owner_rows(head.remote, others)              # ceil(pool / N) of each)
+            cap = -(-pool // comm.size) if pool else 10 ** 9
             rec["exchanges"].append(bool(torch.equal(head.remote, raw))
-                                    and len(set(index)) == len(index) == sum(min(share or w.shape[0], w.shape[0])
+                                    and len(set(index)) == len(index) == sum(min(share or w.shape[0], w.shape[0], cap)
                                                                              for _, w in others))
         if step == 0:
             rec.update(_offline_update_errors(trainer, bb, w0, p0, raw, batch))
@@ -185,6 +187,6 @@ if __name__ == "__main__":
     if name == "logits":
         scenario_logits(out)
     elif name == "step":
-        scenario_step(args[0], args[1], int(args[2]), int(args[3]), args[4])
+        scenario_step(args[0], args[1], int(args[2]), int(args[3]), args[4], int(args[5]))
     else:
         raise SystemExit(f"unknown scenario {name!r}")
