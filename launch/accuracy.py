@@ -50,8 +50,12 @@ def run_one(args, variant: str, np_: int, seed: int, every: int = 0, share: int 
         sets = [f"data.batch_size={args.global_batch // np_}", f"train.steps={args.steps}", f"train.seed={seed}",
                 f"eval.pairs=[{args.pairs}]", "eval.every=0", f"checkpoint.every=0", "train.log_every=25"]
         sets += [s.format(every=every, share=share) for s in VARIANTS[variant]] + list(args.set)
-        cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np_), "--gloo", os.path.join(BIN, "hvd-partialfc"), "train",
-               "--config", args.config, "--shards", args.shards, "--out", out]
+        if args.simulate:      # the same run on `hvd-partialfc simulate`'s N virtual ranks (docs/simulate.md)
+            cmd = [os.path.join(BIN, "hvd-partialfc"), "simulate", "--ranks", str(np_)]
+        else:
+            cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np_), "--gloo", os.path.join(BIN, "hvd-partialfc"),
+                   "train"]
+        cmd += ["--config", args.config, "--shards", args.shards, "--out", out]
         for s in sets:
             cmd += ["--set", s]
         t0 = time.time()
@@ -148,6 +152,9 @@ def main() -> int:
                    help="negatives: centres per rank (0: all; the first is the table's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS))
     p.add_argument("--cycle-time-ms", type=float, default=10.0)
+    p.add_argument("--simulate", action="store_true",
+                   help="run every cell on `hvd-partialfc simulate --ranks N` instead of horovodrun -np N (use "
+                        "another --out): the simulator's held-out accuracy against real runs'")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run of OUT (keep one OUT per setting)")
     args = p.parse_args()
