@@ -35,6 +35,9 @@ class ModelConfig:
     # recompute each block's activations in backward (less memory, ~1 more forward); same numbers, BatchNorm
     # statistics updated once (models/recompute.py). iresnet* and mobilefacenet only
     checkpoint_activations: bool = False
+    # BatchNorm statistics over all ranks' batches together (syncbn.py): what one process on the global
+    # batch computes, for small or class-homogeneous per-rank batches; one small collective per layer
+    sync_batchnorm: bool = False
     # start the backbone from this file (an exported backbone or arcface_torch's backbone.pth); applied
     # at a fresh start only, never over a checkpoint being resumed (pretrained.py)
     init_backbone: str = ""
@@ -151,6 +154,9 @@ class Config:
         if self.head.sample_rate < 1.0 and self.head.mode == "replicated":
             raise ConfigError("head.sample_rate < 1 samples the centres of head.mode=global or local, "
                               "not replicated")
+        if self.model.sync_batchnorm and self.model.checkpoint_activations:
+            raise ConfigError("model.sync_batchnorm and model.checkpoint_activations together: the recomputed "
+                              "forward would repeat every layer's collective; choose one")
         if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.steps < 0 or self.train.epochs <= 0:

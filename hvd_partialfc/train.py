@@ -39,6 +39,7 @@ from .pretrained import load_initial_backbone
 from .preempt import StopSignals
 from .rowsparse import SampledRowsOptimizer, grad_values
 from .seeds import RESHARD_RESEED, derive_seed
+from .syncbn import convert_sync_batchnorm
 from .shards import manifest_digest, read_manifest
 from .verification.evaluator import Evaluator
 from .verification.pairs import check_input_shape
@@ -219,6 +220,8 @@ class Trainer:
                                      embedding_dim=cfg.model.embedding_dim, **cfg.model.kwargs).to(self.device)
         if cfg.model.checkpoint_activations:
             set_activation_checkpointing(self.backbone, True)
+        if cfg.model.sync_batchnorm:
+            convert_sync_batchnorm(self.backbone, comm)
         widths = [sl.width for sl in self.all_slices] if getattr(self, "all_slices", None) else None
         self.classifier = modes.create_head(cfg.head.mode, self.label_slice, num_classes, cfg.model.embedding_dim,
                                             cfg.head, comm, slice_widths=widths, seed=cfg.train.seed)

@@ -101,3 +101,28 @@ def run_hvd(np_, args, backend="gloo", timeout=180, env=None, check=True):
 def read_json_lines(path):
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()]
+
+
+def in_threads(n, fn):
+    """Run ``fn(comm)`` on ``n`` virtual ranks (simcomm alone, no trainer); every rank's result or error."""
+    import threading
+    from hvd_partialfc.simcomm import SimComm, SimWorld
+    world, out = SimWorld(n), [None] * n
+
+    def target(r):
+        try:
+            world.enter(r)
+            out[r] = fn(SimComm(world, r))
+        except Exception as e:
+            out[r] = e
+            world.fail(r, e)
+            return
+        world.leave(r)
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    world.begin()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out

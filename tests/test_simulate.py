@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from conftest import build_shards, launch_env, make_image_npz, read_json_lines, run_hvd, run_job
+from conftest import build_shards, in_threads, launch_env, make_image_npz, read_json_lines, run_hvd, run_job
 
 pytestmark = pytest.mark.multirank
 
@@ -112,11 +112,14 @@ def max_param_diff(a, b):
     return max(d, max((x["weight"] - y["weight"]).abs().max().item() for x, y in zip(ca, cb)))
 
 
-@pytest.mark.parametrize("mode,steps", [("local", 50), ("global", 10)])
-def test_np2_simulated_equals_horovodrun_bitwise(shards8, tmp_path, mode, steps):
+@pytest.mark.parametrize("mode,steps,sync", [("local", 50, False), ("global", 10, False), ("global", 10, True)])
+def test_np2_simulated_equals_horovodrun_bitwise(shards8, tmp_path, mode, steps, sync):
+    # sync: model.sync_batchnorm, a collective per BatchNorm layer inside autograd's forward and backward
+    # (tests/test_syncbn.py checks its numbers; here that Horovod runs it as the simulator does)
     sim, hvd = tmp_path / "sim", tmp_path / "hvd"
-    simulate(2, shards8, sim, steps, f"head.mode={mode}", "checkpoint.every=10")
-    real(2, shards8, hvd, steps, f"head.mode={mode}", "checkpoint.every=10")
+    sets = [f"head.mode={mode}", "checkpoint.every=10", f"model.sync_batchnorm={str(sync).lower()}"]
+    simulate(2, shards8, sim, steps, *sets)
+    real(2, shards8, hvd, steps, *sets)
     assert_bitwise(sim, hvd)
 
 
@@ -227,38 +230,14 @@ def test_stop_signal_reaches_threads():
     assert seen == [None, "SIGUSR1"]
 
 
-def _in_threads(n, fn):
-    """Run ``fn(comm)`` on ``n`` virtual ranks (simcomm alone, no trainer); every rank's result or error."""
-    from hvd_partialfc.simcomm import SimComm, SimWorld
-    world, out = SimWorld(n), [None] * n
-
-    def target(r):
-        try:
-            world.enter(r)
-            out[r] = fn(SimComm(world, r))
-        except Exception as e:
-            out[r] = e
-            world.fail(r, e)
-            return
-        world.leave(r)
-    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    world.begin()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads)
-    return out
-
-
 def test_collectives_mismatch_and_the_average():
     from hvd_partialfc.commbase import RankFailure
     # rank 1 calls another collective than rank 0: both stop with the names, neither waits forever
-    out = _in_threads(2, lambda c: c.allreduce_scalar(c.rank, "sum", name=f"step{c.rank}"))
+    out = in_threads(2, lambda c: c.allreduce_scalar(c.rank, "sum", name=f"step{c.rank}"))
     assert all(isinstance(e, RankFailure) for e in out) and "step0" in str(out[0]) + str(out[1])
     # the average is the sum over ranks in rank order times 1/N (Horovod's Average), out of place per rank
     vals = [torch.randn(1000) for _ in range(3)]
-    out = _in_threads(3, lambda c: c.grouped_average([vals[c.rank]], name="g")[0])
+    out = in_threads(3, lambda c: c.grouped_average([vals[c.rank]], name="g")[0])
     expect = ((vals[0] + vals[1]) + vals[2]) * (1.0 / 3)
     assert all(torch.equal(o, expect) for o in out) and out[0] is not out[1]
     # the all-gather's backward: this rank's rows of the SUM over ranks of the gradients, x grad_scale
@@ -267,7 +246,7 @@ def test_collectives_mismatch_and_the_average():
         y = c.allgather_with_grad(x, "f", grad_scale=3.0)                          # (1 + 2 + 3, 2)
         (y * (c.rank + 1)).sum().backward()
         return y.detach(), x.grad
-    out = _in_threads(3, gather)
+    out = in_threads(3, gather)
     assert torch.equal(out[0][0], torch.tensor([[0.0] * 2, [1.0] * 2, [1.0] * 2, [2.0] * 2, [2.0] * 2, [2.0] * 2]))
     for r, (_, g) in enumerate(out):
         assert torch.equal(g, torch.full((r + 1, 2), (1 + 2 + 3) * 3.0))
