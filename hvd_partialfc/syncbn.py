@@ -7,14 +7,15 @@ batch by its own mean and variance, so N changes what the backbone computes even
 N = 64 with nothing else depending on N). With this option every rank normalises by the statistics of the
 union of all ranks' batches, as one process on the global batch would.
 
-How: per layer and step, each rank all-gathers (sum, sum of squares, count) of its batch per channel through
-``comm.allgather_with_grad``, whose backward sums the gradient over ranks. The statistics are therefore
+How: per layer and step, each rank allreduces (sum, sum of squares, count) of its batch per channel through
+``comm.allreduce_with_grad``, whose backward allreduces the gradient too. The statistics are therefore
 differentiable across ranks, and after the DistributedOptimizer's average every backbone gradient is that
 of the global batch's mean loss (tested against one process on the concatenated batch, tests/test_syncbn.py).
-Running statistics are updated from the global ones, so they are identical on every rank. Cost: 2 C + 1
-floats per layer handed in, N times that received, and one allreduce of the same size in backward; for
-iresnet50 at N = 64 about 0.4 MB per step against its 174 MB gradient. Evaluation (``eval()``) is plain
-BatchNorm with the running statistics: no collective.
+Running statistics are updated from the global ones, so they are identical on every rank. Cost: two
+allreduces of 2 C + 1 floats per layer, whatever N (an all-gather would receive N times that): for
+iresnet50's 79 layers 38,223 floats each, 0.6 MB sent plus received per step, 0.18% of its gradient's
+(Horovod fuses them, but they are 2 x 79 small collectives in the step's critical path). Evaluation
+(``eval()``) is plain BatchNorm with the running statistics: no collective.
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         dims = [0] + list(range(2, x.dim()))
         xf = x.float()
         count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
-        stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count]).unsqueeze(0)         # (1, 2C + 1)
-        total = self.comm.allgather_with_grad(stats, f"syncbn.{self.layer}").sum(0)       # (2C + 1,)
+        stats = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])                     # (2C + 1,)
+        total = self.comm.allreduce_with_grad(stats, f"syncbn.{self.layer}")              # over ranks
         c = x.shape[1]
         n = total[2 * c]
         mean = total[:c] / n
