@@ -121,6 +121,12 @@ def test_np2_simulated_equals_horovodrun_bitwise(shards8, tmp_path, mode, steps,
     simulate(2, shards8, sim, steps, *sets)
     real(2, shards8, hvd, steps, *sets)
     assert_bitwise(sim, hvd)
+    if sync:   # and the option reaches the trainer: with per-rank BatchNorm the same run ends elsewhere
+        plain = tmp_path / "plain"
+        simulate(2, shards8, plain, steps, *sets[:-1])
+        d = max_param_diff(sim, plain)
+        print("sync vs plain", d)
+        assert d > 1e-4, d
 
 
 def test_np4_simulated_within_roundoff_of_horovodrun(shards8, tmp_path):
