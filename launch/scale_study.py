@@ -172,7 +172,7 @@ def run_cell(args, c: Cell) -> None:
     _write(os.path.join(out, "eval.json"), figures)
     done = {"cell": c.name, "series": c.series, "variant": c.variant, "n": c.n, "seed": c.seed,
             "shards": c.shards, "classes": c.classes, "steps": args.steps, "global_batch": args.global_batch,
-            "per_rank_batch": args.global_batch // c.n, **json.load(open(trained)),
+            "per_rank_batch": args.global_batch // c.n, "data_sha256": args.data_sha256, **json.load(open(trained)),
             "eval_s": time.time() - t0, "commands": {k: ["hvd-partialfc"] + v for k, v in cmd.items()}}
     _write(os.path.join(out, "done.json"), done)
     if args.keep:      # the finished cell's figures, kept in the repository: a later session skips the cell
@@ -181,13 +181,36 @@ def run_cell(args, c: Cell) -> None:
 
 
 def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
-    """(done, eval) of a finished cell: from OUT, or from the copy kept in ``--keep``; None if unfinished."""
+    """(done, eval) of a finished cell: from OUT, or from the copy kept in ``--keep``; None if unfinished.
+    A cell measured on other data (its recorded ``data_sha256`` differs) stops the study: its figures cannot
+    sit in one table with these. Cells kept before the digest was recorded (2026-12-01) carry none."""
     out = os.path.join(args.out, c.name)
-    if os.path.isfile(os.path.join(out, "done.json")):
-        return {"done": json.load(open(os.path.join(out, "done.json"))),
-                "eval": json.load(open(os.path.join(out, "eval.json")))}
     kept = os.path.join(args.keep, f"{c.name}.json") if args.keep else ""
-    return json.load(open(kept)) if kept and os.path.isfile(kept) else None
+    if os.path.isfile(os.path.join(out, "done.json")):
+        cell, where = {"done": json.load(open(os.path.join(out, "done.json"))),
+                       "eval": json.load(open(os.path.join(out, "eval.json")))}, os.path.join(out, "done.json")
+    elif kept and os.path.isfile(kept):
+        cell, where = json.load(open(kept)), kept
+    else:
+        return None
+    recorded = cell["done"].get("data_sha256")
+    if recorded is not None and recorded != args.data_sha256:
+        raise SystemExit(f"{rel(where)} was measured on other data (data_sha256 {recorded[:12]}..., this "
+                         f"data {args.data_sha256[:12]}...): rebuild the data the cell names, or move the cell away")
+    return cell
+
+
+def data_sha256(args) -> str:
+    """One digest of the data every figure depends on: the shard files' sha256 as the training and held-out
+    manifests record them (the loaders check the files against these) and the bytes of the pair set."""
+    import hashlib
+    from hvd_partialfc.shards import read_manifest, sha256_file
+    parts = []
+    for d in (args.shards, args.heldout):
+        m = read_manifest(d)
+        parts.append([m.num_classes] + [[e.label_start, e.label_end, e.sha256] for e in m.shards])
+    parts.append(sha256_file(args.pairs))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def _write(path: str, obj) -> None:
@@ -380,6 +403,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hvd_partialfc.shards import read_manifest
     src = read_manifest(args.shards)
     os.makedirs(args.out, exist_ok=True)
+    args.data_sha256 = data_sha256(args)
 
     def prefix_classes(m: int):
         if m == src.num_shards:
