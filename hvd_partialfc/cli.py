@@ -274,11 +274,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
     s.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")
-    s.add_argument("--negatives-every", type=int, default=0, help="also local + cross-shard negatives every K steps")
-    s.add_argument("--negatives-share", type=int, default=0, help="centres each rank shares (0: its whole slice)")
-    s.add_argument("--negatives-pool", type=int, default=0,
+    from .config import HeadConfig
+    head = HeadConfig()                    # training's defaults, so an estimate means what a run does
+    s.add_argument("--negatives-every", type=int, default=0,
+                   help=f"also a row of local + cross-shard negatives every K steps (training's default: "
+                        f"{head.negatives_every})")
+    s.add_argument("--negatives-share", type=int, default=head.negatives_share,
+                   help="centres each rank shares (0: its whole slice; default: training's head.negatives_share)")
+    s.add_argument("--negatives-pool", type=int, default=head.negatives_pool,
                    help="at most this many centres shared by all ranks together (the share capped at ceil(pool / N); "
-                        "0: no cap; training's default head.negatives_pool is 8192)")
+                        "0: no cap; default: training's head.negatives_pool)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_estimate)
     args = p.parse_args(argv)

@@ -82,6 +82,28 @@ def test_estimate_cli_prints_a_table():
     assert "| classifier weights |" in out and "local C=1,000,000 N=8" in out and "replicated" in out
 
 
+
+def test_estimate_cli_negatives_default_to_trainings_share_and_pool():
+    """`--negatives-every K` alone estimates what a run with the default head does: share and pool are
+    training's (1,024 a rank, capped at ceil(8,192 / N)), not the whole slice."""
+    from hvd_partialfc.config import HeadConfig
+
+    def cli(*extra):
+        out = subprocess.run([os.path.join(BIN, "hvd-partialfc"), "estimate", "--classes", "1e6", "--world-size",
+                              "64", "--dim", "128", "--batch", "32", "--backbone", "mlp", "--in-shape", "64",
+                              "--mode", "local", "--negatives-every", "50", "--json", *extra],
+                             capture_output=True, text=True, check=True, cwd=ROOT).stdout
+        return json.loads(out)[1]
+    h = HeadConfig()
+    want = estimate(1_000_000, 64, 128, 32, "mlp", "local", in_shape=[64], negatives_every=50,
+                    negatives_share=h.negatives_share, negatives_pool=h.negatives_pool)
+    got = cli()
+    assert got["traffic_bytes"] == want["traffic_bytes"] and got["memory_bytes"] == want["memory_bytes"]
+    assert got["traffic_bytes"]["centres (allgather, amortised)"] == 128 * 128 * 4 / 50      # ceil(8192 / 64)
+    whole = cli("--negatives-share", "0", "--negatives-pool", "0")          # whole slices, no cap
+    assert whole["traffic_bytes"]["centres (allgather, amortised)"] == 15_625 * 128 * 4 / 50
+
+
 def _tiny_bench(out, *args):
     """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json."""
     cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--dims", "16", "--batch", "8", "--steps", "1",
