@@ -77,3 +77,23 @@ def test_negatives_config_is_checked():
         load_config(None, ["data.shards=/x", "head.negatives_every=-1"])
     with pytest.raises(ConfigError, match=">= 0"):
         load_config(None, ["data.shards=/x", "head.negatives_pool=-1"])
+
+
+def test_start_of_run_line_counts_bytes_sent_and_received():
+    """The line a run prints at its start (``CrossShardNegativesHead.describe``) against the arithmetic of
+    docs/scaling.md: rank r hands in its share and receives every rank's, each S x D x 4 bytes, every K
+    steps; against the gradient's allreduce, handed in and received (2 x its bytes)."""
+    import re
+    from types import SimpleNamespace
+    from hvd_partialfc.modes import CrossShardNegativesHead
+    widths = [388] * 63 + [374]                 # 24,818 classes on 64 ranks, the last slice narrower
+    comm = SimpleNamespace(rank=63, size=64)    # describe() reads rank and size only: no collective runs
+    head = CrossShardNegativesHead(374, 128, 24_444, comm, every=50, share=1024, slice_widths=widths,
+                                   pool=8192, loss="softmax")
+    line = head.describe(backbone_grad_bytes=2_277_632)
+    sent, received = 128 * 128 * 4, 64 * 128 * 128 * 4                # ceil(8192 / 64) = 128 rows a rank
+    per_step = (sent + received) / 50
+    assert "128 of 374 centres shared per rank, 8064 remote centres held (3.9 MB)" in line, line
+    assert f"{per_step:,.0f} B/step" in line, line
+    pct = float(re.search(r"= ([0-9.]+)% of the backbone", line).group(1))
+    assert pct == pytest.approx(100 * per_step / (2 * 2_277_632), abs=0.005), line
