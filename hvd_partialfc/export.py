@@ -37,7 +37,7 @@ def run_summary(path: str) -> Dict[str, Any]:
         else:
             entry["classifier_shape"] = None
         ranks.append(entry)
-    return {"checkpoint": os.path.abspath(ckpt), "step": meta["step"], "total_steps": meta.get("total_steps"),
+    return {"checkpoint": ckpt, "step": meta["step"], "total_steps": meta.get("total_steps"),
             "world_size": meta["world_size"], "num_classes": meta["num_classes"], "model": meta["model"],
             "digests_agree": len(set(meta["digests"])) == 1, "ranks": ranks}
 
@@ -68,7 +68,7 @@ def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
                "state_dict": state["state_dict"], "digest": actual, "step": meta["step"], "rank": rank}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic.torch_save(payload, out)
-    return {"out": os.path.abspath(out), "digest": actual, "step": meta["step"], "rank": rank,
+    return {"out": out, "digest": actual, "step": meta["step"], "rank": rank,
             "model": state["model"]}
 
 

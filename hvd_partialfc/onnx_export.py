@@ -90,7 +90,7 @@ def export_onnx(model: nn.Module, in_shape: Sequence[int], out: str, tolerance: 
                           f"by up to {diff:.3g} on {samples} random inputs (limit {tolerance:g})")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic.write_bytes(out, data)
-    return {"out": os.path.abspath(out), "bytes": len(data), "max_abs_diff_normalised": diff, "samples": samples,
+    return {"out": out, "bytes": len(data), "max_abs_diff_normalised": diff, "samples": samples,
             "input": ["batch"] + model_input_shape(in_shape)}
 
 

@@ -210,6 +210,9 @@ def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
     assert [(r["label_start"], r["label_end"]) for r in s["ranks"]] == [(0, 8), (8, 16)]
     info = export_backbone(str(whole), str(tmp_path / "bb.pt"), rank=1)
     assert info["digest"] == load_run(whole)[0]["digests"][1]
+    monkeypatch.chdir(tmp_path)              # what info and export print names the paths as given, never
+    s, info = run_summary("whole"), export_backbone("whole", "bb2.pt")   # an absolute machine path
+    assert not os.path.isabs(s["checkpoint"]) and s["checkpoint"].startswith("whole") and info["out"] == "bb2.pt"
 
 
 def test_stop_signal_reaches_threads():
