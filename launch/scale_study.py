@@ -202,7 +202,8 @@ def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
 
 def data_sha256(args) -> str:
     """One digest of the data every figure depends on: the shard files' sha256 as the training and held-out
-    manifests record them (the loaders check the files against these) and the bytes of the pair set."""
+    manifests record them (the trainer checks its files against these with `data.verify_sha256`,
+    `hvd-partialfc-shards inspect` any set's) and the bytes of the pair set."""
     import hashlib
     from hvd_partialfc.shards import read_manifest, sha256_file
     parts = []
