@@ -95,6 +95,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"        # auto (cuda:local_rank if available) | cpu | cuda
     precision: str = "fp32"     # fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)
+    # fp16: the loss scale doubles after this many finite steps in a row (halves at a non-finite one); 100 is
+    # arcface_torch's GradScaler(growth_interval=100), torch's default is 2000; runs before 2026-12-01: 1000
+    loss_scale_growth: int = 100
     log_every: int = 10
     on_nonfinite: str = "stop"  # stop | skip a step whose averaged backbone gradient is not finite
     threads: int = 0            # torch intra-op threads per rank (0: cores / ranks on the host, on CPU)
@@ -141,7 +144,8 @@ class Config:
             v = getattr(getattr(self, sec), key)
             if v not in allowed:
                 raise ConfigError(f"{sec}.{key}={v!r}: expected one of {', '.join(allowed)}")
-        positive = [("data", "batch_size"), ("optim", "backward_passes_per_step"), ("train", "log_every")]
+        positive = [("data", "batch_size"), ("optim", "backward_passes_per_step"), ("train", "log_every"),
+                    ("train", "loss_scale_growth")]
         for sec, key in positive:
             if getattr(getattr(self, sec), key) < 1:
                 raise ConfigError(f"{sec}.{key} must be >= 1")
@@ -262,11 +266,12 @@ def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
 
     * ``head.sampled_step``: a sampled ``local`` run from before it existed ran the ``lazy`` rule;
     * ``head.negatives_pool``: before it, nothing capped the share, which the default cap leaves unchanged
-      only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0).
+      only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0);
+    * ``train.loss_scale_growth``: an fp16 run from before it doubled its loss scale every 1,000 steps.
 
     Resume compares this against the current config, so upgrading the package never refuses to resume a
     run whose settings did not change, and refuses one whose numbers would."""
-    head = d.get("head", {})
+    head, train = d.get("head", {}), d.get("train", {})
     full = config_from_dict(d).to_dict()
     h = full["head"]
     if "sampled_step" not in head and h["mode"] == "local" and h["sample_rate"] < 1.0:
@@ -274,6 +279,8 @@ def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
     if "negatives_pool" not in head and h["mode"] == "local" and h["negatives_every"] > 0 \
             and (h["negatives_share"] == 0 or h["negatives_share"] * world_size > h["negatives_pool"]):
         h["negatives_pool"] = 0
+    if "loss_scale_growth" not in train and full["train"]["precision"] == "fp16":
+        full["train"]["loss_scale_growth"] = 1000
     return full
 
 

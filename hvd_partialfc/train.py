@@ -108,7 +108,7 @@ class LossScale:
     """Dynamic loss scale for fp16 (a no-op otherwise). Its decisions use the *averaged* backbone gradient
     norm, which is identical on every rank, so the scale stays identical everywhere without a collective."""
 
-    def __init__(self, enabled: bool, init: float = 2.0 ** 16, growth_interval: int = 1000):
+    def __init__(self, enabled: bool, init: float = 2.0 ** 16, growth_interval: int = 100):
         self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, init if enabled else 1.0, growth_interval, 0
 
     def update(self, finite: bool) -> None:
@@ -248,7 +248,7 @@ class Trainer:
         self.backbone_opt = comm.distributed_optimizer(
             backbone_opt, averaged, fp16_compression=o.fp16_compression,
             backward_passes_per_step=o.backward_passes_per_step)
-        self.loss_scale = LossScale(cfg.train.precision == "fp16")
+        self.loss_scale = LossScale(cfg.train.precision == "fp16", growth_interval=cfg.train.loss_scale_growth)
         self.skipped_steps = 0             # steps whose averaged backbone gradient was not finite (all ranks)
         self.consecutive_skips = 0
         self.classifier_skipped_steps = 0  # this rank's classifier steps skipped for a non-finite gradient

@@ -320,3 +320,7 @@ def test_an_older_config_means_the_defaults_the_lazy_sampled_step_and_no_pool():
     assert saved_config(old, 8)["head"]["sampled_step"] == "lazy"
     old["head"]["mode"] = "global"
     assert saved_config(old, 8)["head"]["sampled_step"] == "exact"   # (global never used it)
+    old["train"].pop("loss_scale_growth")                      # an fp16 run of then doubled every 1,000 steps
+    assert saved_config(old, 8)["train"]["loss_scale_growth"] == 100         # (fp32: the key means nothing)
+    old["train"]["precision"] = "fp16"
+    assert saved_config(old, 8)["train"]["loss_scale_growth"] == 1000

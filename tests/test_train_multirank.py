@@ -175,7 +175,8 @@ def test_truncated_shard_on_one_rank_fails_on_every_rank(tmp_path):
 @pytest.mark.parametrize("options", [
     ["optim.fp16_compression=true", "optim.backward_passes_per_step=2", "train.precision=bf16"],
     ["train.precision=fp16", "optim.name=adamw", "optim.backbone_lr=0.003", "optim.classifier_lr=0.003",
-     "optim.clip_grad_norm=1.0", "optim.schedule=poly", "optim.warmup_steps=3"],
+     "optim.clip_grad_norm=1.0", "optim.schedule=poly", "optim.warmup_steps=3", "train.loss_scale_growth=4",
+     "train.log_every=1"],
 ])
 def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     run = str(tmp_path / "run")
@@ -195,6 +196,16 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
         f = lr_factor(m["step"] - 1, 12, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
         assert m["lr"] == pytest.approx(o.backbone_lr * f, rel=1e-9)
     assert ("loss_scale" in metrics[-1]) == ("train.precision=fp16" in options)
+    if "train.precision=fp16" in options:      # replayed from the logged skips: from 2^16, halved at a skipped
+        scale, good, skipped, want = 2.0 ** 16, 0, 0, []            # step, doubled after 4 finite ones in a row
+        for m in metrics:                                            # (train.loss_scale_growth=4)
+            if m["skipped_steps"] > skipped:
+                scale, good, skipped = scale / 2, 0, m["skipped_steps"]
+            else:
+                good += 1
+                scale *= 2 if good % 4 == 0 else 1
+            want.append(scale)
+        assert [m["loss_scale"] for m in metrics] == want and max(want) > min(want) * 2, metrics
     from hvd_partialfc.checkpoint import load_file, resolve_checkpoint
     state = load_file(os.path.join(resolve_checkpoint(run), "backbone.pt"))["optimizer"]["state"]
     assert ("exp_avg" in next(iter(state.values()))) == ("optim.name=adamw" in options)
