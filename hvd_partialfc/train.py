@@ -104,11 +104,16 @@ class SkippedStepsError(NonFiniteError):
     """Too many steps in a row skipped (``train.max_consecutive_skips``): the run is no longer training."""
 
 
+def rank_threads(local_size: int) -> int:
+    """A CPU rank's default intra-op threads: the host's cores shared by its ``local_size`` ranks, at least 1."""
+    return max(1, (os.cpu_count() or 1) // local_size)
+
+
 class LossScale:
     """Dynamic loss scale for fp16 (a no-op otherwise). Its decisions use the *averaged* backbone gradient
     norm, which is identical on every rank, so the scale stays identical everywhere without a collective."""
 
-    def __init__(self, enabled: bool, init: float = 2.0 ** 16, growth_interval: int = 100):
+    def __init__(self, enabled: bool, growth_interval: int, init: float = 2.0 ** 16):
         self.enabled, self.scale, self.growth_interval, self.good_steps = enabled, init if enabled else 1.0, growth_interval, 0
 
     def update(self, finite: bool) -> None:
@@ -131,7 +136,7 @@ class Trainer:
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         elif self.device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // comm.local_size))
+            torch.set_num_threads(rank_threads(comm.local_size))
         error = None
         try:
             self._build()

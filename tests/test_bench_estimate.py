@@ -82,7 +82,6 @@ def test_estimate_cli_prints_a_table():
     assert "| classifier weights |" in out and "local C=1,000,000 N=8" in out and "replicated" in out
 
 
-
 def test_estimate_cli_negatives_default_to_trainings_share_and_pool():
     """`--negatives-every K` alone estimates what a run with the default head does: share and pool are
     training's (1,024 a rank, capped at ceil(8,192 / N)), not the whole slice."""

@@ -234,9 +234,10 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     # BatchNorm buffers are the pooled ones, checked in the core scenario) does offline; rank 0's own
     # statistics would move every score, hence the best threshold
     model, _ = load_backbone(run)
-    threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host's cores): the convolutions
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))   # round differently with another, and a
-    try:                                                         # score's round-off moved a fold's threshold
+    from hvd_partialfc.train import rank_threads
+    threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host): the convolutions round
+    torch.set_num_threads(rank_threads(2))  # differently with another, and a score's round-off moved a fold's
+    try:                                    # threshold
         ref = evaluate_backbone(model, read_pairs(str(tmp_path / "held.h5")), roc=False)
     finally:
         torch.set_num_threads(threads)
