@@ -87,12 +87,6 @@ class CommBase:
         """
         return _AllGatherSum.apply(tensor, self, name, float(grad_scale))
 
-    def allreduce_with_grad(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """The sum over ranks of ``tensor``, on every rank, differentiable: each rank's result enters its own
-        loss, so the gradient of the total loss with respect to rank r's input is the sum over ranks of the
-        incoming gradients (an allreduce in backward too). Sync BatchNorm's statistics (syncbn.py)."""
-        return _AllReduceSum.apply(tensor, self, name)
-
     def average_buffers(self, module: nn.Module, name: str) -> None:
         """Make BatchNorm running statistics (and other float buffers) equal on all ranks.
 
@@ -162,15 +156,3 @@ class _AllGatherSum(torch.autograd.Function):
             mine = mine * ctx.grad_scale
         return mine, None, None, None
 
-
-class _AllReduceSum(torch.autograd.Function):
-    """Forward: allreduce (sum). Backward: allreduce (sum) of the gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, comm: CommBase, name: str) -> torch.Tensor:
-        ctx.comm, ctx.name = comm, name
-        return comm.allreduce_tensor(tensor.contiguous(), "sum", name)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.comm.allreduce_tensor(grad.contiguous(), "sum", f"{ctx.name}.grad"), None, None

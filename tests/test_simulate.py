@@ -270,3 +270,56 @@ def test_simcomm_imports_no_horovod():
     code = "import sys, hvd_partialfc.simcomm, hvd_partialfc.commbase; assert 'horovod' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env())
     assert r.returncode == 0, r.stderr
+
+
+def test_each_virtual_rank_has_its_own_random_streams():
+    """Draws of the process-global generators (torch, numpy, Python) between collectives are each rank's own
+    streams, as in a process per rank: compared with each rank's draws made alone, in one thread. Covers
+    numpy's skipped save/restore when unchanged (``simcomm._Streams``), including a Gaussian cached by
+    ``np.random.randn`` and consumed after the baton went round, and ranks whose numpy stream is untouched."""
+    import random
+
+    import numpy as np
+
+    def draws(rank, comm=None):
+        torch.manual_seed(10 + rank)
+        random.seed(20 + rank)
+        if rank != 1:                      # rank 1 never seeds numpy: it keeps the process's start state
+            np.random.seed(30 + rank)
+        out = []
+        for step in range(4):
+            out += [torch.rand(2).tolist(), random.random(), np.random.randn(1).tolist()]   # odd: one cached
+            if comm is not None:
+                comm.allreduce_scalar(1.0, "sum", name=f"s{step}")
+            out += [np.random.randn(1).tolist()]                                       # the cached one
+            if rank == 2 and step == 1:
+                out += [np.random.rand(3).tolist()]
+            if comm is not None:
+                comm.allreduce_scalar(1.0, "sum", name=f"t{step}")
+        return out
+
+    def same_key_other_cache(rank, comm=None):
+        # both ranks unseeded: after their first draws their Mersenne Twister states are equal, but rank 1's
+        # holds a cached Gaussian and rank 0's does not; rank 0's next draw must not take rank 1's
+        out = [np.random.randn(2 if rank == 0 else 1).tolist()]
+        if comm is not None:
+            comm.allreduce_scalar(1.0, "sum", name="u")
+        return out + [np.random.randn(1).tolist()]
+
+    state = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        alone, alone2 = [], []
+        for r in range(3):
+            np.random.set_state(state[1])
+            alone.append(draws(r))
+            np.random.set_state(state[1])
+            alone2.append(same_key_other_cache(r))
+        np.random.set_state(state[1])
+        sim = in_threads(3, lambda c: draws(c.rank, c))
+        np.random.set_state(state[1])
+        sim2 = in_threads(2, lambda c: same_key_other_cache(c.rank, c))
+    finally:
+        torch.set_rng_state(state[0]), np.random.set_state(state[1]), random.setstate(state[2])
+    assert not any(isinstance(o, Exception) for o in sim + sim2), (sim, sim2)
+    assert sim == alone and sim2 == alone2[:2]
+    assert alone[0] != alone[2] and alone[1][2] != alone[0][2]     # the ranks' streams differ: it can tell

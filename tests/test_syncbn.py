@@ -21,28 +21,34 @@ def _data():
     return xs, cs, w, b
 
 
-def _bn(w, b):
-    bn = nn.BatchNorm2d(C, momentum=0.3)
-    with torch.no_grad():
-        bn.weight.copy_(w), bn.bias.copy_(b)
+def _bn(w, b, affine=True):
+    bn = nn.BatchNorm2d(C, momentum=0.3, affine=affine)
+    if affine:
+        with torch.no_grad():
+            bn.weight.copy_(w), bn.bias.copy_(b)
     return bn
 
 
-def test_sync_batchnorm_is_one_process_on_the_global_batch():
+@pytest.mark.parametrize("affine", [True, False])
+def test_sync_batchnorm_is_one_process_on_the_global_batch(affine):
     xs, cs, w, b = _data()
+
+    def make(w, b):
+        return _bn(w, b, affine)
     # reference: one process, the concatenated batch, the mean over ranks of each rank's mean loss
-    ref = _bn(w, b)
+    ref = make(w, b)
     x = torch.cat(xs).requires_grad_()
     y = ref(x)
     (sum((y[r * B:(r + 1) * B] * cs[r]).mean() for r in range(N)) / N).backward()
 
     def rank(comm):
-        net = convert_sync_batchnorm(nn.Sequential(_bn(w, b)), comm)
+        net = convert_sync_batchnorm(nn.Sequential(make(w, b)), comm)
         assert isinstance(net[0], SyncBatchNorm) and list(net[0].state_dict()) == list(ref.state_dict())
         xr = xs[comm.rank].clone().requires_grad_()
         yr = net(xr)
         (yr * cs[comm.rank]).mean().backward()
-        return yr.detach(), xr.grad, net[0].weight.grad, net[0].bias.grad, net[0].running_mean, net[0].running_var
+        grads = (net[0].weight.grad, net[0].bias.grad) if affine else (None, None)
+        return (yr.detach(), xr.grad) + grads + (net[0].running_mean, net[0].running_var)
 
     out = in_threads(N, rank)
     assert not any(isinstance(o, Exception) for o in out), out
@@ -54,12 +60,13 @@ def test_sync_batchnorm_is_one_process_on_the_global_batch():
         torch.testing.assert_close(rm, ref.running_mean, atol=1e-6, rtol=1e-5)   # equal on every rank
         torch.testing.assert_close(rv, ref.running_var, atol=1e-6, rtol=1e-5)
     # the parameters' gradients, averaged over ranks (the DistributedOptimizer), are the reference's
-    torch.testing.assert_close(sum(o[2] for o in out) / N, ref.weight.grad, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(sum(o[3] for o in out) / N, ref.bias.grad, atol=1e-6, rtol=1e-5)
+    if affine:
+        torch.testing.assert_close(sum(o[2] for o in out) / N, ref.weight.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(sum(o[3] for o in out) / N, ref.bias.grad, atol=1e-6, rtol=1e-5)
     # what the test can tell apart: plain per-rank BatchNorm normalises rank 2's batch quite differently
-    assert (_bn(w, b)(xs[2]) - y[2 * B:].detach()).abs().max() > 0.5
+    assert (make(w, b)(xs[2]) - y[2 * B:].detach()).abs().max() > 0.5
     # evaluation: plain BatchNorm with the running statistics, no collective (no comm needed)
-    sync = SyncBatchNorm(C, ref.eps, 0.3, True, comm=None, name="x")
+    sync = SyncBatchNorm(C, ref.eps, 0.3, affine, comm=None, name="x")
     sync.load_state_dict(ref.state_dict())
     ref.eval(), sync.eval()
     torch.testing.assert_close(sync(xs[0]), ref(xs[0]))
