@@ -260,6 +260,14 @@ def load_rows(args, cells: List[Cell], bb: Dict[str, int]) -> List[dict]:
     return rows
 
 
+def shared_endpoints(args, rows: List[dict], num_shards: int) -> List[dict]:
+    """The fixed series' cell where N x ``--fixed-shards-per-rank`` is every shard is the whole-set cell (run
+    once, under the *all* series): its rows again, as the fixed series' end point."""
+    k = args.fixed_shards_per_rank
+    return [dict(r, series="fixed", same_cell_as_all=True) for r in rows
+            if r["series"] == "all" and r["variant"] in args.fixed_variants and r["n"] * k == num_shards]
+
+
 def summarise(rows: List[dict]) -> List[dict]:
     """Seed means ± sd per (series, N, variant), and ratios to exact ``global`` of the same series and N."""
     import numpy as np
@@ -273,7 +281,8 @@ def summarise(rows: List[dict]) -> List[dict]:
         s = {"series": series, "n": n, "variant": v, "seeds": sorted(r["seed"] for r in rs),
              "classes": rs[0]["classes"], "classes_per_rank": rs[0]["classes_per_rank"],
              "per_rank_batch": rs[0]["per_rank_batch"], "train_s_mean": float(np.mean([r["train_s"] for r in rs])),
-             "eval_s_mean": float(np.mean([r["eval_s"] for r in rs]))}
+             "eval_s_mean": float(np.mean([r["eval_s"] for r in rs])),
+             "same_cell_as_all": bool(rs[0].get("same_cell_as_all"))}
         for k in ("extra_vs_grad", "iresnet50_extra_vs_grad", "extra_bytes_per_step", "iresnet50_extra_bytes_per_step"):
             s[k] = rs[0][k]
         g = groups.get((series, n, "global"))
@@ -303,7 +312,8 @@ def write_outputs(args, table: List[dict], rows: List[dict], cells: List[Cell]) 
              f"{args.steps} steps, global batch {args.global_batch}, config `{settings['config']}`, "
              f"train `{settings['shards']}`, held-out `{settings['heldout']}` (all pairs) and `{settings['pairs']}`.",
              "Series *all*: every class; *fixed*: the first N x "
-             f"{args.fixed_shards_per_rank} shards (classes per rank fixed while N grows). Seed means ± sd; "
+             f"{args.fixed_shards_per_rank} shards (classes per rank fixed while N grows; *fixed = all*: at that N "
+             f"the first N x {args.fixed_shards_per_rank} shards are every shard, the *all* cell again). Seed means ± sd; "
              "vs global: the ratio to exact `global` of the same series and N. Extra traffic: bytes sent + "
              "received per rank and step above bare `local` (an all-gather receives N shares), against the "
              "backbone gradient's allreduce (sent + received), for this backbone and for iresnet50 (D = 512).", "",
@@ -313,7 +323,7 @@ def write_outputs(args, table: List[dict], rows: List[dict], cells: List[Cell]) 
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in table:
         lines.append(
-            f"| {s['series']} | {s['n']} | {s['classes_per_rank']} | {s['per_rank_batch']} | {s['variant']} | "
+            f"| {s['series'] + (' = all' if s['same_cell_as_all'] else '')} | {s['n']} | {s['classes_per_rank']} | {s['per_rank_batch']} | {s['variant']} | "
             f"{','.join(map(str, s['seeds']))} | {f(s['ap_tar@far=1e-3'], s['ap_tar@far=1e-3_sd'])} | "
             f"{f(s['ap_tar@far=1e-4'], s['ap_tar@far=1e-4_sd'])} | {f(s['acc'], s['acc_sd'])} | "
             f"{ratio(s['ap_tar@far=1e-3_vs_global'])} / {ratio(s['ap_tar@far=1e-4_vs_global'])} / "
@@ -326,24 +336,33 @@ def write_outputs(args, table: List[dict], rows: List[dict], cells: List[Cell]) 
 
 
 def plot(args, table: List[dict]) -> None:
+    """Left: held-out all-pairs TAR@1e-3 against N per variant and series; right: its ratio to exact
+    ``global`` of the same series and N (the study's question), with the 99% goal."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.5))
     for series, ls in (("all", "-"), ("fixed", ":")):
-        for v in VARIANTS:
+        for i, v in enumerate(VARIANTS):
             pts = [s for s in table if s["series"] == series and s["variant"] == v and s["ap_tar@far=1e-3"] is not None]
-            if pts:
-                ax.errorbar([s["n"] for s in pts], [s["ap_tar@far=1e-3"] for s in pts],
-                            yerr=[s["ap_tar@far=1e-3_sd"] or 0 for s in pts], marker="o", ls=ls, capsize=3,
-                            label=v + (" (fixed classes/rank)" if series == "fixed" else ""))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("ranks N")
-    ax.set_ylabel("held-out all-pairs TAR@FAR=1e-3")
-    ax.set_title(f"{args.steps} steps, global batch {args.global_batch}")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+            if not pts:
+                continue
+            label = v + (" (fixed classes/rank)" if series == "fixed" else "")
+            style = dict(marker="o", ls=ls, color=f"C{i}", label=label)
+            ax.errorbar([s["n"] for s in pts], [s["ap_tar@far=1e-3"] for s in pts],
+                        yerr=[s["ap_tar@far=1e-3_sd"] or 0 for s in pts], capsize=3, **style)
+            pts = [s for s in pts if s["ap_tar@far=1e-3_vs_global"] is not None]
+            if v != "global" and pts:
+                rx.plot([s["n"] for s in pts], [s["ap_tar@far=1e-3_vs_global"] for s in pts], **style)
+    rx.axhline(0.99, color="k", lw=0.8, ls="--", label="goal: 99% of global")
+    for a, y in ((ax, "held-out all-pairs TAR@FAR=1e-3"), (rx, "TAR@FAR=1e-3 / global's (same series and N)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("ranks N")
+        a.set_ylabel(y)
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    fig.suptitle(f"{args.steps} steps, global batch {args.global_batch}; seed means (left: ± sd)")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "study.png"), dpi=110)
     plt.close(fig)
@@ -431,7 +450,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             run_cell(args, c)
             print(f"{c.name}: done in {(time.time() - t0) / 60:.1f} min", flush=True)
     rows = load_rows(args, cells, backbone_params(args))
-    write_outputs(args, summarise(rows), rows, cells)
+    write_outputs(args, summarise(rows + shared_endpoints(args, rows, src.num_shards)), rows, cells)
     return 0
 
 

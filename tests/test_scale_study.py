@@ -146,3 +146,11 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
     src = read_manifest(train)
     assert fixed["classes"] == src.shards[1].label_end and fixed["classes_per_rank"] == src.shards[0].label_end
     assert fixed["shards"] == os.path.relpath(str(out / "subsets" / "first-2-shards"), ROOT)
+    # the fixed series ends at N = 4 (4 x 1 shards = the whole set) on the whole-set cell, not run twice
+    assert s["settings"]["cells_done"] == 3 and len(s["cells"]) == 3
+    table = {(t["series"], t["n"], t["variant"]): t for t in s["table"]}
+    end, whole = table[("fixed", 4, "local")], table[("all", 4, "local")]
+    assert end["same_cell_as_all"] and not whole["same_cell_as_all"] and not table[("fixed", 2, "local")]["same_cell_as_all"]
+    assert {k: v for k, v in end.items() if k not in ("series", "same_cell_as_all")} == \
+        {k: v for k, v in whole.items() if k not in ("series", "same_cell_as_all")}
+    assert "| fixed = all | 4 | 4 | 4 | local | 0 |" in open(out / "study.md").read()
