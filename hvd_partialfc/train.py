@@ -379,6 +379,16 @@ class Trainer:
         return [p for g in self.classifier_opt.param_groups for p in g["params"]]
 
     # --- the loop -----------------------------------------------------------------------------------
+    def startup_notes(self) -> List[str]:
+        """The lines rank 0 prints before the first step: the negatives' exchange and its cost against the
+        backbone gradient (more than one rank), and a warning when sampled ``local`` scores few rows."""
+        notes = []
+        if self.comm.size > 1 and hasattr(self.classifier, "describe"):
+            notes.append(self.classifier.describe(comm_lib.gradient_bytes(self.backbone.parameters(),
+                                                                          self.cfg.optim.fp16_compression)))
+        warning = self.classifier.sampling_warning() if hasattr(self.classifier, "sampling_warning") else None
+        return notes + ([warning] if warning else [])
+
     def fit(self) -> str:
         """Train to ``total_steps`` (or until a stop signal, then ``self.stopped_by`` names it); returns the
         last checkpoint folder."""
@@ -393,9 +403,9 @@ class Trainer:
         samples_per_step = cfg.data.batch_size * cfg.optim.backward_passes_per_step * comm.size
         bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
                    dynamic_ncols=True, desc=f"train np={comm.size}")
-        if comm.is_main and comm.size > 1 and hasattr(self.classifier, "describe"):
-            bar.write(self.classifier.describe(comm_lib.gradient_bytes(self.backbone.parameters(),
-                                                                       cfg.optim.fp16_compression)))
+        if comm.is_main:
+            for line in self.startup_notes():
+                bar.write(line)
         if self.resumed_from and comm.is_main:
             r = self.resumed_from
             bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
