@@ -154,3 +154,33 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
     assert {k: v for k, v in end.items() if k not in ("series", "same_cell_as_all")} == \
         {k: v for k, v in whole.items() if k not in ("series", "same_cell_as_all")}
     assert "| fixed = all | 4 | 4 | 4 | local | 0 |" in open(out / "study.md").read()
+
+
+def test_row_geometry_cosines_of_known_rows(tmp_path, capsys):
+    # two slices written as a checkpoint: slice 0's three rows point the same way (every cosine 1), slice 1's
+    # three are orthogonal (0): the script's figures are those, and the nearest row over all is 1 for a row
+    # of slice 0 and 0 for one of slice 1 (mean over every row: 0.5)
+    import torch
+    from hvd_partialfc.checkpoint import FORMAT_VERSION
+    spec = importlib.util.spec_from_file_location("row_geometry", os.path.join(ROOT, "launch", "row_geometry.py"))
+    rg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rg)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    ckpt.mkdir(parents=True)
+    same = torch.tensor([[1.0, 1.0, 0, 0, 0, 0]]) * torch.tensor([[1.0], [2.0], [0.5]])
+    orth = torch.zeros(3, 6)
+    orth[0, 2], orth[1, 3], orth[2, 4] = 1.0, 3.0, 2.0
+    names = []
+    for r, (w, start) in enumerate([(same, 0), (orth, 3)]):
+        names.append(f"classifier-{r:05d}-of-00002.pt")
+        torch.save({"weight": w, "label_start": start, "label_end": start + 3}, ckpt / names[-1])
+    (ckpt / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "slices": [[0, 3], [3, 6]],
+                                                "classifier_files": names}))
+    (ckpt.parent / "latest").write_text("step-00000002")
+    assert rg.main([str(tmp_path / "run"), "--json", str(tmp_path / "g.json")]) == 0
+    g = json.load(open(tmp_path / "g.json"))[0]
+    assert g["rows"] == 6 and g["checkpoint"] == "step-00000002" and g["overall_sampled_rows"] == 6
+    assert g["within_slice_pair_cos"] == pytest.approx(0.5) and g["within_slice_nearest_cos"] == pytest.approx(0.5)
+    assert g["overall_nearest_cos"] == pytest.approx(0.5)
+    assert g["row_norm_mean"] == pytest.approx((2 ** 0.5 * 3.5 + 6.0) / 6)
+    assert "| run | 6 |" in capsys.readouterr().out
