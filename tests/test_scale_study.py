@@ -28,12 +28,17 @@ def _strings(obj):
     return [t for v in items for t in _strings(v)]
 
 
-def _study():
-    spec = importlib.util.spec_from_file_location("scale_study", os.path.join(ROOT, "launch", "scale_study.py"))
+def _launch_script(name: str):
+    """launch/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["scale_study"] = mod             # its dataclass looks its module up
+    sys.modules[name] = mod             # scale_study's dataclass looks its module up
     spec.loader.exec_module(mod)
     return mod
+
+
+def _study():
+    return _launch_script("scale_study")
 
 
 @pytest.fixture(scope="module")
@@ -161,22 +166,20 @@ def test_row_geometry_cosines_of_known_rows(tmp_path, capsys):
     # three are orthogonal (0): the script's figures are those, and the nearest row over all is 1 for a row
     # of slice 0 and 0 for one of slice 1 (mean over every row: 0.5)
     import torch
-    from hvd_partialfc.checkpoint import FORMAT_VERSION
-    spec = importlib.util.spec_from_file_location("row_geometry", os.path.join(ROOT, "launch", "row_geometry.py"))
-    rg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rg)
-    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    from hvd_partialfc.checkpoint import FORMAT_VERSION, classifier_file, step_dir_name
+    rg = _launch_script("row_geometry")
+    ckpt = tmp_path / "run" / "checkpoints" / step_dir_name(2)
     ckpt.mkdir(parents=True)
     same = torch.tensor([[1.0, 1.0, 0, 0, 0, 0]]) * torch.tensor([[1.0], [2.0], [0.5]])
     orth = torch.zeros(3, 6)
     orth[0, 2], orth[1, 3], orth[2, 4] = 1.0, 3.0, 2.0
     names = []
     for r, (w, start) in enumerate([(same, 0), (orth, 3)]):
-        names.append(f"classifier-{r:05d}-of-00002.pt")
+        names.append(classifier_file(r, 2))
         torch.save({"weight": w, "label_start": start, "label_end": start + 3}, ckpt / names[-1])
     (ckpt / "meta.json").write_text(json.dumps({"format_version": FORMAT_VERSION, "slices": [[0, 3], [3, 6]],
                                                 "classifier_files": names}))
-    (ckpt.parent / "latest").write_text("step-00000002")
+    (ckpt.parent / "latest").write_text(step_dir_name(2))
     assert rg.main([str(tmp_path / "run"), "--json", str(tmp_path / "g.json")]) == 0
     g = json.load(open(tmp_path / "g.json"))[0]
     assert g["rows"] == 6 and g["checkpoint"] == "step-00000002" and g["overall_sampled_rows"] == 6
