@@ -321,3 +321,13 @@ def test_each_virtual_rank_has_its_own_random_streams(in_process):
     assert not any(isinstance(o, Exception) for o in sim + sim2), (sim, sim2)
     assert sim == alone and sim2 == alone2
     assert alone[0] != alone[2] and alone[1][2] != alone[0][2]     # the ranks' streams differ: it can tell
+
+
+def test_run_start_prints_the_exchange_and_the_sampling_warning_once(shards8, tmp_path):
+    # what fit() prints before the first step (Trainer.startup_notes), on rank 0 only: the negatives'
+    # exchange and its cost, and, for sampled local scoring int(0.25 x 8) = 2 rows of a slice, the warning
+    printed = simulate(2, shards8, tmp_path / "run", 2, "head.sample_rate=0.25").stdout
+    assert printed.count("cross-shard negatives: every 5 steps, 2 of 8 centres shared per rank") == 1
+    assert printed.count("warning: head.sample_rate=0.25 scores 2 of this rank's 8 classifier rows") == 1
+    quiet = simulate(2, shards8, tmp_path / "quiet", 2, "head.negatives_every=0").stdout
+    assert "cross-shard negatives:" not in quiet and "warning: head.sample_rate" not in quiet
