@@ -128,6 +128,14 @@ def test_min_families_counts_keys_after_cmap_standin_and_duplicate_checks(fontdi
     assert src["standin_renderings_dropped"] == 3             # VL's 永, 九, 年 share one glyph
     assert src["characters_dropped"] == 2
     assert {f["family"] for f in src["fonts"]} == {"T Droid", "T VL", "T Sung", "T Droid Mono"}
+    # what else the bytes depend on: each font file's sha256 and the renderer's and writer's versions
+    import hashlib
+    import h5py
+    import PIL
+    for f in src["fonts"]:
+        assert f["sha256"] == hashlib.sha256(open(f["file"], "rb").read()).hexdigest()
+    assert src["built_with"]["Pillow"] == PIL.__version__ and src["built_with"]["hdf5"] == h5py.version.hdf5_version
+    assert set(src["built_with"]) == {"Pillow", "freetype2", "numpy", "h5py", "hdf5"}
     x, y = load_all(out)
     for label, ch in enumerate(m.class_names):
         imgs = x[y == label]

@@ -91,6 +91,24 @@ def family_key(family: str) -> str:
     return _GLUED_P.sub(r"\1\2", " ".join(words)) or family
 
 
+def _file_sha256(path: str) -> str:
+    from hvd_partialfc.shards import sha256_file
+    return sha256_file(path)
+
+
+def built_with() -> Dict[str, str]:
+    """The versions the shard bytes depend on besides the fonts (whose files' sha256 the manifest records):
+    the renderer (Pillow and the FreeType it carries), numpy, and the HDF5 writer. Measured: the same
+    ``cjk-20k`` build on two fresh machines (2026-12-01, 2026-12-02) kept every count (samples, duplicate
+    and near-duplicate renderings dropped, top-ups) yet gave other shard sha256s, and nothing then recorded
+    which of these had moved; a rebuild that differs can now be compared entry by entry."""
+    import h5py
+    import PIL
+    from PIL import features
+    return {"Pillow": PIL.__version__, "freetype2": str(features.version("freetype2")), "numpy": np.__version__,
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
+
+
 def list_faces(files: Sequence[str]) -> List[Dict]:
     """Every face of every file: {file, index, family, style, key}, in (file, index) order."""
     from fontTools.ttLib import TTCollection, TTFont
@@ -342,7 +360,7 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
         per_char[ci] = None                # the concatenation below is the only copy kept
     arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
     del samples, per_char
-    used = [dict(f, samples=kept[i]) for i, f in enumerate(faces) if kept[i]]
+    used = [dict(f, samples=kept[i], sha256=_file_sha256(f["file"])) for i, f in enumerate(faces) if kept[i]]
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),
                    "size": side, "samples_per_font": k, "seed": seed, "min_fonts": min_fonts,
                    "min_families": min_families, "faces_per_family": faces_per_family or 0,
@@ -353,5 +371,6 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
                    "near_duplicate": near_duplicate, "near_duplicate_renderings_dropped": dropped_near,
                    "characters_dropped": keep_char.count(False),
                    "min_samples": min_samples, "top_up_samples": sum(t[2] for t in top_up),
-                   "cmap_family_histogram": cmap_hist, "family_histogram": family_hist, "fonts": used}
+                   "cmap_family_histogram": cmap_hist, "family_histogram": family_hist, "fonts": used,
+                   "built_with": built_with()}
     return ImportedData("images", arr, labels, source_info, sample_shape=[side, side])
