@@ -165,6 +165,27 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
             h.update(b)
 
 
+def sha256_content(path: str) -> str:
+    """sha256 of what an HDF5 file holds, not of its bytes: every dataset's name, dtype, shape and values,
+    in name order. Measured reason: the same ``cjk-20k`` build on two fresh machines gave other file bytes
+    (sha256_file) and the same samples (a study cell trained on each gave the same TAR to every digit;
+    docs/data.md §4.1): the HDF5 writer's encoding may change between machines, the arrays do not."""
+    h = hashlib.sha256()
+    names: List[str] = []
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+        for name in sorted(names):
+            d = f[name]
+            h.update(f"{name}|{d.dtype.str}|{d.shape}|".encode())
+            step = max(1, (1 << 26) // max(1, d.dtype.itemsize * int(np.prod(d.shape[1:], dtype=np.int64))))
+            for i in range(0, d.shape[0] if d.shape else 1, step):
+                block = np.asarray(d[i:i + step] if d.shape else d[()])
+                # variable-length strings are object arrays: their values, not their pointers
+                h.update(repr(block.tolist()).encode() if block.dtype.kind == "O" else
+                         np.ascontiguousarray(block).tobytes())
+    return h.hexdigest()
+
+
 def manifest_digest(shard_dir: str) -> str:
     """sha256 of the manifest file: identifies a shard set (checkpoints record it)."""
     return sha256_file(os.path.join(shard_dir, MANIFEST))

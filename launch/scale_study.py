@@ -172,7 +172,8 @@ def run_cell(args, c: Cell) -> None:
     _write(os.path.join(out, "eval.json"), figures)
     done = {"cell": c.name, "series": c.series, "variant": c.variant, "n": c.n, "seed": c.seed,
             "shards": c.shards, "classes": c.classes, "steps": args.steps, "global_batch": args.global_batch,
-            "per_rank_batch": args.global_batch // c.n, "data_sha256": args.data_sha256, **json.load(open(trained)),
+            "per_rank_batch": args.global_batch // c.n, "data_sha256": args.data_sha256,
+            "data_content_sha256": args.data_content_sha256, **json.load(open(trained)),
             "eval_s": time.time() - t0, "commands": {k: ["hvd-partialfc"] + v for k, v in cmd.items()}}
     _write(os.path.join(out, "done.json"), done)
     if args.keep:      # the finished cell's figures, kept in the repository: a later session skips the cell
@@ -182,8 +183,9 @@ def run_cell(args, c: Cell) -> None:
 
 def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
     """(done, eval) of a finished cell: from OUT, or from the copy kept in ``--keep``; None if unfinished.
-    A cell measured on other data (its recorded ``data_sha256`` differs) stops the study: its figures cannot
-    sit in one table with these. Cells kept before the digest was recorded (2026-12-01) carry none."""
+    A cell measured on other data (its recorded digest differs) stops the study: its figures cannot sit in
+    one table with these. Compared: the digest of what the files hold where the cell records it, else that of
+    the files' bytes (cells kept before 2026-12-02); cells kept before 2026-12-01 carry neither."""
     out = os.path.join(args.out, c.name)
     kept = os.path.join(args.keep, f"{c.name}.json") if args.keep else ""
     if os.path.isfile(os.path.join(out, "done.json")):
@@ -193,10 +195,11 @@ def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
         cell, where = json.load(open(kept)), kept
     else:
         return None
-    recorded = cell["done"].get("data_sha256")
-    if recorded is not None and recorded != args.data_sha256:
-        raise SystemExit(f"{rel(where)} was measured on other data (data_sha256 {recorded[:12]}..., this "
-                         f"data {args.data_sha256[:12]}...): rebuild the data the cell names, or move the cell away")
+    key = "data_content_sha256" if "data_content_sha256" in cell["done"] else "data_sha256"
+    recorded, here = cell["done"].get(key), getattr(args, key)
+    if recorded is not None and recorded != here:
+        raise SystemExit(f"{rel(where)} was measured on other data ({key} {recorded[:12]}..., this data "
+                         f"{here[:12]}...): rebuild the data the cell names, or move the cell away")
     return cell
 
 
@@ -211,6 +214,21 @@ def data_sha256(args) -> str:
         m = read_manifest(d)
         parts.append([m.num_classes] + [[e.label_start, e.label_end, e.sha256] for e in m.shards])
     parts.append(sha256_file(args.pairs))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def data_content_sha256(args) -> str:
+    """The same, of what the files hold (``shards.sha256_content``: the arrays, not the HDF5 encoding), so a
+    rebuild of the same samples on another machine, whose file bytes differ (docs/data.md §4.1), is the same
+    data. Cells record both; a cell with this digest is checked on it, an older one on its ``data_sha256``."""
+    import hashlib
+    from hvd_partialfc.shards import read_manifest, sha256_content
+    parts = []
+    for d in (args.shards, args.heldout):
+        m = read_manifest(d)
+        parts.append([m.num_classes] + [[e.label_start, e.label_end, sha256_content(os.path.join(d, e.file))]
+                                        for e in m.shards])
+    parts.append(sha256_content(args.pairs))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -423,7 +441,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from hvd_partialfc.shards import read_manifest
     src = read_manifest(args.shards)
     os.makedirs(args.out, exist_ok=True)
-    args.data_sha256 = data_sha256(args)
+    args.data_sha256, args.data_content_sha256 = data_sha256(args), data_content_sha256(args)
 
     def prefix_classes(m: int):
         if m == src.num_shards:

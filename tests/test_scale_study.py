@@ -93,16 +93,30 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
     fresh = [a if a != str(out) else str(tmp_path / "fresh") for a in argv]
     capsys.readouterr()
     assert study.main(fresh + ["--dry-run"]) == 0 and "3 cells, 1 to run" in capsys.readouterr().out
-    # a kept cell measured on other data stops the study instead of joining the table
+    # a kept cell measured on other data stops the study instead of joining the table; the data are what the
+    # files hold: a cell whose file bytes differed (a rebuild elsewhere) but whose arrays agree joins it
     kept = json.load(open(tmp_path / "keep" / "local-n2-seed0.json"))
-    assert kept["done"]["data_sha256"] == study.data_sha256(study.parse(argv))
-    kept["done"]["data_sha256"] = "0" * 64
-    json.dump(kept, open(tmp_path / "keep2.json", "w"))
-    os.makedirs(tmp_path / "keep2")
-    os.replace(tmp_path / "keep2.json", tmp_path / "keep2" / "local-n2-seed0.json")
+    parsed = study.parse(argv)
+    assert kept["done"]["data_sha256"] == study.data_sha256(parsed)
+    assert kept["done"]["data_content_sha256"] == study.data_content_sha256(parsed)
     other = [a if a != str(tmp_path / "keep") else str(tmp_path / "keep2") for a in fresh]
-    with pytest.raises(SystemExit, match="measured on other data"):
-        study.main(other + ["--dry-run"])
+    os.makedirs(tmp_path / "keep2")
+
+    def planned_with(**done):
+        cell = json.loads(json.dumps(kept))
+        cell["done"].update(done)
+        for k in [k for k, v in done.items() if v is None]:
+            del cell["done"][k]
+        json.dump(cell, open(tmp_path / "keep2.json", "w"))
+        os.replace(tmp_path / "keep2.json", tmp_path / "keep2" / "local-n2-seed0.json")
+        capsys.readouterr()
+        return study.main(other + ["--dry-run"]) == 0 and "3 cells, 2 to run" in capsys.readouterr().out
+
+    assert planned_with(data_sha256="0" * 64)                            # other bytes, the same arrays
+    with pytest.raises(SystemExit, match="measured on other data.*data_content_sha256"):
+        planned_with(data_content_sha256="0" * 64)
+    with pytest.raises(SystemExit, match="measured on other data.*data_sha256"):   # an older cell: bytes only
+        planned_with(data_sha256="0" * 64, data_content_sha256=None)
     # planned: local-n2, local-n4 (every class), local-n2-1sh (2 of 4 shards); N=4 x 1 shard = the whole set
     names = ["local-n2-seed0", "local-n4-seed0", "local-n2-1sh-seed0"]
     assert [os.path.isfile(out / n / "done.json") for n in names] == [True, True, False]

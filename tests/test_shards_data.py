@@ -62,6 +62,24 @@ def test_sha256_mismatch_detected(four_shards):
         check_shard_file(four_shards, m, 0, verify_sha256=True)
 
 
+def test_content_digest_is_of_the_arrays_not_the_encoding(four_shards, tmp_path):
+    # the same arrays written with another layout (chunked, compressed): other bytes, the same content digest;
+    # one value changed: another content digest
+    from hvd_partialfc.shards import sha256_content, sha256_file
+    src = os.path.join(four_shards, read_manifest(four_shards).shards[0].file)
+    copy = str(tmp_path / "copy.h5")
+    with h5py.File(src, "r") as f, h5py.File(copy, "w") as g:
+        for k, v in f.attrs.items():
+            g.attrs[k] = v
+        for name in sorted(f, reverse=True):
+            g.create_dataset(name, data=f[name][:], chunks=True, compression="gzip")
+    assert sha256_file(copy) != sha256_file(src)
+    assert sha256_content(copy) == sha256_content(src)
+    with h5py.File(copy, "r+") as g:
+        g["features"][3, 1] += 1
+    assert sha256_content(copy) != sha256_content(src)
+
+
 INSPECT = ("copy the set again or rebuild it with `hvd-partialfc-shards build`; "
            "check it with `hvd-partialfc-shards inspect ")
 
