@@ -91,17 +91,12 @@ def family_key(family: str) -> str:
     return _GLUED_P.sub(r"\1\2", " ".join(words)) or family
 
 
-def _file_sha256(path: str) -> str:
-    from hvd_partialfc.shards import sha256_file
-    return sha256_file(path)
-
-
 def built_with() -> Dict[str, str]:
     """The versions the shard bytes depend on besides the fonts (whose files' sha256 the manifest records):
     the renderer (Pillow and the FreeType it carries), numpy, and the HDF5 writer. Measured: the same
-    ``cjk-20k`` build on two fresh machines (2026-12-01, 2026-12-02) kept every count (samples, duplicate
-    and near-duplicate renderings dropped, top-ups) yet gave other shard sha256s, and nothing then recorded
-    which of these had moved; a rebuild that differs can now be compared entry by entry."""
+    ``cjk-20k`` build on two fresh machines (2026-12-01, 2026-12-02) gave other shard sha256s with the same
+    samples (docs/data.md §4.1), and nothing then recorded which of these had moved; a rebuild that differs
+    can now be compared entry by entry."""
     import h5py
     import PIL
     from PIL import features
@@ -360,7 +355,8 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
         per_char[ci] = None                # the concatenation below is the only copy kept
     arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
     del samples, per_char
-    used = [dict(f, samples=kept[i], sha256=_file_sha256(f["file"])) for i, f in enumerate(faces) if kept[i]]
+    from hvd_partialfc.shards import sha256_file
+    used = [dict(f, samples=kept[i], sha256=sha256_file(f["file"])) for i, f in enumerate(faces) if kept[i]]
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),
                    "size": side, "samples_per_font": k, "seed": seed, "min_fonts": min_fonts,
                    "min_families": min_families, "faces_per_family": faces_per_family or 0,
