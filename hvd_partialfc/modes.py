@@ -65,8 +65,8 @@ class LocalHead(LocalClassifier):
         rank's rows a step, else None. Measured (docs/accuracy.md, scale study, 600 steps, r = 0.1): 38 rows
         a step (387 classes a rank) and 309 rows are level with unsampled ``local``; 9 rows (97 classes a
         rank, N = 256) cost 4% of TAR@1e-3 and 7% of TAR@1e-4 over two seeds, and 38 of those 97 rows
-        (r = 0.4) were within seed noise again (0.992 / 0.986 of unsampled, seed 0): the rows scored a step
-        count, not the slice's width."""
+        (r = 0.4) were level again (1.004 / 1.006 of unsampled, two seeds): the rows scored a step count,
+        not the slice's width."""
         if self.sample_rate >= 1.0:
             return None
         rows = int(self.sample_rate * self.width)
