@@ -203,33 +203,33 @@ def finished(args, c: Cell) -> Optional[Dict[str, dict]]:
     return cell
 
 
+def _data_digest(args, of_shard, of_file) -> str:
+    """sha256 over both manifests' class counts and label ranges, ``of_shard(folder, entry)`` of every shard
+    and ``of_file(path)`` of the pair set: the two digests below differ only in these two."""
+    import hashlib
+    from hvd_partialfc.shards import read_manifest
+    parts = []
+    for d in (args.shards, args.heldout):
+        m = read_manifest(d)
+        parts.append([m.num_classes] + [[e.label_start, e.label_end, of_shard(d, e)] for e in m.shards])
+    parts.append(of_file(args.pairs))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def data_sha256(args) -> str:
     """One digest of the data every figure depends on: the shard files' sha256 as the training and held-out
     manifests record them (the trainer checks its files against these with `data.verify_sha256`,
     `hvd-partialfc-shards inspect` any set's) and the bytes of the pair set."""
-    import hashlib
-    from hvd_partialfc.shards import read_manifest, sha256_file
-    parts = []
-    for d in (args.shards, args.heldout):
-        m = read_manifest(d)
-        parts.append([m.num_classes] + [[e.label_start, e.label_end, e.sha256] for e in m.shards])
-    parts.append(sha256_file(args.pairs))
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    from hvd_partialfc.shards import sha256_file
+    return _data_digest(args, lambda d, e: e.sha256, sha256_file)
 
 
 def data_content_sha256(args) -> str:
     """The same, of what the files hold (``shards.sha256_content``: the arrays, not the HDF5 encoding), so a
     rebuild of the same samples on another machine, whose file bytes differ (docs/data.md §4.1), is the same
     data. Cells record both; a cell with this digest is checked on it, an older one on its ``data_sha256``."""
-    import hashlib
-    from hvd_partialfc.shards import read_manifest, sha256_content
-    parts = []
-    for d in (args.shards, args.heldout):
-        m = read_manifest(d)
-        parts.append([m.num_classes] + [[e.label_start, e.label_end, sha256_content(os.path.join(d, e.file))]
-                                        for e in m.shards])
-    parts.append(sha256_content(args.pairs))
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    from hvd_partialfc.shards import sha256_content
+    return _data_digest(args, lambda d, e: sha256_content(os.path.join(d, e.file)), sha256_content)
 
 
 def _write(path: str, obj) -> None:
