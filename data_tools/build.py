@@ -174,10 +174,10 @@ def build(importer, source: Optional[str], opts: BuildOptions, **importer_option
                  chunk_samples=opts.chunk_samples)
     held_manifest = None
     if held is not None:
-        held.source["holdout_of"] = os.path.abspath(opts.out)
+        held.source["holdout_of"] = os.path.relpath(opts.out, opts.holdout_out)   # relative: the sets move together
         held_manifest = build_shard_set(held, opts.holdout_out, opts.holdout_shards, **write)
         train.source["holdout"] = {"fraction": opts.holdout, "seed": opts.seed,
-                                   "path": os.path.abspath(opts.holdout_out),
+                                   "path": os.path.relpath(opts.holdout_out, opts.out),
                                    "classes": held_manifest.num_classes}
     try:
         manifest = build_shard_set(train, opts.out, opts.num_shards, **write)

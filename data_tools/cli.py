@@ -94,7 +94,8 @@ def _print_written(r, out, holdout_out) -> None:
 def _assemble(args) -> int:
     from .stream import assemble
     r = assemble(args.out)
-    _print_written(r, args.out, r["holdout"] and r["manifest"].source["holdout"]["path"])
+    _print_written(r, args.out, r["holdout"] and os.path.normpath(
+        os.path.join(args.out, r["manifest"].source["holdout"]["path"])))
     return 0
 
 

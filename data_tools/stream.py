@@ -359,8 +359,9 @@ def make_plan(index: SampleIndex, opts, shape: List[int]) -> Tuple[Dict[str, Any
     item = item_of[index.codes]
     if opts.holdout:
         train, hold = plan["sets"]
-        hold["source"]["holdout_of"] = train["out"]
-        train["source"]["holdout"] = {"fraction": opts.holdout, "seed": opts.seed, "path": hold["out"],
+        hold["source"]["holdout_of"] = os.path.relpath(train["out"], hold["out"])   # relative, as build.build
+        train["source"]["holdout"] = {"fraction": opts.holdout, "seed": opts.seed,
+                                      "path": os.path.relpath(hold["out"], train["out"]),
                                       "classes": hold["num_classes"]}
     return plan, labels, item
 

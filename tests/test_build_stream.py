@@ -181,6 +181,8 @@ def test_parts_and_assemble_equal_one_process(tmp_path, store):
     a = json.loads((tmp_path / "one" / "manifest.json").read_text().replace("/one", "/X"))
     b = json.loads((tmp_path / "two" / "manifest.json").read_text().replace("/two", "/X"))
     assert a == b
+    assert a["source"]["holdout"]["path"] == "../X-holdout"      # relative to the set's folder, as build.build
+    assert read_manifest(str(tmp_path / "two-holdout")).source["holdout_of"] == "../two"
 
 
 def test_part_from_slurm_array():

@@ -189,6 +189,8 @@ def test_two_builds_give_identical_sha256(folder, tmp_path):
     assert sha256s(tmp_path / "a-holdout") == sha256s(tmp_path / "b-holdout")
     ma, ha = read_manifest(str(tmp_path / "a")), read_manifest(str(tmp_path / "a-holdout"))
     assert not set(ma.class_names) & set(ha.class_names) and len(ma.class_names) + len(ha.class_names) == 3
+    # The two sets name each other relative to their own folders: no machine path, and they move together.
+    assert ma.source["holdout"]["path"] == "../a-holdout" and ha.source["holdout_of"] == "../a"
 
 
 def test_interrupted_build_leaves_no_output(folder, tmp_path, monkeypatch):
