@@ -258,8 +258,8 @@ class Checkpointer:
     """Owns the checkpoint interval, keep-last-k, the folder's order and the atomic write protocol.
 
     ``run_info``: what meta.json records about the run besides the state (num_classes, shard_slices,
-    manifest_sha256, config, embedding_dim). The collectives (buffer averaging, digests, agreement) go
-    through ``comm``.
+    manifest_sha256, data_sha256, config, embedding_dim). The collectives (buffer averaging, digests,
+    agreement) go through ``comm``.
     """
 
     def __init__(self, run_dir: str, every: int, keep: int, comm, run_info: Dict[str, Any]):

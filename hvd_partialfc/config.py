@@ -113,6 +113,7 @@ class CheckpointConfig:
     keep: int = 2               # checkpoints kept (the final one always)
     resume: str = ""            # "" | auto | path of a checkpoint folder
     every_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last one (0: off)
+    allow_other_data: bool = False  # resume on other samples of the same classes and shard label ranges
 
 
 @dataclass

@@ -187,8 +187,28 @@ def sha256_content(path: str) -> str:
 
 
 def manifest_digest(shard_dir: str) -> str:
-    """sha256 of the manifest file: identifies a shard set (checkpoints record it)."""
+    """sha256 of the manifest file, provenance included (``subset`` records its source set's)."""
     return sha256_file(os.path.join(shard_dir, MANIFEST))
+
+
+# Manifest keys that say where a set came from, not what it holds: the input's path and the font files
+# (`source`), the inputs the build could not read (`skipped`).
+PROVENANCE_KEYS = ("source", "skipped")
+
+
+def data_digest(shard_dir: str) -> str:
+    """sha256 of what a shard set holds, as its manifest records it: the sample spec, the class names and
+    every shard's file, label range, sample count and byte sha256; the provenance keys left out.
+    Checkpoints record it and resume compares it. Reason: the manifest's bytes (`manifest_digest`) also
+    changed when the same input was rebuilt from another folder (`source.path`), and such a set was
+    refused on resume although every shard was byte-identical."""
+    path = os.path.join(shard_dir, MANIFEST)
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    for k in PROVENANCE_KEYS:
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, ensure_ascii=False,
+                                     separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
 def read_manifest(shard_dir: str) -> Manifest:

@@ -40,7 +40,7 @@ from .preempt import StopSignals
 from .rowsparse import SampledRowsOptimizer, grad_values
 from .seeds import RESHARD_RESEED, derive_seed
 from .syncbn import convert_sync_batchnorm
-from .shards import manifest_digest, read_manifest
+from .shards import data_digest, manifest_digest, read_manifest
 from .verification.evaluator import Evaluator
 from .verification.pairs import check_input_shape
 
@@ -159,7 +159,8 @@ class Trainer:
                                      pin_memory=self.device.type == "cuda", augment=cfg.data.augment)
         run_info = {"num_classes": self.manifest.num_classes, "embedding_dim": cfg.model.embedding_dim,
                     "shard_slices": [[s.start, s.end] for s in self.manifest.shard_slices()],
-                    "manifest_sha256": self.manifest_sha256, "config": cfg.to_dict()}
+                    "manifest_sha256": self.manifest_sha256, "data_sha256": self.data_sha256,
+                    "config": cfg.to_dict()}
         self.checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
         # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
         self.checkpointer.prepare(self.start_step, log=lambda m: print(m, flush=True))
@@ -191,6 +192,7 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         self.manifest = read_manifest(cfg.data.shards)
         self.manifest_sha256 = manifest_digest(cfg.data.shards)
+        self.data_sha256 = data_digest(cfg.data.shards)
         self.dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, self.manifest)
         parse_augment(cfg.data.augment, self.manifest.kind)   # features cannot be augmented: an agreed error
         if cfg.data.verify_sha256:
@@ -540,9 +542,7 @@ class Trainer:
     def _load(self, path: str) -> None:
         """Check that ``path`` continues this run (shard set, config), then restore it (``checkpoint.load``)."""
         meta = ckpt.read_meta(path)
-        if meta["manifest_sha256"] != self.manifest_sha256:
-            raise ValueError("the shard set differs from the checkpoint's (manifest sha256 "
-                             f"{meta['manifest_sha256'][:12]} != {self.manifest_sha256[:12]})")
+        self._check_data(meta)
         diffs = [d for d in diff_configs(saved_config(meta["config"], meta["world_size"]), self.cfg.to_dict())
                  if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
         extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
@@ -561,6 +561,28 @@ class Trainer:
             torch.manual_seed(derive_seed(self.cfg.train.seed, self.comm.rank, meta["step"], RESHARD_RESEED))
         self.start_step = meta["step"]
         self.resumed_from = {"path": path, "step": meta["step"], "world_size": meta["world_size"]}
+
+    def _check_data(self, meta: dict) -> None:
+        """Resume continues on the data the checkpoint trained on: the same `data_digest` (what the shard set
+        holds; where it was built from may differ). Checkpoints written before it was recorded are compared
+        by their manifest's bytes. Other samples on the same classes and shard label ranges are allowed with
+        ``checkpoint.allow_other_data`` (cleaned or re-augmented data); other classes or ranges never are:
+        a rank's classifier rows would then belong to other classes."""
+        key = "data_sha256" if "data_sha256" in meta else "manifest_sha256"
+        now = self.data_sha256 if key == "data_sha256" else self.manifest_sha256
+        if meta[key] == now:
+            return
+        what = f"the shard set differs from the checkpoint's ({key.split('_')[0]} sha256 {meta[key][:12]} != {now[:12]})"
+        slices = [[s.start, s.end] for s in self.manifest.shard_slices()]
+        if meta["num_classes"] != self.manifest.num_classes or meta["shard_slices"] != slices:
+            raise ValueError(f"{what}, and so do its classes or shards' label ranges (classes "
+                             f"{meta['num_classes']} != {self.manifest.num_classes}, {len(meta['shard_slices'])} "
+                             f"!= {len(slices)} shards): the classifiers' rows would name other classes")
+        if not self.cfg.checkpoint.allow_other_data:
+            raise ValueError(f"{what}; its classes and shards' label ranges are the same: to go on with "
+                             "other samples, resume with checkpoint.allow_other_data=true")
+        if self.comm.is_main:
+            print(f"resume: {what}: going on with these samples (checkpoint.allow_other_data)", flush=True)
 
 
 def _all_slices(manifest, world_size: int):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
+from hvd_partialfc.shards import data_digest, manifest_digest
 
 pytestmark = pytest.mark.multirank
 CLI = os.path.join(BIN, "hvd-partialfc")
@@ -116,8 +117,27 @@ def test_resume_after_sigkill_is_bitwise_identical(shards4, tmp_path):
     other = build_shards(make_feature_npz(tmp_path / "o.npz", [16] * 24, seed=4), tmp_path / "other", 4)
     p = train(2, other, resumed, ["checkpoint.resume=auto"], steps=20, check=False, timeout=90)
     assert p.returncode != 0 and "shard set differs" in p.stdout + p.stderr
+    assert "checkpoint.allow_other_data=true" in p.stdout + p.stderr   # same classes and ranges: the way on
+    fewer = build_shards(make_feature_npz(tmp_path / "c.npz", [16] * 20, seed=3), tmp_path / "fewer", 4)
+    p = train(2, fewer, resumed, ["checkpoint.resume=auto", "checkpoint.allow_other_data=true"], steps=20,
+              check=False, timeout=90)
+    assert p.returncode != 0 and "classes 24 != 20" in p.stdout + p.stderr   # never, whatever the flag
     p = train(2, shards4, resumed, ["checkpoint.resume=auto", "head.margin=0.3"], steps=20, check=False, timeout=90)
     assert p.returncode != 0 and "head.margin: 0.5 != 0.3" in p.stdout + p.stderr
+
+    # the same input rebuilt from another folder is the same data (the manifest's bytes differ only in its
+    # provenance, source.path): resume accepts it (it refused it when the manifest's bytes were compared)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    moved_npz = moved / "f.npz"
+    moved_npz.write_bytes(open(os.path.join(os.path.dirname(shards4), "f.npz"), "rb").read())
+    rebuilt = build_shards(moved_npz, tmp_path / "rebuilt", 4)
+    assert manifest_digest(rebuilt) != manifest_digest(shards4) and data_digest(rebuilt) == data_digest(shards4)
+    p = train(2, rebuilt, resumed, ["checkpoint.resume=auto"], steps=25)
+    assert "resumed from" in p.stdout + p.stderr and load_ckpt(resumed)[0]["step"] == 25
+    # other samples on the same classes: only with the flag, which says so
+    p = train(2, other, resumed, ["checkpoint.resume=auto", "checkpoint.allow_other_data=true"], steps=30)
+    assert "going on with these samples" in p.stdout + p.stderr and load_ckpt(resumed)[0]["step"] == 30
 
 
 @pytest.mark.parametrize("mode,optim,extra", [("global", "sgd", []), ("local", "adamw", []),
