@@ -196,15 +196,13 @@ def manifest_digest(shard_dir: str) -> str:
 PROVENANCE_KEYS = ("source", "skipped")
 
 
-def data_digest(shard_dir: str) -> str:
-    """sha256 of what a shard set holds, as its manifest records it: the sample spec, the class names and
-    every shard's file, label range, sample count and byte sha256; the provenance keys left out.
-    Checkpoints record it and resume compares it. Reason: the manifest's bytes (`manifest_digest`) also
-    changed when the same input was rebuilt from another folder (`source.path`), and such a set was
-    refused on resume although every shard was byte-identical."""
-    path = os.path.join(shard_dir, MANIFEST)
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+def data_digest(manifest: Manifest) -> str:
+    """sha256 of what a shard set holds, as its (already read) manifest records it: the sample spec, the
+    class names and every shard's file, label range, sample count and byte sha256; the provenance keys
+    left out. Checkpoints record it and resume compares it. Reason: the manifest's bytes
+    (`manifest_digest`) also changed when the same input was rebuilt from another folder
+    (`source.path`), and such a set was refused on resume although every shard was byte-identical."""
+    d = manifest.to_json()
     for k in PROVENANCE_KEYS:
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, ensure_ascii=False,

@@ -192,7 +192,7 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         self.manifest = read_manifest(cfg.data.shards)
         self.manifest_sha256 = manifest_digest(cfg.data.shards)
-        self.data_sha256 = data_digest(cfg.data.shards)
+        self.data_sha256 = data_digest(self.manifest)
         self.dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, self.manifest)
         parse_augment(cfg.data.augment, self.manifest.kind)   # features cannot be augmented: an agreed error
         if cfg.data.verify_sha256:
