@@ -66,8 +66,9 @@ class LocalHead(LocalClassifier):
         a step (387 classes a rank) and 309 rows are level with unsampled ``local``; 9 rows (97 classes a
         rank, N = 256) cost 4% of TAR@1e-3 and 7% of TAR@1e-4 over two seeds, and 38 of those 97 rows
         (r = 0.4) were level again (1.004 / 1.006 of unsampled, two seeds): the rows scored a step count,
-        not the slice's width. 19 rows (194 classes a rank, N = 128, one seed) were level too (1.006 of
-        unsampled), so the threshold lies between 9 and 19; 32 stays until more seeds say otherwise."""
+        not the slice's width. 19 rows (194 classes a rank, N = 128) were level too (1.003 of unsampled,
+        two seeds), so the loss starts between 9 and 19 rows; 32 keeps a margin, since 19 was measured at
+        one width and one per-rank batch (8) only."""
         if self.sample_rate >= 1.0:
             return None
         rows = int(self.sample_rate * self.width)
