@@ -1,0 +1,249 @@
+"""Pinned numbers of fixed short runs: what a refactor must leave unchanged, bit for bit.
+
+    .venv/bin/python tests/pins.py --record     # on a commit known to be right: record this machine's pins
+
+Runs (``CASES``): ``simulate --ranks 2`` for 30 steps, one per classifier mode (``local`` with cross-shard
+negatives, sampled ``local`` at r = 0.3, ``global`` at r = 0.1, ``replicated``) and one with fp16 loss
+scaling, clipping, two backward passes a step, sync BatchNorm, AdamW and flip augmentation together; and
+one real ``horovodrun -np 2`` run (the simulator never touches Horovod's engine). Each run checkpoints at
+step 15 and 30. Pinned of the step-30 checkpoint: the backbone (parameters and buffers), its optimizer
+state, and every rank's classifier rows, optimizer state and counters, hashed here from the files with
+this module's own hash (never the package's, which a refactor might move or change).
+
+The step-15 checkpoints are committed (``tests/fixtures/pins/<case>/``, with the shard sets they trained
+on): a run resumed from one must reach the pinned step-30 digest, so an old checkpoint keeps resuming
+bitwise after the code around it moved. The shard builders are pinned too: the sha256 of the shard files
+that the in-memory and the streaming builder write from one small RecordIO source.
+
+Float results depend on the torch build and the CPU's kernels: pins are kept per environment (torch
+version, CPU capability). A machine without pins of its own records them on a commit known to be right
+(landed ``main``) before any code moves; the test says so.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pins")
+PINS = os.path.join(ROOT, "tests", "pins.json")
+STEPS, RESUME_AT = 30, 15
+
+# the small feature runs: an MLP with BatchNorm on 40 classes of 16-d features, 2 shards
+FEATURES = ["model.name=mlp", "model.embedding_dim=32", "model.kwargs={hidden_dim: 32}", "data.batch_size=16",
+            "train.log_every=10", "optim.warmup_steps=3", "train.threads=1", "checkpoint.every=15",
+            "checkpoint.keep=3", "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
+IMAGES = ["model.name=resnet", "model.kwargs={width: 4}", "data.batch_size=8", "train.log_every=10",
+          "optim.warmup_steps=3", "train.threads=1", "checkpoint.every=15", "checkpoint.keep=3",
+          "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
+CASES: Dict[str, Dict] = {
+    "local_negatives": {"data": "features", "sets": FEATURES + ["head.negatives_every=5", "head.negatives_share=8"]},
+    "local_sampled": {"data": "features", "sets": FEATURES + ["head.negatives_every=0", "head.sample_rate=0.3"]},
+    "global_sampled": {"data": "features", "sets": FEATURES + ["head.mode=global", "head.sample_rate=0.1"]},
+    "replicated": {"data": "features", "sets": FEATURES + ["head.mode=replicated"]},
+    "mixed": {"data": "images", "sets": IMAGES + [
+        "train.precision=fp16", "optim.clip_grad_norm=1.0", "optim.backward_passes_per_step=2",
+        "model.sync_batchnorm=true", "optim.name=adamw", "optim.backbone_lr=0.003", "optim.classifier_lr=0.003",
+        "data.augment=[flip]", "head.negatives_every=4", "head.negatives_share=2"]},
+    "horovodrun": {"data": "features", "real": True,
+                   "sets": FEATURES + ["head.negatives_every=5", "head.negatives_share=8"]},
+}
+
+
+def environment() -> str:
+    """What float results depend on: the torch build and the CPU kernels it picks."""
+    import torch
+    return f"torch {torch.__version__} / {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+# --- hashing, independent of the package --------------------------------------------------------------
+
+def _feed(h, obj) -> None:
+    """Hash tensors (dtype, shape, bytes), containers in key order, and plain values by repr."""
+    import torch
+    if torch.is_tensor(obj):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(obj, dict):
+        h.update(b"{")
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode())
+            _feed(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _feed(h, v)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode())
+
+
+def digest(obj) -> str:
+    h = hashlib.sha256()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+def checkpoint_digests(ckpt: str) -> Dict[str, str]:
+    """The pinned parts of a checkpoint folder: backbone, its optimizer, each rank's classifier file."""
+    import torch
+    load = lambda name: torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)  # noqa: E731
+    bb = load("backbone.pt")
+    out = {"backbone": digest(bb["state_dict"]), "backbone_optimizer": digest(bb["optimizer"])}
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    for r, name in enumerate(meta["classifier_files"]):
+        f = load(name)
+        out[f"rank{r}.classifier"] = digest(f["weight"])
+        out[f"rank{r}.classifier_optimizer"] = digest(f["optimizer"])
+        out[f"rank{r}.rng_counters_head"] = digest([f.get("rng"), f.get("counters"), f.get("head_state")])
+    return out
+
+
+# --- running ------------------------------------------------------------------------------------------
+
+def _env() -> Dict[str, str]:
+    bin_ = os.path.dirname(sys.executable)
+    e = dict(os.environ, PYTHONPATH=ROOT, PATH=bin_ + os.pathsep + os.environ.get("PATH", ""),
+             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    e.pop("HVD_PARTIALFC_FAULT", None)
+    return e
+
+
+def _run(cmd: List[str], timeout: int = 300) -> None:
+    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
+
+
+def run_case(name: str, out: str, resume: str = "") -> str:
+    """Train case ``name`` into ``out`` (to step 30; from checkpoint ``resume`` if given); the step-30 folder."""
+    case = CASES[name]
+    args = ["--shards", os.path.join(FIXTURES, "data", case["data"]), "--out", out, "--steps", str(STEPS)]
+    if resume:
+        args += ["--resume", resume]
+    for s in case["sets"]:
+        args += ["--set", s]
+    if case.get("real"):
+        cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", "2", "--gloo",
+               sys.executable, "-m", "hvd_partialfc.cli", "train", *args]
+    else:
+        cmd = [sys.executable, "-m", "hvd_partialfc.cli", "simulate", "--ranks", "2", *args]
+    _run(cmd)
+    return os.path.join(out, "checkpoints", f"step-{STEPS:08d}")
+
+
+def shard_builds(tmp: str) -> Dict[str, List[str]]:
+    """sha256 of every shard file the in-memory and the streaming builder write from one RecordIO source."""
+    sys.path.insert(0, ROOT)
+    from data_tools.bench_build import write_synthetic_rec
+    write_synthetic_rec(os.path.join(tmp, "src"), 240, 12, 0)
+    from data_tools.build import BuildOptions, build
+    from data_tools.importers import get_importer
+    out = {}
+    for builder in ("memory", "stream"):
+        for store in ("raw", "encoded"):
+            dst = os.path.join(tmp, f"{builder}-{store}")
+            if builder == "memory":
+                build(get_importer("recordio"), os.path.join(tmp, "src"), BuildOptions(
+                    out=dst, num_shards=3, store=store, seed=3, holdout=0.25, workers=1, progress=False))
+            else:
+                _run([sys.executable, "-m", "data_tools.cli", "build", "recordio", os.path.join(tmp, "src"),
+                      "--out", dst, "--num-shards", "3", "--store", store, "--seed", "3", "--holdout", "0.25",
+                      "--workers", "1"])
+            shas = []
+            for folder in (dst, dst + "-holdout"):
+                with open(os.path.join(folder, "manifest.json")) as f:
+                    files = [s["file"] for s in json.load(f)["shards"]]
+                for name in files:
+                    with open(os.path.join(folder, name), "rb") as f:
+                        shas.append(hashlib.sha256(f.read()).hexdigest())
+            out[f"{builder}-{store}"] = shas
+    return out
+
+
+def load_pins() -> Dict:
+    if not os.path.isfile(PINS):
+        return {}
+    with open(PINS) as f:
+        return json.load(f)
+
+
+# --- recording --------------------------------------------------------------------------------------------
+
+def _scrub_meta(ckpt: str, run_dir: str) -> None:
+    """The committed meta.json names no machine path: the run and shard folders become placeholders
+    (resume ignores both keys: they may change between a checkpoint and its resume)."""
+    path = os.path.join(ckpt, "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["config"]["out"] = "RUN"
+    meta["config"]["data"]["shards"] = "SHARDS"
+    meta["time"] = 0.0
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def _make_data() -> None:
+    """The two committed shard sets (built once; their provenance path scrubbed)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import build_shards, make_feature_npz, make_image_npz
+    for kind, make in (("features", lambda p: make_feature_npz(p, [24] * 40)),
+                       ("images", lambda p: make_image_npz(p, 12, 16))):
+        dst = os.path.join(FIXTURES, "data", kind)
+        if os.path.isdir(dst):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            build_shards(make(os.path.join(tmp, "src.npz")), dst, 2)
+        with open(os.path.join(dst, "manifest.json")) as f:
+            m = json.load(f)
+        m["source"] = {k: ("src.npz" if k == "path" else v) for k, v in m.get("source", {}).items()}
+        with open(os.path.join(dst, "manifest.json"), "w") as f:
+            json.dump(m, f, indent=1)
+
+
+def record() -> Dict:
+    _make_data()
+    env = environment()
+    pins = load_pins()
+    mine = {"runs": {}, "shards": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in CASES:
+            run = os.path.join(tmp, name)
+            final = run_case(name, run)
+            mine["runs"][name] = checkpoint_digests(final)
+            at = os.path.join(run, "checkpoints", f"step-{RESUME_AT:08d}")
+            fixture = os.path.join(FIXTURES, name)
+            if not CASES[name].get("real"):
+                shutil.rmtree(fixture, ignore_errors=True)
+                shutil.copytree(at, fixture)
+                _scrub_meta(fixture, run)
+                resumed = run_case(name, os.path.join(tmp, name + "-resumed"), resume=fixture)
+                got = checkpoint_digests(resumed)
+                assert got == mine["runs"][name], f"{name}: the resumed run differs from the uninterrupted one"
+            print(f"{name}: {mine['runs'][name]['backbone'][:16]}", flush=True)
+        mine["shards"] = shard_builds(tmp)
+    pins[env] = mine
+    with open(PINS, "w") as f:
+        json.dump(pins, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return mine
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--record", action="store_true", help="record this machine's pins into tests/pins.json")
+    if ap.parse_args().record:
+        record()
+        print(f"recorded pins for {environment()} in {os.path.relpath(PINS, ROOT)}")
