@@ -135,12 +135,12 @@ def main(argv=None) -> int:
                        + ("-nocheck" if args.no_check else ""))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    base = [sys.executable, "-m", "data_tools.cli", "build", "recordio", prefix, "--out", out, "--num-shards",
+    base = [sys.executable, "-m", "data_tools.shards_cli", "build", "recordio", prefix, "--out", out, "--num-shards",
             str(args.num_shards), "--store", args.store, "--workers", str(args.workers), "--overwrite"]
     if args.no_check:
         base.append("--no-check")
     import shutil
-    from .stream import resumable_dir
+    from .stream_restart import resumable_dir
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(resumable_dir(out), ignore_errors=True)
     if args.parts == 1:
@@ -149,13 +149,13 @@ def main(argv=None) -> int:
         base.remove("--overwrite")
         r = run_measured([base + ["--part", f"{k}/{args.parts}"] for k in range(1, args.parts + 1)], env)
         t = time.perf_counter()
-        subprocess.check_call([sys.executable, "-m", "data_tools.cli", "assemble", out], env=env,
+        subprocess.check_call([sys.executable, "-m", "data_tools.shards_cli", "assemble", out], env=env,
                               stdout=subprocess.DEVNULL)
         r["assemble_seconds"] = time.perf_counter() - t
         r["seconds"] += r["assemble_seconds"]
     if args.inspect:
         t = time.perf_counter()
-        subprocess.check_call([sys.executable, "-m", "data_tools.cli", "inspect", out, "--no-sha256"], env=env,
+        subprocess.check_call([sys.executable, "-m", "data_tools.shards_cli", "inspect", out, "--no-sha256"], env=env,
                               stdout=subprocess.DEVNULL)
         r["inspect_no_sha256_seconds"] = time.perf_counter() - t
     r.update(records=args.records, jpeg=args.jpeg, store=args.store, workers=args.workers, parts=args.parts,

@@ -1,5 +1,5 @@
 """Turning imported samples into a shard set: storage, held-out classes, dense renumbering, the partition
-policy, atomic writing.
+policy, atomic writing (`data_tools.shard_writer.AtomicShardDir`).
 
 Renumbering: the original class identities (ints or names) are sorted and numbered 0..C-1, so the same
 input always gives the same global labels; the manifest's class-name table maps them back.
@@ -13,40 +13,24 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hvd_partialfc.atomic import recover_folder
 from hvd_partialfc.partition import balanced_slices, even_slices, imbalance
 from hvd_partialfc.shards import Manifest, ShardError
 
+from .imported import ImportedData
 from .shard_writer import write_shard_set
+from .storage import to_storage
 
 # Chosen by measurement (`python -m data_tools.bench_loader`, docs/data.md): a contiguous, uncompressed
 # dataset (chunk_samples=0) reads a random batch of 128 ~17x faster than any chunked layout, and
 # compression (which needs chunks) is slower still; raw glyphs compress only ~1.5x.
 DEFAULT_CHUNK_SAMPLES = 0
 DEFAULT_COMPRESSION: Optional[str] = None
-
-
-@dataclass
-class ImportedData:
-    kind: str                      # images | encoded | features | refs (references, see storage.py)
-    samples: Any                   # array (N, ...), list of encoded bytes, or list of references
-    labels: Any                    # original class identities, one per sample
-    source: Dict[str, Any] = field(default_factory=dict)
-    skipped: List[str] = field(default_factory=list)
-    sample_shape: Optional[List[int]] = None   # decoded shape, for encoded samples
-    classes: Optional[List[Any]] = None        # the classes the source declares (to detect empty ones)
-
-    def subset(self, keep: Sequence[int]) -> "ImportedData":
-        keep = np.asarray(keep, dtype=np.int64)
-        samples = np.asarray(self.samples)[keep] if isinstance(self.samples, np.ndarray) \
-            else [self.samples[i] for i in keep]
-        labels = [self.labels[i] for i in keep]
-        return ImportedData(self.kind, samples, labels, dict(self.source), list(self.skipped),
-                            self.sample_shape, None)
 
 
 def renumber(original: Sequence) -> tuple:
@@ -151,11 +135,11 @@ class BuildOptions:
 
 def build(importer, source: Optional[str], opts: BuildOptions, **importer_options) -> Dict[str, Any]:
     """Import, store, split, write. Returns a summary (manifests, timings, throughput)."""
-    from .storage import to_storage
     if opts.holdout and not opts.holdout_out:
         opts.holdout_out = opts.out.rstrip("/") + "-holdout"
-    # Fail early (before minutes of rendering) on outputs that exist.
+    # Fail early (before minutes of rendering) on outputs that exist, once a crash's leftovers are settled.
     for path in filter(None, (opts.out, opts.holdout_out if opts.holdout else None)):
+        recover_folder(path)
         if os.path.exists(path) and not opts.overwrite:
             raise ShardError(f"{os.path.abspath(path)} already exists (pass --overwrite to replace it)")
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from PIL import Image
 from hvd_partialfc.verification.align import apply_transform, arcface_template, warp
 from hvd_partialfc.verification.ijb import meta_paths
 
-from .pairs import load_shard_set
+from .pair_sets import load_shard_set
 from .shard_writer import AtomicShardDir
 
 INFO = "glyph_ijb.json"

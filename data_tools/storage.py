@@ -27,6 +27,8 @@ import numpy as np
 
 from hvd_partialfc.shards import ShardError, decode_image
 
+from .imported import ImportedData
+
 
 @dataclass(frozen=True)
 class FileRef:
@@ -125,14 +127,13 @@ def _convert(task: Tuple[Any, str, Optional[Tuple[int, ...]]]) -> Tuple[bool, An
         return False, f"{type(e).__name__}: {e}"
 
 
-def to_storage(data, store: str, size: Optional[Sequence[int]] = None, color: Optional[str] = None,
+def to_storage(data: ImportedData, store: str, size: Optional[Sequence[int]] = None, color: Optional[str] = None,
                on_error: str = "fail", workers: int = 1, progress: bool = True):
     """Return a copy of ``data`` (an `ImportedData`) whose samples are what the shards will store.
 
     ``size`` (H, W) and ``color`` ("gray"/"rgb") fix ``sample_shape`` for image references; by default it is
     the decoded shape of the first readable reference.
     """
-    from .build import ImportedData
     if store not in ("raw", "encoded"):
         raise ValueError(f"unknown storage {store!r}; known: raw, encoded")
     if on_error not in ("fail", "skip"):

@@ -5,10 +5,16 @@ A crash (or SIGKILL, or a full disk) at any point leaves either the old file or 
 truncated mix; the temporary name carries the process id, so two processes writing the same name (ranks
 on a shared file system) never write into one temporary file. Every file this package writes for a user
 (checkpoints, manifests, pair sets, reports) goes through here. Not a collective; no Horovod.
+
+A whole folder (a shard set, an IJB-shaped set) is committed the same way, one level up: written in full
+under another name, then renamed into place by `commit_folder`, with `recover_folder` to finish at the
+next start what a crash interrupted. A folder cannot be ``os.replace``d onto a non-empty one, so the old
+folder is first moved aside (never deleted) and removed only once the new one is in place.
 """
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -70,3 +76,77 @@ def torch_save(obj: Any, path: str) -> None:
     import torch
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(obj, f)
+
+
+# --- folders -------------------------------------------------------------------------------------------
+
+def old_folder(final: str) -> str:
+    """Where `commit_folder` keeps the previous ``final`` while the new one moves in."""
+    return os.path.abspath(os.fspath(final)) + ".old"
+
+
+def _fsync_tree(folder: str) -> None:
+    """fsync every file and folder under ``folder`` (bottom-up), so that the rename that publishes it
+    cannot reach the disk before its content does (a crash would then show a complete-looking folder of
+    empty or short files)."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                _fsync_file(path)
+        fsync_dir(root)
+
+
+def recover_folder(final: str) -> None:
+    """Finish what a crash in `commit_folder` left, at the next start of whoever owns ``final``.
+
+    ``final`` missing and ``final.old`` present: the crash came between the two renames, the old folder is
+    the only complete one: it goes back. Both present: the crash came after the new folder was in place
+    and before (or while) the old one was deleted: the old one goes. A ``.partial`` (or other work) folder
+    is left alone: only its owner knows whether it can be resumed (a streaming build's can).
+    """
+    final = os.path.abspath(os.fspath(final))
+    old = old_folder(final)
+    if not os.path.lexists(old):
+        return
+    try:
+        if not os.path.lexists(final):
+            os.rename(old, final)
+            fsync_dir(os.path.dirname(final))
+        else:
+            shutil.rmtree(old)
+    except FileNotFoundError:
+        pass                           # done meanwhile by another process of the same job (build parts)
+
+
+def commit_folder(partial: str, final: str) -> None:
+    """Publish the folder ``partial`` (complete: written by the caller, conventionally ``final + ".partial"``)
+    as ``final``, replacing any folder there; a reader sees the whole old folder or the whole new one.
+
+    Steps: fsync ``partial``'s files and folders; rename an existing ``final`` to ``final.old``; rename
+    ``partial`` to ``final``; fsync the parent folder (the renames are durable); delete ``final.old``.
+    The old folder is deleted only after the new one is in place: a crash (or SIGKILL, or a failing
+    rename) before that leaves ``final.old`` complete, and `recover_folder` (called here first, and by
+    the owner at its next start) moves it back. On an exception the old folder is put back at once
+    (best effort; `recover_folder` does it otherwise) and ``partial`` is left for the caller.
+    """
+    partial, final = os.path.abspath(os.fspath(partial)), os.path.abspath(os.fspath(final))
+    parent, old = os.path.dirname(final), old_folder(final)
+    recover_folder(final)              # a stale .old from an earlier crash would block the first rename
+    _fsync_tree(partial)
+    moved = False
+    try:
+        if os.path.lexists(final):
+            os.rename(final, old)
+            moved = True
+        os.rename(partial, final)
+    except BaseException:
+        if moved and not os.path.lexists(final):
+            try:
+                os.rename(old, final)
+            except OSError:
+                pass                   # left to recover_folder at the next start
+        raise
+    fsync_dir(parent)
+    if moved:
+        shutil.rmtree(old)

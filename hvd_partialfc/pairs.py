@@ -1,4 +1,4 @@
-"""Verification pair sets: reading the two formats the evaluation takes (`data_tools.pairs` writes them).
+"""Verification pair sets: reading the two formats the evaluation takes (`data_tools.pair_sets` writes them).
 
 * ``*.h5`` (written by ``hvd-partialfc-shards pairs``): datasets ``images`` uint8 (M, H, W[, C]) — or
   ``encoded`` variable-length uint8 (M,) with attribute ``sample_shape`` — plus ``pairs`` int64 (P, 2)

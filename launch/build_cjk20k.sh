@@ -11,7 +11,7 @@ OUT="${1:-$ROOT/data/cjk-20k}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck disable=SC2086
-"$PY" -m data_tools.cli build fonts --charset cjk --size 32 --faces-per-family 1 --near-duplicate 8 \
+"$PY" -m data_tools.shards_cli build fonts --charset cjk --size 32 --faces-per-family 1 --near-duplicate 8 \
     --min-families 5 --min-samples 20 --holdout 0.1 --seed 0 --num-shards 256 \
     --out "$OUT/train" --holdout-out "$OUT/heldout" --overwrite ${BUILD_ARGS:-}
-"$PY" -m data_tools.cli pairs "$OUT/heldout" --out "$OUT/pairs.h5" --num-pairs 6000 --seed 0
+"$PY" -m data_tools.shards_cli pairs "$OUT/heldout" --out "$OUT/pairs.h5" --num-pairs 6000 --seed 0

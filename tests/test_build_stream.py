@@ -29,7 +29,7 @@ def cli(*args, env=None, **kw) -> subprocess.Popen:
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "SLURM_ARRAY_TASK_ID"):
         e.pop(k, None)
     e.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "data_tools.cli", *[str(a) for a in args]], env=e,
+    return subprocess.Popen([sys.executable, "-m", "data_tools.shards_cli", *[str(a) for a in args]], env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -50,7 +50,7 @@ def peak_rss_mb(*args) -> float:
     """Peak RSS (MB) of the largest process of a CLI build (the build or one of its workers):
     ``getrusage(RUSAGE_CHILDREN).ru_maxrss`` in a fresh wrapper process, so earlier children do not count."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.check_output([sys.executable, "-c", PEAK, sys.executable, "-m", "data_tools.cli",
+    out = subprocess.check_output([sys.executable, "-c", PEAK, sys.executable, "-m", "data_tools.shards_cli",
                                    *[str(a) for a in args]], env=env, text=True, timeout=900)
     rc, kb = out.split()
     assert rc == "0", out
@@ -186,7 +186,7 @@ def test_parts_and_assemble_equal_one_process(tmp_path, store):
 
 
 def test_part_from_slurm_array():
-    from data_tools.stream import parse_part
+    from data_tools.stream_plan import parse_part
     env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
     old = {k: os.environ.pop(k, None) for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", *env)}
     try:
@@ -256,7 +256,7 @@ def test_list_index_renumbers_as_the_in_memory_importer(tmp_path, labels):
     """Integer labels sort numerically and "01" == "1" (one class); names sort as strings."""
     from data_tools.build import renumber
     from data_tools.importers.listfile import import_list
-    from data_tools.stream import index_list
+    from data_tools.stream_index import index_list
     lst = tmp_path / "l.lst"
     lst.write_text("".join(f"img{i}.png {y}\n" for i, y in enumerate(labels)))
     ix = index_list(str(lst))

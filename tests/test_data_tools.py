@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data_tools.cli import inspect_shard_set, main
+from data_tools.shards_cli import inspect_shard_set, main
 from hvd_partialfc.data import RankShardDataset
 from hvd_partialfc.pairs import read_pairs
 from hvd_partialfc.shards import read_manifest

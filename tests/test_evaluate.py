@@ -16,7 +16,7 @@ import torch
 
 from hvd_partialfc import evaluate as ev
 from hvd_partialfc.models import create_model
-from data_tools.pairs import write_bin, write_pairs_h5
+from data_tools.pair_sets import write_bin, write_pairs_h5
 from hvd_partialfc.pairs import PairSet, read_pairs
 
 BIN = os.path.dirname(sys.executable)

@@ -31,7 +31,7 @@ def _faces(path, classes=6, per_class=8, seed=0):
 
 
 def _bin(path, templates, seed=1):
-    from data_tools.pairs import write_bin
+    from data_tools.pair_sets import write_bin
     rng = np.random.default_rng(seed)
     blobs, same = [], []
     for k in range(12):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from data_tools.charsets import load_charset
-from data_tools.cli import main
+from data_tools.shards_cli import main
 from data_tools.importers.fonts import family_key, is_near_duplicate, limit_faces_per_family
 from hvd_partialfc.data import RankShardDataset
 from hvd_partialfc.shards import read_manifest

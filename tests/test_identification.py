@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from data_tools.pairs import write_pairs_h5
+from data_tools.pair_sets import write_pairs_h5
 from data_tools.shard_writer import write_shard_set
 from hvd_partialfc.partition import even_slices
 from hvd_partialfc.verification import identification as I

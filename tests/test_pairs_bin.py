@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from hvd_partialfc import evaluate as ev
-from data_tools.pairs import write_bin, write_pairs_h5
+from data_tools.pair_sets import write_bin, write_pairs_h5
 from hvd_partialfc.pairs import PairSetError, read_pairs
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import ROOT, build_shards, make_image_npz
 
-from data_tools.pairs import write_pairs_h5
+from data_tools.pair_sets import write_pairs_h5
 from data_tools.subset import write_prefix_subset
 from hvd_partialfc.data import RankShardDataset
 from hvd_partialfc.shards import ShardError, read_manifest

@@ -1,29 +1,10 @@
 """Importers: each turns a source format into (samples, original labels, kind, extra source info).
 
-A small registry (timm-style): ``@register_importer("npz")``; unknown names raise with the known list.
+A small registry (`data_tools/importers/registry.py`); importing this package registers every importer.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from . import fonts, imagefolder, listfile, npz, recordio  # noqa: F401  (each registers itself)
+from .registry import get_importer, list_importers, register_importer
 
-_IMPORTERS: Dict[str, Callable] = {}
-
-
-def register_importer(name: str):
-    def deco(fn):
-        _IMPORTERS[name] = fn
-        return fn
-    return deco
-
-
-def get_importer(name: str) -> Callable:
-    if name not in _IMPORTERS:
-        raise ValueError(f"unknown source format {name!r}; known: {', '.join(sorted(_IMPORTERS))}")
-    return _IMPORTERS[name]
-
-
-def list_importers():
-    return sorted(_IMPORTERS)
-
-
-from . import fonts, imagefolder, listfile, npz, recordio  # noqa: E402,F401
+__all__ = ["get_importer", "list_importers", "register_importer"]

@@ -54,8 +54,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import register_importer
-from ..build import ImportedData
+from .registry import register_importer
+from ..imported import ImportedData
 from ..charsets import load_charset
 from ..storage import default_workers, pmap
 

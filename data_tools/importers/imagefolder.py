@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from . import register_importer
-from ..build import ImportedData
+from .registry import register_importer
+from ..imported import ImportedData
 from ..storage import FileRef
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Iterator, Tuple
 
-from . import register_importer
-from ..build import ImportedData
+from .registry import register_importer
+from ..imported import ImportedData
 from ..storage import FileRef
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import register_importer
-from ..build import ImportedData
+from .registry import register_importer
+from ..imported import ImportedData
 
 
 @register_importer("npz")

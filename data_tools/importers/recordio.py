@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 
-from . import register_importer
-from ..build import ImportedData
+from .registry import register_importer
+from ..imported import ImportedData
 from ..recordio import image_keys, read_index, rec_idx_paths, record_label
 from ..storage import RecordRef
 

@@ -49,7 +49,9 @@ def _build(args) -> int:
                  near_duplicate=args.near_duplicate, min_samples=args.min_samples)
     if args.format != "fonts" and args.source is None:
         raise ValueError(f"build {args.format}: SOURCE is required")
-    from .stream import INDEXERS, build_streaming, parse_part
+    from .stream import build_streaming
+    from .stream_index import INDEXERS
+    from .stream_plan import parse_part
     if args.format in INDEXERS:
         part = parse_part(args.part)           # streaming: bounded memory, restartable, parts (data_tools/stream.py)
         r = build_streaming(args.format, args.source, opts, part)
@@ -92,7 +94,7 @@ def _print_written(r, out, holdout_out) -> None:
 
 
 def _assemble(args) -> int:
-    from .stream import assemble
+    from .assemble import assemble
     r = assemble(args.out)
     _print_written(r, args.out, r["holdout"] and os.path.normpath(
         os.path.join(args.out, r["manifest"].source["holdout"]["path"])))
@@ -166,7 +168,7 @@ def _inspect(args) -> int:
 
 
 def _pairs(args) -> int:
-    from .pairs import convert_pairs, make_pairs
+    from .pair_sets import convert_pairs, make_pairs
     out = args.out
     if args.bin and not out.endswith(".bin"):
         raise ValueError("--bin: the output name must end in .bin")

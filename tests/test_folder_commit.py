@@ -1,0 +1,220 @@
+"""Folder commits (`hvd_partialfc.atomic.commit_folder` / `recover_folder`): a crash at any rename leaves,
+after `recover_folder`, the whole old folder or the whole new one, never nothing; and the shard builders
+(in-memory and streaming) no longer delete an existing set before the new one is in place.
+Plain pytest, CPU, seconds."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hvd_partialfc.atomic import commit_folder, recover_folder
+from hvd_partialfc.shards import ShardError, check_shard_file, read_manifest
+
+OLD = {"a.txt": b"old a", "sub/b.txt": b"old b", "sub/deep/c.bin": b"\0old"}
+NEW = {"a.txt": b"new a", "n.txt": b"new n", "sub/b.txt": b"new b"}
+
+
+def write_tree(root, files) -> str:
+    for rel, data in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    return str(root)
+
+
+def read_tree(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root).replace(os.sep, "/")] = f.read()
+    return out
+
+
+class Crash(OSError):
+    pass
+
+
+def crashing_renames(monkeypatch, k: int, kill: bool):
+    """os.rename and os.replace fail at their k-th call (together counted); ``kill``: and at every later
+    call (a killed process does nothing more, no rollback either)."""
+    calls = [0]
+    real = {"rename": os.rename, "replace": os.replace}
+
+    def make(name):
+        def fn(src, dst, *a, **kw):
+            calls[0] += 1
+            if calls[0] == k or (kill and calls[0] > k):
+                raise Crash(f"crash at {name} call {calls[0]}: {src} -> {dst}")
+            return real[name](src, dst, *a, **kw)
+        return fn
+    monkeypatch.setattr(os, "rename", make("rename"))
+    monkeypatch.setattr(os, "replace", make("replace"))
+    return calls
+
+
+def count_renames(tmp_path, monkeypatch, with_old: bool) -> int:
+    final, partial = tmp_path / "count" / "final", tmp_path / "count" / "final.partial"
+    if with_old:
+        write_tree(final, OLD)
+    write_tree(partial, NEW)
+    calls = crashing_renames(monkeypatch, 0, False)
+    commit_folder(str(partial), str(final))
+    monkeypatch.undo()
+    assert read_tree(final) == NEW and not os.path.exists(str(final) + ".old") and not partial.exists()
+    return calls[0]
+
+
+@pytest.mark.parametrize("with_old", [True, False], ids=["replace", "fresh"])
+@pytest.mark.parametrize("kill", [False, True], ids=["raise", "kill"])
+def test_crash_at_every_rename_leaves_old_or_new(tmp_path, monkeypatch, with_old, kill):
+    n = count_renames(tmp_path, monkeypatch, with_old)
+    assert n == (2 if with_old else 1)
+    for k in range(1, n + 2):              # k = n + 1: no crash
+        root = tmp_path / f"k{k}"
+        final, partial = root / "final", root / "final.partial"
+        if with_old:
+            write_tree(final, OLD)
+        write_tree(partial, NEW)
+        crashing_renames(monkeypatch, k, kill)
+        try:
+            commit_folder(str(partial), str(final))
+            crashed = False
+        except Crash:
+            crashed = True
+        monkeypatch.undo()
+        assert crashed == (k <= n)
+        recover_folder(str(final))         # the owner's next start
+        got = read_tree(final) if final.exists() else None
+        assert got in ((OLD if with_old else None), NEW), f"k={k}: {got}"
+        if with_old and not kill:
+            assert got == OLD if crashed else got == NEW    # a raising rename is rolled back at once
+        assert not os.path.exists(str(final) + ".old")
+        if got != NEW:
+            assert read_tree(partial) == NEW               # the caller's to retry or remove
+
+
+def test_crash_while_deleting_the_old_folder(tmp_path, monkeypatch):
+    """Killed half-way through deleting ``final.old``: the new folder is in place; recovery finishes."""
+    final, partial = tmp_path / "final", tmp_path / "final.partial"
+    write_tree(final, OLD)
+    write_tree(partial, NEW)
+    real = shutil.rmtree
+
+    def half(path, *a, **kw):
+        os.unlink(os.path.join(path, "a.txt"))
+        raise Crash("killed in rmtree")
+    monkeypatch.setattr(shutil, "rmtree", half)
+    with pytest.raises(Crash):
+        commit_folder(str(partial), str(final))
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert read_tree(final) == NEW and os.path.isdir(str(final) + ".old")
+    recover_folder(str(final))
+    assert read_tree(final) == NEW and not os.path.exists(str(final) + ".old")
+
+
+def test_recover_folder(tmp_path):
+    final = tmp_path / "set"
+    recover_folder(str(final))                                     # nothing there: nothing to do
+    assert not final.exists()
+    write_tree(str(final) + ".old", OLD)                           # crash between the two renames
+    write_tree(str(final) + ".partial", NEW)
+    recover_folder(str(final))
+    assert read_tree(final) == OLD and not os.path.exists(str(final) + ".old")
+    assert read_tree(str(final) + ".partial") == NEW               # a partial folder is its owner's business
+    write_tree(str(final) + ".old", {"x": b"stale"})               # crash after the new one was in place
+    recover_folder(str(final))
+    assert read_tree(final) == OLD and not os.path.exists(str(final) + ".old")
+    commit_folder(str(final) + ".partial", str(final))
+    assert read_tree(final) == NEW
+
+
+def test_commit_over_a_stale_old_folder(tmp_path):
+    """A ``.old`` left by an earlier crash does not block the next commit (recovered first)."""
+    final = tmp_path / "set"
+    write_tree(final, OLD)
+    write_tree(str(final) + ".old", {"x": b"stale"})
+    write_tree(str(final) + ".partial", NEW)
+    commit_folder(str(final) + ".partial", str(final))
+    assert read_tree(final) == NEW and not os.path.exists(str(final) + ".old")
+
+
+# --- the shard builders --------------------------------------------------------------------------------------
+
+def readable(path: str, num_classes: int) -> bool:
+    m = read_manifest(path)
+    for i in range(len(m.shards)):
+        check_shard_file(path, m, i, verify_sha256=True)
+    return m.num_classes == num_classes
+
+
+def fail_rename_of(monkeypatch, marker: str, kill: bool = False):
+    """os.rename raises when it would move a folder whose name contains ``marker`` (the build's temporary
+    folder) into place; ``kill``: every rename from then on raises too."""
+    real = os.rename
+    state = {"dead": False}
+
+    def fn(src, dst, *a, **kw):
+        if state["dead"] or marker in os.path.basename(os.fspath(src)):
+            state["dead"] = kill
+            raise Crash(f"crash renaming {src} -> {dst}")
+        return real(src, dst, *a, **kw)
+    monkeypatch.setattr(os, "rename", fn)
+
+
+def npz(path, classes: int, per_class: int = 6) -> str:
+    rng = np.random.default_rng(classes)
+    np.savez(path, features=rng.normal(size=(classes * per_class, 4)).astype(np.float32),
+             labels=np.repeat(np.arange(classes), per_class))
+    return str(path)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["raise", "kill"])
+def test_in_memory_build_over_an_existing_set_keeps_it_on_a_crash(tmp_path, monkeypatch, kill):
+    """The old code deleted ``out`` before renaming the new set in: a crash at that rename lost both."""
+    from data_tools.build import build_shard_set
+    from data_tools.importers import get_importer
+    out = str(tmp_path / "set")
+    build_shard_set(get_importer("npz")(npz(tmp_path / "a.npz", 6)), out, 2)
+    fail_rename_of(monkeypatch, ".tmp-set-", kill)
+    with pytest.raises(Crash):
+        build_shard_set(get_importer("npz")(npz(tmp_path / "b.npz", 9)), out, 3, overwrite=True)
+    monkeypatch.undo()
+    if kill:                                   # the next build of ``out`` recovers the old set first
+        with pytest.raises(ShardError, match="already exists"):
+            build_shard_set(get_importer("npz")(npz(tmp_path / "b.npz", 9)), out, 3)
+    assert readable(out, 6)
+    assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz", "set"]     # no .old, no .tmp-* folder
+    build_shard_set(get_importer("npz")(npz(tmp_path / "b.npz", 9)), out, 3, overwrite=True)
+    assert readable(out, 9)
+
+
+@pytest.mark.parametrize("kill", [False, True], ids=["raise", "kill"])
+def test_streaming_build_over_an_existing_set_keeps_it_on_a_crash(tmp_path, monkeypatch, kill):
+    from data_tools.bench_build import write_synthetic_rec
+    from data_tools.build import BuildOptions
+    from data_tools.stream import build_streaming
+    from data_tools.stream_restart import resumable_dir
+    src, out = str(tmp_path / "src"), str(tmp_path / "set")
+    write_synthetic_rec(src, 60, 6, 0)
+
+    def opts(**kw):
+        return BuildOptions(**{"out": out, "num_shards": 2, "workers": 1, "progress": False, **kw})
+    build_streaming("recordio", src, opts())
+    before = read_manifest(out)
+    fail_rename_of(monkeypatch, "-resumable", kill)
+    with pytest.raises(Crash):
+        build_streaming("recordio", src, opts(num_shards=3, overwrite=True))
+    monkeypatch.undo()
+    if kill:
+        with pytest.raises(ShardError, match="already exists"):
+            build_streaming("recordio", src, opts(num_shards=3))
+    assert readable(out, 6) and read_manifest(out).shards == before.shards
+    assert os.path.isdir(resumable_dir(out)) and not os.path.exists(out + ".old")
+    build_streaming("recordio", src, opts(num_shards=3, overwrite=True))
+    assert readable(out, 6) and read_manifest(out).num_shards == 3 and not os.path.exists(resumable_dir(out))
