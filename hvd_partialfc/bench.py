@@ -11,7 +11,7 @@ communicates): what ``local`` would cost with free communication. ``local`` is t
 (``head.negatives_every=0``); ``--negatives-every K`` adds a ``negatives`` job: ``local`` with cross-shard
 negatives every K steps, ``--negatives-share`` centres per rank (0: the whole slice), so their memory is
 measured against the estimator's figure for the same settings. Each job is a fresh process, so its
-peak RSS is its own. Every job runs the trainer's own ``Trainer.train_step`` (one loop for every mode)
+peak RSS is its own. Every job runs the trainer's own step (``step.Step``, one step for every mode)
 on synthetic batches held in memory (no disk), with one torch thread per rank.
 
 The step time is split with hooks, without touching the loop: data (``train_step``'s own figure),
@@ -29,44 +29,17 @@ import resource
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .modes import MODES
+from .commbase import gradient_bytes
+from .modes import list_modes
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
 
 # --- the worker: one rank of one job ----------------------------------------------------------------
-class _NoComm:
-    """The limit's stand-in for ``Comm``: one rank, no Horovod; the "distributed" optimizer is the plain one."""
-
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size, self.local_rank, self.local_size = rank, size, rank, 1
-        self.sent_bytes, self.wait_s, self.is_main = 0, 0.0, rank == 0
-
-    def distributed_optimizer(self, optimizer, module, **_):
-        return _Unsynchronized(optimizer)
-
-
-class _Unsynchronized:
-    """A plain optimizer with the two methods the loop calls on Horovod's (nothing to wait for)."""
-
-    def __init__(self, optimizer):
-        self.__dict__["_opt"] = optimizer
-
-    def __getattr__(self, name):
-        return getattr(self._opt, name)
-
-    def synchronize(self):
-        pass
-
-    def skip_synchronize(self):
-        from contextlib import nullcontext
-        return nullcontext()
-
-
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
 
@@ -82,59 +55,58 @@ def _synthetic_batches(batch: int, in_shape: Sequence[int], width: int, seed: in
         i += 1
 
 
-def _instrument(trainer) -> Dict[str, float]:
-    """Hooks that stamp the phase boundaries of ``train_step`` into the returned dict."""
+def _instrument(parts, comm) -> Tuple[Dict[str, float], Callable[[str], None]]:
+    """Hooks that stamp the phase boundaries of the step into the returned dict, and the step's
+    ``on_phase`` callback that stamps the gradient synchronisation."""
     marks: Dict[str, float] = {}
-    comm = trainer.comm
 
     def stamp(key):
         marks[key] = time.perf_counter()
         marks[key + ".wait"] = comm.wait_s
 
-    trainer.backbone.register_forward_pre_hook(lambda *a: stamp("fwd0"))
-    trainer.classifier.register_forward_hook(lambda *a: stamp("fwd1"))
-    sync = trainer.backbone_opt.synchronize
-
-    def timed_sync():
-        stamp("sync0")
-        sync()
-        stamp("sync1")
-    trainer.backbone_opt.synchronize = timed_sync
-    return marks
+    parts.backbone.register_forward_pre_hook(lambda *a: stamp("fwd0"))
+    parts.head.register_forward_hook(lambda *a: stamp("fwd1"))
+    return marks, stamp
 
 
 def run_worker(a) -> Dict[str, Any]:
     """One rank of one job: build the trainer's components for ``a.mode``, run steps, measure."""
     torch.set_num_threads(1)
-    from . import comm as comm_lib
     from .config import load_config
-    from .partition import even_slices
-    from .train import Trainer
+    from .layout import RankLayout
+    from .localcomm import LocalComm
+    from .parts import build_parts
+    from .step import Step
     limit = a.mode == "limit"
-    comm = _NoComm(a.rank, a.np) if limit else comm_lib.init()
+    if limit:      # rank r of N alone: what `local` costs with free communication
+        comm = LocalComm(a.rank, a.np)
+    else:
+        from . import comm as comm_lib
+        comm = comm_lib.init()
     # `negatives` is `local` with cross-shard negatives; every other job runs its mode bare
     every = a.negatives_every if a.mode == "negatives" else 0
     cfg = load_config(a.config or None, [*(a.set or []), "data.shards=synthetic", "train.device=cpu",
-                                         f"head.mode={a.mode if a.mode in MODES else 'local'}",
+                                         f"head.mode={a.mode if a.mode in list_modes() else 'local'}",
                                          f"model.embedding_dim={a.dim}", f"data.batch_size={a.batch}",
                                          "train.threads=1", f"head.negatives_every={every}",
                                          f"head.negatives_share={a.negatives_share}", "head.negatives_pool=0"])
     rss_runtime = _peak_rss()
     in_shape = [a.in_dim]
-    # the trainer's own components, without shards on disk; every rank's width (the negatives' shares)
-    trainer = Trainer.for_synthetic(cfg, comm, even_slices(a.classes, comm.size), a.classes, in_shape)
-    trainer.total_steps = a.warmup + a.steps
-    held = [p for g in trainer.backbone_opt.param_groups for p in g["params"]]
-    grad_bytes = 0 if limit else comm_lib.gradient_bytes(held, cfg.optim.fp16_compression)
-    marks = _instrument(trainer)
-    batches = _synthetic_batches(a.batch, in_shape, trainer.label_slice.width, seed=comm.rank)
+    # the trainer's own parts and step, without shards on disk; every rank's width (the negatives' shares)
+    layout = RankLayout.even(a.classes, comm.size)
+    parts = build_parts(cfg, comm, layout, in_shape, torch.device("cpu"))
+    width = layout.slices[comm.rank].width
+    grad_bytes = 0 if limit else gradient_bytes(parts.backbone_opt_params(), cfg.optim.fp16_compression)
+    marks, stamp = _instrument(parts, comm)
+    step_fn = Step(cfg, comm, parts, torch.device("cpu"), "features", a.warmup + a.steps, on_phase=stamp)
+    batches = _synthetic_batches(a.batch, in_shape, width, seed=comm.rank)
     split = {k: 0.0 for k in PHASES}
     total, sent = 0.0, 0
     for step in range(a.warmup + a.steps):
         if step == a.warmup:
             comm.sent_bytes = 0
         t0, w0 = time.perf_counter(), comm.wait_s
-        out = trainer.train_step(step, batches)
+        out = step_fn(step, batches)
         t1 = time.perf_counter()
         if step < a.warmup:
             continue
@@ -148,26 +120,26 @@ def run_worker(a) -> Dict[str, Any]:
         split["optimizer"] += t1 - marks["sync1"]
         total += t1 - t0
     sent = comm.sent_bytes / a.steps + grad_bytes
-    return {"logits_per_step": _logits_per_step(a, cfg, trainer), "sample_rate": cfg.head.sample_rate,
+    return {"logits_per_step": _logits_per_step(a, cfg, parts), "sample_rate": cfg.head.sample_rate,
             "mode": a.mode, "rank": comm.rank, "np": comm.size, "classes": a.classes, "dim": a.dim,
-            "batch": a.batch, "width": trainer.label_slice.width if a.mode != "replicated" else a.classes,
+            "batch": a.batch, "width": parts.head.width,
             "steps": a.steps, "step_s": total / a.steps, "samples_per_s": a.batch * a.steps / total,
             "split_s": {k: v / a.steps for k, v in split.items()}, "bytes_per_step": int(sent),
             "grad_bytes": grad_bytes, "peak_rss": _peak_rss(), "runtime_rss": rss_runtime,
-            "backbone_params": sum(p.numel() for p in trainer.backbone.parameters()),
+            "backbone_params": sum(p.numel() for p in parts.backbone.parameters()),
             "loss": out["loss"]}
 
 
-def _logits_per_step(a, cfg, trainer) -> int:
+def _logits_per_step(a, cfg, parts) -> int:
     """Logits one rank computes per step: its rows (B; the gathered B x N for ``global``) x its columns (the
-    slice, or ``max(int(rate x W), positives)`` sampled ones, taken as rate x W; C for ``replicated``; plus
-    the frozen remote centres of ``negatives``)."""
-    width = a.classes if a.mode == "replicated" else trainer.label_slice.width
+    head's rows, or ``max(int(rate x W), positives)`` sampled ones, taken as rate x W; plus the frozen
+    remote centres of ``negatives``)."""
+    width = parts.head.width
     rate = cfg.head.sample_rate
-    cols = max(1, int(rate * width)) if rate < 1.0 and a.mode != "replicated" else width
-    remote = getattr(trainer.classifier, "remote", None)
+    cols = max(1, int(rate * width)) if rate < 1.0 and parts.mode.samples else width
+    remote = getattr(parts.head, "remote", None)
     cols += remote.shape[0] if remote is not None else 0
-    return (a.batch * a.np if a.mode == "global" else a.batch) * cols
+    return parts.mode.estimate_logit_rows(a.batch, a.np) * cols
 
 
 # --- the driver ------------------------------------------------------------------------------------
@@ -241,7 +213,7 @@ def run_bench(a) -> Dict[str, Any]:
                                    "skipped": "replicated does not sample"})
                     continue
                 est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
-                               mode if mode in MODES else "local", optimizer=_opt_kind(cfg),
+                               mode if mode in list_modes() else "local", optimizer=_opt_kind(cfg),
                                sample_rate=rate, bb=bb,
                                negatives_every=a.negatives_every if negatives else 0,
                                negatives_share=a.negatives_share if negatives else 0)

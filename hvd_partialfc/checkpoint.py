@@ -287,10 +287,12 @@ class Checkpointer:
         return moved
 
     def _set_aside(self, start_step: int) -> List[str]:
-        entries = sorted(os.listdir(self.base))
-        for d in entries:
+        for d in sorted(os.listdir(self.base)):
             if d.endswith(".partial") and parse_step(d[:-len(".partial")]) is not None:
                 shutil.rmtree(os.path.join(self.base, d), ignore_errors=True)
+            if d.endswith(".old") and parse_step(d[:-len(".old")]) is not None:   # a crash in commit_folder
+                atomic.recover_folder(os.path.join(self.base, d[:-len(".old")]))
+        entries = sorted(os.listdir(self.base))
         newer = [d for d in entries if parse_step(d) is not None and parse_step(d) > start_step]
         if not newer:
             return []
@@ -369,16 +371,11 @@ class Checkpointer:
         return meta
 
     def _commit(self, partial: str, final_dir: str, step: int) -> None:
-        """Rank 0: the folder takes its final name, then ``latest`` moves to it, then old ones go."""
-        replaced = None
-        if os.path.exists(final_dir):  # the same step written again: keep the old one until the new is in place
-            replaced = f"{final_dir}.replaced-{os.getpid()}"
-            os.rename(final_dir, replaced)
-        os.rename(partial, final_dir)
-        atomic.fsync_dir(self.base)
+        """Rank 0: the folder takes its final name (``atomic.commit_folder``: the same step written again
+        replaces the old folder only once the new one is in place), then ``latest`` moves to it, then old
+        ones go."""
+        atomic.commit_folder(partial, final_dir)
         atomic.write_text(os.path.join(self.base, LATEST), step_dir_name(step) + "\n")
-        if replaced:
-            shutil.rmtree(replaced, ignore_errors=True)
         self._prune(keep_name=step_dir_name(step))
 
     def _prune(self, keep_name: str) -> None:
@@ -490,12 +487,14 @@ def reshard_checkpoint(src: str, out: str, world_size: int) -> str:
     backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded from
     the run's seed, its rank and the step).
     """
-    from .partition import LabelSlice, group_slices
+    from .layout import RankLayout
+    from .modes import get_mode
+    from .partition import LabelSlice
     src = resolve_checkpoint(src)
     meta = read_meta(src)
     shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
-    slices = group_slices(shard_slices, world_size)
-    replicated = meta.get("replicated") or meta.get("config", {}).get("head", {}).get("mode") == "replicated"
+    slices = RankLayout.from_shards(shard_slices, world_size).slices
+    replicated = meta.get("replicated") or get_mode(meta.get("config", {}).get("head", {}).get("mode", "local")).replicated_rows
     if os.path.exists(out):
         raise FileExistsError(f"{out} already exists")
     tmp = out.rstrip("/") + ".partial"
@@ -517,7 +516,7 @@ def reshard_checkpoint(src: str, out: str, world_size: int) -> str:
                 "classifier_files": [classifier_file(r, world_size) for r in range(world_size)],
                 "digests": [digest] * world_size, "resharded_from": meta["world_size"]})
     atomic.write_text(os.path.join(tmp, "meta.json"), json.dumps(new, indent=1))
-    os.rename(tmp, out)
+    atomic.commit_folder(tmp, out)
     return out
 
 

@@ -48,17 +48,17 @@ def _expected_errors():
     from .commbase import RankFailure
     from .config import ConfigError
     from .shards import ShardError
-    from .train import NonFiniteError
+    from .step import NonFiniteError
     return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)
 
 
 def _train(args) -> int:
     cfg = _train_config(args)
     from . import comm as comm_lib
-    from .train import Trainer
+    from .startup import start_trainer
     comm = comm_lib.init()
     try:
-        trainer = Trainer(cfg, comm)
+        trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.

@@ -13,14 +13,14 @@ Contract:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
 
 import horovod.torch as hvd
 
-from .commbase import CommBase, RankFailure, backbone_params  # noqa: F401  (RankFailure: re-exported)
+from .commbase import CommBase, backbone_params
 
 
 class Comm(CommBase):
@@ -109,12 +109,6 @@ def init() -> Comm:
     return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
 
 
-def step_synchronized(optimizer: torch.optim.Optimizer, step_fn=None) -> None:
-    """Step an optimizer whose gradients were already synchronized (Horovod's skip_synchronize)."""
-    with optimizer.skip_synchronize():
-        (step_fn or optimizer.step)()
-
-
 class Vote:
     """An allreduce in flight (``Comm.vote_async``)."""
 
@@ -130,12 +124,3 @@ def _named_state(module: nn.Module) -> Dict[str, torch.Tensor]:
     out = dict(module.named_parameters())
     out.update({k: v for k, v in module.named_buffers()})
     return out
-
-
-def gradient_bytes(params: Iterable[torch.nn.Parameter], fp16_compression: bool = False) -> int:
-    """Bytes of one allreduce of these parameters' gradients as sent (compression halves fp32). Not a collective."""
-    total = 0
-    for p in params:
-        itemsize = 2 if (fp16_compression and p.dtype == torch.float32) else p.element_size()
-        total += p.numel() * itemsize
-    return total

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -118,6 +118,12 @@ class CommBase:
         for b, a in zip(others, avg[3 * k:]):
             b.copy_(a)
 
+    def step_synchronized(self, optimizer, step_fn=None) -> None:
+        """Step an optimizer from ``distributed_optimizer`` whose gradients were already synchronized (and
+        then checked and clipped): its ``skip_synchronize``. Not a collective."""
+        with optimizer.skip_synchronize():
+            (step_fn or optimizer.step)()
+
     def backbone_digests(self, module: nn.Module, name: str) -> List[str]:
         """Every rank's sha256 of the backbone state (parameters and buffers), in rank order."""
         return self.allgather_object(state_digest(module), name=f"digest.{name}")
@@ -156,3 +162,11 @@ class _AllGatherSum(torch.autograd.Function):
             mine = mine * ctx.grad_scale
         return mine, None, None, None
 
+
+def gradient_bytes(params: Iterable[torch.nn.Parameter], fp16_compression: bool = False) -> int:
+    """Bytes of one allreduce of these parameters' gradients as sent (compression halves fp32). Not a collective."""
+    total = 0
+    for p in params:
+        itemsize = 2 if (fp16_compression and p.dtype == torch.float32) else p.element_size()
+        total += p.numel() * itemsize
+    return total

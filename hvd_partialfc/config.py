@@ -1,5 +1,8 @@
 """One config object: sectioned dataclasses, loaded from YAML, overridden by ``--set section.key=value``.
 
+Plain data: validating it checks types, choices and ranges and imports nothing of the runtime. What names a
+registered component (``model.name``, ``head.mode``, ``head.loss``, ``data.augment``) is checked when the
+run's parts are built, against the registries, as an error agreed by every rank before the first step.
 Unknown sections/keys and wrong types are errors (a typo never silently adds a key). The resolved
 config is written into the run folder, and a checkpoint records it so resume can compare.
 """
@@ -12,8 +15,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from .augment import parse_augment
-from .logging_sinks import tensorboard_missing
 
 
 @dataclass
@@ -48,7 +49,7 @@ class HeadConfig:
     loss: str = "arcface"       # softmax | cosface | arcface
     scale: float = 64.0         # s
     margin: float = 0.5         # m (radians for arcface, cosine for cosface)
-    mode: str = "local"         # local (the method) | global (exact model-parallel softmax) | replicated (DP)
+    mode: str = "local"         # a registered mode (modes.py): local (the method) | global (exact model-parallel softmax) | replicated (DP)
     sample_rate: float = 1.0    # global, local: fraction of the slice's centres scored per step (PartialFC); 1 = all
     # local with sample_rate < 1, the classifier's step (rowsparse.py; docs/benchmarks.md has the choice):
     # exact: the sampled rows' cost, the dense step's numbers (SGD) | lazy: unsampled rows wait (PLSC's sparse
@@ -139,7 +140,7 @@ class Config:
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
                    ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
                    ("train", "on_nonfinite"): ("stop", "skip"),
-                   ("head", "mode"): ("local", "global", "replicated"), ("head", "sampled_step"): ("exact", "lazy", "dense"),
+                   ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("optim", "classifier_grad_mean"): ("global", "local")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
@@ -156,9 +157,6 @@ class Config:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
         if min(self.head.negatives_every, self.head.negatives_share, self.head.negatives_pool) < 0:
             raise ConfigError("head.negatives_every, head.negatives_share and head.negatives_pool must be >= 0")
-        if self.head.sample_rate < 1.0 and self.head.mode == "replicated":
-            raise ConfigError("head.sample_rate < 1 samples the centres of head.mode=global or local, "
-                              "not replicated")
         if self.model.sync_batchnorm and self.model.checkpoint_activations:
             raise ConfigError("model.sync_batchnorm and model.checkpoint_activations together: the recomputed "
                               "forward would repeat every layer's collective; choose one")
@@ -166,14 +164,6 @@ class Config:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
-        try:
-            parse_augment(self.data.augment)
-        except ValueError as e:
-            raise ConfigError(f"data.augment: {e}") from None
-        if self.train.tensorboard:
-            missing = tensorboard_missing()
-            if missing:   # fail now, not at the first log line of a long run
-                raise ConfigError(f"train.tensorboard: {missing}")
         return self
 
     def to_dict(self) -> Dict[str, Any]:
@@ -258,31 +248,6 @@ def config_from_dict(d: Dict[str, Any]) -> Config:
     cfg = Config()
     _merge(cfg, d)
     return cfg
-
-
-def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
-    """A config dict saved by an earlier version (a checkpoint's, written at ``world_size`` ranks), completed
-    with what it meant: keys added since take their defaults (they did not exist, so the run had the
-    default's behaviour), except where a new default changed the numbers:
-
-    * ``head.sampled_step``: a sampled ``local`` run from before it existed ran the ``lazy`` rule;
-    * ``head.negatives_pool``: before it, nothing capped the share, which the default cap leaves unchanged
-      only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0);
-    * ``train.loss_scale_growth``: an fp16 run from before it doubled its loss scale every 1,000 steps.
-
-    Resume compares this against the current config, so upgrading the package never refuses to resume a
-    run whose settings did not change, and refuses one whose numbers would."""
-    head, train = d.get("head", {}), d.get("train", {})
-    full = config_from_dict(d).to_dict()
-    h = full["head"]
-    if "sampled_step" not in head and h["mode"] == "local" and h["sample_rate"] < 1.0:
-        h["sampled_step"] = "lazy"
-    if "negatives_pool" not in head and h["mode"] == "local" and h["negatives_every"] > 0 \
-            and (h["negatives_share"] == 0 or h["negatives_share"] * world_size > h["negatives_pool"]):
-        h["negatives_pool"] = 0
-    if "loss_scale_growth" not in train and full["train"]["precision"] == "fp16":
-        full["train"]["loss_scale_growth"] = 1000
-    return full
 
 
 def dump_config(cfg: Config, path: str) -> None:

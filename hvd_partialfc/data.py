@@ -1,7 +1,7 @@
 """The dedicated per-rank loader: rank r reads only the samples of its own label slice.
 
 Contract:
-* a rank opens only its block of shards (`shards.rank_shards`), checks on construction that each file
+* a rank opens only its block of shards (`layout.RankLayout`), checks on construction that each file
   opens and that every label lies in its slice (an error names the rank, the file and what to do), and
   yields *local* labels ``y - start``;
 * batches are drawn from a permutation seeded by (base seed, rank, epoch): reproducible, different per
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from .augment import BatchAugment
 from .seeds import LOADER_WORKERS, derive_seed
-from .shards import (Manifest, ShardError, decode_image, open_shard, rank_shards, read_manifest, read_shard_labels,
+from .shards import (Manifest, ShardError, decode_image, open_shard, rank_layout, read_manifest, read_shard_labels,
                      unreadable_shard)
 
 
@@ -39,11 +39,14 @@ class RankShardDataset:
     one request per sample.
     """
 
-    def __init__(self, shard_dir: str, rank: int, world_size: int, manifest: Optional[Manifest] = None):
+    def __init__(self, shard_dir: str, rank: int, world_size: int, manifest: Optional[Manifest] = None,
+                 layout=None):
+        """``layout``: the run's ``layout.RankLayout`` (computed from ``manifest`` and ``world_size`` if not given)."""
         self.shard_dir = shard_dir
         self.manifest = manifest or read_manifest(shard_dir)
         self.rank = rank
-        indices, self.label_slice = rank_shards(self.manifest, rank, world_size)
+        layout = layout or rank_layout(self.manifest, world_size)
+        indices, self.label_slice = layout.shard_blocks[rank], layout.slices[rank]
         self.files = [os.path.join(shard_dir, self.manifest.shards[i].file) for i in indices]
         self.kind = self.manifest.kind
         labels, sizes = [], []

@@ -39,13 +39,12 @@ for cross-shard negatives this rank's shared centres once every K steps (amortis
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .modes import negatives_share as negatives_share_rows
-from .rowsparse import SWEEP_BLOCK
+from .modes import get_mode, list_modes
+from .negatives import negatives_share as negatives_share_rows
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGIT_COPIES = 1
@@ -85,16 +84,17 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     when the pool is > 0: ``modes.negatives_share``) are held as a buffer and are extra logit columns, and the
     all-gather of this rank's share is amortised over K steps.
     """
-    if mode not in ("local", "global", "replicated"):
-        raise ValueError(f"unknown mode {mode!r}; known: local, global, replicated")
-    if negatives_every and mode != "local":
-        raise ValueError("cross-shard negatives (negatives_every) belong to mode local")
+    from types import SimpleNamespace
+    m = get_mode(mode)
+    if negatives_every and not m.negatives:
+        raise ValueError(f"cross-shard negatives (negatives_every) belong to mode "
+                         f"{' or '.join(n for n in list_modes() if get_mode(n).negatives)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     e = DTYPES[dtype]
-    width = classes if mode == "replicated" else math.ceil(classes / world_size)
-    rows = batch * world_size if mode == "global" else batch
-    sampled = sample_rate < 1.0 and mode in ("global", "local")
+    width = m.estimate_width(classes, world_size)
+    rows = m.estimate_logit_rows(batch, world_size)
+    sampled = sample_rate < 1.0 and m.samples
     own = max(1, int(width * sample_rate)) if sampled else width     # this rank's columns scored per step
     cols = own
     share = negatives_share_rows(width, world_size, negatives_share, negatives_pool) if negatives_every else 0
@@ -104,39 +104,30 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
     mem = {
         "classifier weights": width * dim * e,
-        # sampled local: a row-sparse gradient (K rows); sampled global: dense, as PartialFC v2
-        "classifier grads": (own if sampled and mode == "local" else width) * dim * e,
+        "classifier grads": width * dim * e,
         "classifier optimizer state": state * width * dim * e,
-        # sampled global: the K rows, their gradient, the scatter into a (W, D) gradient; sampled local:
-        # the K rows and the sampled step's gathered rows of the weight and of its state
-        "classifier temporaries": ((2 * own * dim + width * dim) * e if mode == "global" else
-                                   (2 + state) * own * dim * e) if sampled else 0,
-        # sampled local, SGD, head.sampled_step=exact: the catch-up's gathered rows (weight, momentum, a
-        # copy), the (W,) lag vector and one block of the sweep (rowsparse.py)
-        "exact sampled step": (3 * own * dim * e + width * 4 + min(width, SWEEP_BLOCK) * dim * e)
-        if sampled and mode == "local" and optimizer.startswith("sgd") and sampled_step == "exact" else 0,
+        "classifier temporaries": 0,
+        "exact sampled step": 0,
         "logits": LOGIT_COPIES * rows * cols * e,
-        "gathered features": 3 * rows * dim * 4 if mode == "global" else 0,
+        "gathered features": 0,
         "remote centres (negatives)": remote * dim * 4,
         "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
         "backbone activations": bb["activation_bytes"],
         "negatives exchange (beyond the step)": 0,
         "runtime": int(runtime_mb * 2 ** 20),
     }
+    grad_bytes = bb["params"] * (2 if fp16_compression else 4)
+    traffic = {"backbone gradient": grad_bytes}
+    sizes = SimpleNamespace(classes=classes, world_size=world_size, dim=dim, batch=batch, e=e, state=state,
+                            width=width, rows=rows, own=own, sampled=sampled, optimizer=optimizer,
+                            sampled_step=sampled_step, fp16_compression=fp16_compression)
+    mode_mem, mode_traffic = m.estimate_terms(sizes)   # the mode's own components (modes.py)
+    mem.update(mode_mem)
+    traffic.update(mode_traffic)
     if negatives_every:  # gathered R + share rows and the new R-row buffer, the old one freed first
         exchange = (remote + share + (share if share < width else 0)) * dim * 4
         step = mem["classifier grads"] + mem["logits"] + bb["activation_bytes"] + bb["params"] * 4
         mem["negatives exchange (beyond the step)"] = max(0, exchange - step)
-    grad_bytes = bb["params"] * (2 if fp16_compression else 4)
-    traffic = {"backbone gradient": grad_bytes}
-    if mode == "replicated":
-        traffic["classifier gradient"] = classes * dim * (2 if fp16_compression else 4)
-    if mode == "global":
-        traffic["features (allgather)"] = batch * dim * 4
-        traffic["labels (allgather)"] = batch * 8 + 8
-        traffic["feature gradient (allreduce)"] = rows * dim * 4
-        traffic["softmax max + sums (allreduce)"] = 3 * rows * 4
-    if negatives_every:
         traffic["centres (allgather, amortised)"] = share * dim * 4 / negatives_every
     return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
             "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype,

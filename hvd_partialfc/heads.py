@@ -119,6 +119,14 @@ class LocalClassifier(nn.Module):
     def before_step(self, step: int) -> None:
         """Called by the loop on every rank before each step; heads with periodic work override it."""
 
+    def describe(self, backbone_grad_bytes: int) -> Optional[str]:
+        """A line for the start of a multi-rank run about this head's own traffic (None: it has none)."""
+        return None
+
+    def sampling_warning(self) -> Optional[str]:
+        """A warning for the start of a run about this head's sampling (None: nothing to say)."""
+        return None
+
     def extra_state_for_checkpoint(self) -> dict:
         """Per-rank state beyond ``weight`` that a bitwise resume needs (none here)."""
         return {}

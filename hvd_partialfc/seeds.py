@@ -1,9 +1,12 @@
-"""The one seed derivation: a generator seed from (run seed, rank, counter, stream). Not a collective.
+"""The seed derivations: every generator seed of the package comes from here. Not a collective.
 
-Every per-rank stream takes its seed from here, so a stream is reproducible from these numbers alone.
+``derive_seed``: a generator seed from (run seed, rank, counter, stream). Every per-rank stream takes its seed from here, so a stream is reproducible from these numbers alone.
 ``stream`` keeps uses apart whose counters overlap: 0 for the loader's epoch permutations and the
 cross-shard negatives' subsets (their seeds since the first release), 1 for the loader's worker seeds,
 2 for the re-seed after a resume at another world size, 3 for the data augmentation of each batch.
+Two older formulas keep their values under their own names: ``rank_process_seed`` (a rank's process
+stream) and ``classifier_block_seed`` (the classifier rows' init). The run's seed itself (``train.seed``)
+seeds the backbone's init directly, the same on every rank.
 """
 from __future__ import annotations
 
@@ -27,3 +30,15 @@ def stream_entropy(seed: int, rank: int, counter: int, stream: int) -> List[int]
     SeedSequence hashes the two words together instead, so no (rank, counter) pair repeats another's.
     """
     return [derive_seed(seed, rank, 0, stream), int(counter)]
+
+
+def rank_process_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's process-global torch stream once its parts are built (dropout, row sampling):
+    ``seed * 1_000_003 + rank`` (the value since the first release)."""
+    return int(seed) * 1_000_003 + int(rank)
+
+
+def classifier_block_seed(seed: int, block: int) -> int:
+    """The generator seed of global classifier row block ``block`` (its rows' N(0, 0.01) init):
+    ``seed * 1_000_003 + 7_919 + block``, the same whatever the world size."""
+    return int(seed) * 1_000_003 + 7_919 + int(block)

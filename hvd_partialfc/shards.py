@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import h5py
 import numpy as np
 
-from .partition import LabelSlice, check_partition, group_slices
+from .layout import RankLayout
+from .partition import LabelSlice, check_partition
 
 FORMAT = "hvd_partialfc.shards"
 VERSION = 1
@@ -257,14 +258,12 @@ def read_shard_labels(path: str, rank: Optional[int] = None) -> np.ndarray:
             raise unreadable_shard(path, "labels", e, rank) from e
 
 
-def rank_shards(manifest: Manifest, rank: int, world_size: int) -> tuple:
-    """(shard indices, label slice) of ``rank``: a contiguous block of shards, one label range."""
+def rank_layout(manifest: Manifest, world_size: int):
+    """The shard set's ``layout.RankLayout`` on ``world_size`` ranks; ShardError when it does not fit."""
     try:
-        slices = group_slices(manifest.shard_slices(), world_size)
+        return RankLayout.from_manifest(manifest, world_size)
     except ValueError as e:
         raise ShardError(str(e)) from e
-    per_rank = manifest.num_shards // world_size
-    return list(range(rank * per_rank, (rank + 1) * per_rank)), slices[rank]
 
 
 def check_shard_file(shard_dir: str, manifest: Manifest, index: int, verify_sha256: bool = False) -> None:

@@ -1,6 +1,6 @@
 """The ``Comm`` interface for N virtual ranks in one process: the simulator's collectives. No Horovod.
 
-One Python thread per virtual rank runs the unchanged ``Trainer``; their collectives meet here.
+One Python thread per virtual rank runs the unchanged trainer (startup.py, trainer.py); their collectives meet here.
 
 The baton. Exactly one virtual rank runs at a time: it holds the baton, and gives it up only inside a
 collective (the next rank in line takes it), so collectives that block inside autograd (``global`` mode's
@@ -8,7 +8,7 @@ all-gather in the forward AND the backward) work as under Horovod, and the proce
 process on the global batch (no oversubscription of the cores). Because one rank runs at a time, the process-global random generators (torch CPU,
 numpy, Python ``random``; CUDA when used) are each rank's own: when the baton passes to another rank, the
 states of the rank that ran are saved and the next rank's restored. So ``torch.manual_seed`` in
-``Trainer._build_model``, dropout, head sampling, and a checkpoint's save/restore of the RNG states act on
+``parts.build_parts``, dropout, head sampling, and a checkpoint's save/restore of the RNG states act on
 the rank's own streams, as in a process per rank.
 
 The numbers. A collective is computed once, by the last rank to arrive, over the ranks' values in rank

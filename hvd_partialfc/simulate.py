@@ -1,6 +1,6 @@
 """``hvd-partialfc simulate --ranks N``: the trainer's method for N virtual ranks in one process.
 
-Each virtual rank is a thread running the unchanged ``Trainer`` (train.py) with a ``simcomm.SimComm``: its
+Each virtual rank is a thread running the unchanged trainer (startup.py, trainer.py) with a ``simcomm.SimComm``: its
 own label slice, loader, backbone copy (so BatchNorm normalises over the rank's own batch, and its running
 statistics are the rank's own until a checkpoint or an evaluation averages them), classifier and
 optimizers; the backbone gradient is averaged over the virtual ranks; the cross-shard negatives and the
@@ -27,6 +27,7 @@ from typing import List, Optional
 from .config import Config
 from .preempt import StopSignals
 from .simcomm import SimComm, SimWorld
+from .startup import start_trainer
 
 
 @dataclass
@@ -46,7 +47,6 @@ class SimFailure(RuntimeError):
 
 def simulate(cfg: Config, ranks: int) -> SimResult:
     """Train ``cfg`` as ``ranks`` virtual ranks; returns rank 0's result, or raises ``SimFailure``."""
-    from .train import Trainer   # train.py imports comm.py (Horovod is imported, never initialised)
     cfg = copy.deepcopy(cfg)
     cfg.data.workers = 0
     world = SimWorld(ranks)
@@ -55,7 +55,7 @@ def simulate(cfg: Config, ranks: int) -> SimResult:
     def run(rank: int) -> None:
         try:
             world.enter(rank)
-            trainer = Trainer(copy.deepcopy(cfg), SimComm(world, rank))
+            trainer = start_trainer(copy.deepcopy(cfg), SimComm(world, rank))
             ckpt = trainer.fit()
             results[rank] = SimResult(ckpt, trainer.stopped_by, 0)
         except BaseException as e:   # every rank's error ends the world; the first one is reported

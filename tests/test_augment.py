@@ -79,8 +79,10 @@ def test_flip_flips_about_half_and_keeps_labels(rgb_shards):
                                         ("flip:q=1", "unknown parameter 'q' of flip"),
                                         ("flip:p=2", "out of range"), ("lowres:min_scale=x", "not a number")])
 def test_unknown_names_are_config_errors(spec, match):
+    # the config is plain data: the names are checked against the registry before the first step
+    from hvd_partialfc.startup import check_runtime_options
     with pytest.raises(ConfigError, match=match):
-        load_config(None, ["data.shards=/x", f"data.augment=['{spec}']"])
+        check_runtime_options(load_config(None, ["data.shards=/x", f"data.augment=['{spec}']"]), "images")
 
 
 def test_features_cannot_be_augmented():

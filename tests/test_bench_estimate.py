@@ -29,7 +29,7 @@ def test_global_and_replicated_pay_in_classes_and_batch():
     assert r["traffic_bytes"]["classifier gradient"] == 1_000_000 * 128 * 4
     half = estimate(1_000_000, 8, 128, 64, mode="local", dtype="bf16", bb=BB)
     assert half["memory_bytes"]["classifier weights"] * 2 == loc["memory_bytes"]["classifier weights"]
-    with pytest.raises(ValueError, match="unknown mode"):
+    with pytest.raises(ValueError, match="unknown classifier mode"):
         estimate(10, 2, 8, 4, mode="ring", bb=BB)
 
 

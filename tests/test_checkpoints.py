@@ -307,7 +307,8 @@ def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
 
 
 def test_an_older_config_means_the_defaults_the_lazy_sampled_step_and_no_pool():
-    from hvd_partialfc.config import Config, saved_config
+    from hvd_partialfc.config import Config
+    from hvd_partialfc.resume import saved_config
     old = Config().to_dict()
     for section, key in (("data", "augment"), ("head", "sampled_step"), ("head", "negatives_pool")):
         old[section].pop(key)

@@ -9,7 +9,8 @@ import pytest
 from conftest import launch_env, read_json_lines, run_job
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.logging_sinks import LoaderWatch, scalars
-from data_tools.pairs import write_pairs_h5
+from hvd_partialfc.startup import check_runtime_options
+from data_tools.pair_sets import write_pairs_h5
 
 
 def _pairs(path, n_images=40, n_pairs=40, seed=0):
@@ -68,8 +69,8 @@ def test_tensorboard_missing_is_a_config_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)          # `import tensorboard` now raises
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match=r"train.tensorboard: TensorBoard is not installed .*tensorboard==2.21.0"):
-        load_config(None, ["data.shards=/x", "train.tensorboard=true"])
-    load_config(None, ["data.shards=/x"])                            # off: no import at all
+        check_runtime_options(load_config(None, ["data.shards=/x", "train.tensorboard=true"]), "images")
+    check_runtime_options(load_config(None, ["data.shards=/x"]), "images")   # off: no import at all
 
 
 def test_scalars_of_a_record():

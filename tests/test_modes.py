@@ -128,12 +128,27 @@ def test_sampled_loss_is_softmax_over_kept_rows():
     assert float(loss.detach()) == pytest.approx(float(F.cross_entropy(x @ weight.t(), local).detach()), rel=1e-5)
 
 
-@pytest.mark.parametrize("sets,msg", [(["head.mode=ring"], "head.mode"),
-                                      (["head.sample_rate=0"], "sample_rate"),
-                                      (["head.mode=replicated", "head.sample_rate=0.5"], "not replicated")])
-def test_mode_config_is_validated(sets, msg):
-    with pytest.raises(ConfigError, match=msg):
-        load_config(None, ["data.shards=x", *sets])
+def _local_parts_and_step(cfg, classes):
+    """One rank's parts and step on the no-communication engine, for ``classes`` classes (no shards)."""
+    from hvd_partialfc.layout import RankLayout
+    from hvd_partialfc.localcomm import LocalComm
+    from hvd_partialfc.parts import build_parts
+    from hvd_partialfc.step import Step
+    comm, cpu = LocalComm(), torch.device("cpu")
+    parts = build_parts(cfg, comm, RankLayout.even(classes, 1), [32], cpu)
+    return parts, Step(cfg, comm, parts, cpu, "features", 2)
+
+
+def test_mode_config_is_validated():
+    # plain data at load time; the mode is looked up and checked when the parts are built
+    from hvd_partialfc.modes import get_mode
+    with pytest.raises(ConfigError, match="sample_rate"):
+        load_config(None, ["data.shards=x", "head.sample_rate=0"])
+    with pytest.raises(ValueError, match="head.mode='ring'; known: global, local, replicated"):
+        get_mode(load_config(None, ["data.shards=x", "head.mode=ring"]).head.mode)
+    cfg = load_config(None, ["data.shards=x", "head.mode=replicated", "head.sample_rate=0.5"])
+    with pytest.raises(ValueError, match="not replicated"):
+        get_mode("replicated").check(cfg.head)
     for mode in ("global", "local"):
         assert load_config(None, ["data.shards=x", f"head.mode={mode}", "head.sample_rate=0.1"]).head.mode == mode
 
@@ -258,21 +273,18 @@ def test_checkpoints_with_normalised_remote_rows(loss, kept):
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
 def test_sampled_local_train_step_changes_only_the_sampled_rows(optim):
-    # the trainer's own step (Trainer.for_synthetic, the benchmark's builder; one rank, no Horovod): with
-    # momentum and weight decay on, exactly K = 0.2 x 50 rows of the classifier move, two steps running
-    from hvd_partialfc.bench import _NoComm, _synthetic_batches
-    from hvd_partialfc.partition import even_slices
-    from hvd_partialfc.train import Trainer
+    # the trainer's own parts and step (the benchmark's builder; one rank, the no-communication engine):
+    # with momentum and weight decay on, exactly K = 0.2 x 50 rows of the classifier move, two steps running
+    from hvd_partialfc.bench import _synthetic_batches
     cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
                              "model.embedding_dim=16", "head.sample_rate=0.2", f"optim.name={optim}",
                              "optim.classifier_weight_decay=0.01", "head.negatives_every=0"])
-    trainer = Trainer.for_synthetic(cfg, _NoComm(0, 1), even_slices(50, 1), 50, [32])
-    trainer.total_steps = 2
+    parts, step_fn = _local_parts_and_step(cfg, 50)
     batches = _synthetic_batches(4, [32], 50, seed=0)
     for step in range(2):
-        before = trainer.classifier.weight.detach().clone()
-        trainer.train_step(step, batches)
-        moved = (trainer.classifier.weight.detach() != before).any(1)
+        before = parts.head.weight.detach().clone()
+        step_fn(step, batches)
+        moved = (parts.head.weight.detach() != before).any(1)
         assert int(moved.sum()) == 10
 
 
@@ -281,17 +293,14 @@ def test_sampled_local_train_step_changes_only_the_sampled_rows(optim):
 def test_sampled_local_warns_at_start_when_it_scores_few_rows(classes, rate, warned):
     # the scale study's finding as a start-up line: r = 0.1 of 97 classes (9 rows a step) lost 4%, 38 rows
     # nothing; the threshold is FEW_SAMPLED_ROWS = 32 rows (300 x 0.1 = 30 warns, 320 x 0.1 = 32 does not)
-    from hvd_partialfc.bench import _NoComm
-    from hvd_partialfc.partition import even_slices
-    from hvd_partialfc.train import Trainer
     cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
                              "model.embedding_dim=16", f"head.sample_rate={rate}", "head.negatives_every=0"])
-    trainer = Trainer.for_synthetic(cfg, _NoComm(0, 1), even_slices(classes, 1), classes, [32])
-    notes = [n for n in trainer.startup_notes() if n.startswith("warning: head.sample_rate")]
+    warning = _local_parts_and_step(cfg, classes)[0].head.sampling_warning()
+    notes = [warning] if warning else []
     assert len(notes) == int(warned)
     if warned:
         assert f"scores {int(rate * classes)} of this rank's {classes} classifier rows" in notes[0]
     global_cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp",
                                     "model.embedding_dim=16", f"head.sample_rate={rate}", "head.mode=global"])
-    global_trainer = Trainer.for_synthetic(global_cfg, _NoComm(0, 1), even_slices(classes, 1), classes, [32])
-    assert global_trainer.startup_notes() == []   # PartialFC's sampling of the global softmax: not measured
+    # PartialFC's sampling of the global softmax: not measured
+    assert _local_parts_and_step(global_cfg, classes)[0].head.sampling_warning() is None

@@ -69,10 +69,11 @@ def test_negatives_config_is_checked():
     assert [negatives_share(3095, n, 1024, 8192) for n in (2, 8, 64, 256)] == [1024, 1024, 128, 32]
     assert negatives_share(97, 256, 1024, 100000) == 97 and negatives_share(5000, 256, 1024, 0) == 1024
     assert negatives_share(5000, 64, 0, 8192) == 128 and negatives_share(5000, 64, 0, 0) == 5000
-    from hvd_partialfc.modes import GlobalSoftmaxHead, create_head
-    from hvd_partialfc.partition import LabelSlice
-    g = load_config(None, ["data.shards=/x", "head.mode=global"])
-    assert type(create_head("global", LabelSlice(0, 0, 4), 8, 3, g.head, comm=None)) is GlobalSoftmaxHead
+    from hvd_partialfc.layout import RankLayout
+    from hvd_partialfc.mode_heads import GlobalSoftmaxHead
+    from hvd_partialfc.modes import get_mode
+    g = load_config(None, ["data.shards=/x", "head.mode=global", "model.embedding_dim=3"])
+    assert type(get_mode("global").create_head(g, RankLayout.even(8, 2), 0, None)) is GlobalSoftmaxHead
     with pytest.raises(ConfigError, match=">= 0"):
         load_config(None, ["data.shards=/x", "head.negatives_every=-1"])
     with pytest.raises(ConfigError, match=">= 0"):

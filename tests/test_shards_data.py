@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import build_shards, make_feature_npz, make_image_npz
-from data_tools.cli import main as shards_main
+from data_tools.shards_cli import main as shards_main
 from hvd_partialfc.data import EpochBatchSampler, RankShardDataset, make_loader, prepare_batch
-from hvd_partialfc.shards import ShardError, check_shard_file, rank_shards, read_manifest
+from hvd_partialfc.shards import ShardError, check_shard_file, rank_layout, read_manifest
 
 
 @pytest.fixture
@@ -25,7 +25,8 @@ def test_rank_reads_only_its_block_of_shards(four_shards):
         seen = []
         for r in range(world):
             ds = RankShardDataset(four_shards, r, world, m)
-            idx, sl = rank_shards(m, r, world)
+            layout = rank_layout(m, world)
+            idx, sl = layout.shard_blocks[r], layout.slices[r]
             assert len(idx) == 4 // world
             x, y = ds[list(range(len(ds)))]
             glob = ds.labels

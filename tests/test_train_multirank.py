@@ -191,7 +191,7 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     # the options were applied, not only accepted: the lr follows the configured schedule, fp16 keeps a
     # loss scale, AdamW keeps its moments
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.train import lr_factor
+    from hvd_partialfc.step import lr_factor
     o = load_config(None, ["data.shards=x", *options]).optim
     for m in metrics:
         f = lr_factor(m["step"] - 1, 12, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
@@ -216,7 +216,7 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
     from hvd_partialfc.verification.pairs import evaluate_backbone
     from hvd_partialfc.export import load_backbone
-    from data_tools.pairs import write_pairs_h5
+    from data_tools.pair_sets import write_pairs_h5
     from hvd_partialfc.pairs import read_pairs
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
@@ -234,7 +234,7 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     # BatchNorm buffers are the pooled ones, checked in the core scenario) does offline; rank 0's own
     # statistics would move every score, hence the best threshold
     model, _ = load_backbone(run)
-    from hvd_partialfc.train import rank_threads
+    from hvd_partialfc.startup import rank_threads
     threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host): the convolutions round
     torch.set_num_threads(rank_threads(2))  # differently with another, and a score's round-off moved a fold's
     try:                                    # threshold

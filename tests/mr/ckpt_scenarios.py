@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hvd_partialfc import comm as comm_lib  # noqa: E402
 from hvd_partialfc.checkpoint import CheckpointError  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
-from hvd_partialfc.train import SkippedStepsError, Trainer  # noqa: E402
+from hvd_partialfc.startup import start_trainer  # noqa: E402
+from hvd_partialfc.step import SkippedStepsError  # noqa: E402
 
 BASE = ["model.name=mlp", "data.batch_size=8", "optim.schedule=constant", "head.negatives_every=0",
         "train.log_every=1"]
@@ -33,14 +34,14 @@ def scenario_diverged(shards, out):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}/run", "train.steps=10", "checkpoint.keep=1",
                              *BASE])
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
+    trainer = start_trainer(cfg, comm)
     batches = iter(trainer.loader)
     for step in range(2):
         trainer.train_step(step, batches)
     good = trainer.save_checkpoint(2)
     if comm.rank == 1:  # a rank whose backbone drifted (a bad GPU, a non-deterministic kernel)
         with torch.no_grad():
-            next(trainer.backbone.parameters()).add_(1e-3)
+            next(trainer.parts.backbone.parameters()).add_(1e-3)
     rec = {"good": os.path.basename(good)}
     try:
         trainer.save_checkpoint(3)
@@ -57,10 +58,10 @@ def scenario_skips(shards, out):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}/run", "train.steps=40", "train.on_nonfinite=skip",
                              "train.max_consecutive_skips=3", *BASE])
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
+    trainer = start_trainer(cfg, comm)
     state = {"step": 0}
     if comm.rank == 1:
-        trainer.classifier.weight.register_hook(
+        trainer.parts.head.weight.register_hook(
             lambda g: torch.full_like(g, float("nan")) if state["step"] in (1, 2) else g)
     real_step = trainer.train_step
 
@@ -80,8 +81,8 @@ def scenario_skips(shards, out):
         rec["raised"] = None
     except SkippedStepsError as e:
         rec["raised"] = str(e)
-    rec.update({"skipped_steps": trainer.skipped_steps, "classifier_skipped_steps": trainer.classifier_skipped_steps,
-                "loss_scale": trainer.loss_scale.scale, "stopped_at": state["step"]})
+    rec.update({"skipped_steps": trainer.parts.counters.skipped_steps, "classifier_skipped_steps": trainer.parts.counters.classifier_skipped_steps,
+                "loss_scale": trainer.parts.loss_scale.scale, "stopped_at": state["step"]})
     _write(out, comm, rec)
 
 
@@ -94,13 +95,13 @@ def scenario_replicated(shards, out):
                              "optim.backbone_momentum=0", "optim.classifier_momentum=0",
                              "optim.backbone_weight_decay=0", "optim.classifier_weight_decay=0", *BASE])
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
-    before = [p.detach().clone() for p in trainer.backbone_opt_params()]
-    cls_before = trainer.classifier.weight.detach().clone()
+    trainer = start_trainer(cfg, comm)
+    before = [p.detach().clone() for p in trainer.parts.backbone_opt_params()]
+    cls_before = trainer.parts.head.weight.detach().clone()
     trainer.train_step(0, iter(trainer.loader))
-    sq = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(trainer.backbone_opt_params(), before))
+    sq = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(trainer.parts.backbone_opt_params(), before))
     _write(out, comm, {"update_norm": sq ** 0.5, "expected": lr * clip,
-                       "classifier_update_norm": float((trainer.classifier.weight.detach() - cls_before).norm())})
+                       "classifier_update_norm": float((trainer.parts.head.weight.detach() - cls_before).norm())})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from hvd_partialfc import comm as comm_lib  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data import prepare_batch  # noqa: E402
 from hvd_partialfc.heads import LocalClassifier  # noqa: E402
-from hvd_partialfc.train import Trainer, init_classifier_rows  # noqa: E402
+from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.startup import start_trainer  # noqa: E402
 
 
 def _write(out, rank, rec):
@@ -71,9 +72,9 @@ def scenario_exact(shards, out, mode, loss):
     """One train_step in `mode` against a single process computing the full softmax on the union batch."""
     cfg = _config(shards, out, mode, loss)
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
+    trainer = start_trainer(cfg, comm)
     batch = next(iter(trainer.loader))
-    bb = copy.deepcopy(trainer.backbone)
+    bb = copy.deepcopy(trainer.parts.backbone)
     bb.train()
     out_step = trainer.train_step(0, iter([batch]))
 
@@ -84,7 +85,7 @@ def scenario_exact(shards, out, mode, loss):
     num_classes = trainer.manifest.num_classes
     feats, labels = [], []
     for (x, y), start in zip(batches, starts):
-        x, y = prepare_batch(x, y, trainer.device, trainer.manifest.kind)
+        x, y = prepare_batch(x, y, trainer.step.device, trainer.manifest.kind)
         feats.append(bb(x))
         labels.append(y + start)
     full = LocalClassifier(num_classes, cfg.model.embedding_dim, loss, 16, 0.3)
@@ -94,17 +95,17 @@ def scenario_exact(shards, out, mode, loss):
     ref_loss.backward()
 
     s, e = trainer.label_slice.start, trainer.label_slice.end
-    cls_grad = trainer.classifier.weight.grad
+    cls_grad = trainer.parts.head.weight.grad
     ref_cls = full.weight.grad if mode == "replicated" else full.weight.grad[s:e]
     mean_loss = comm.allreduce_scalar(out_step["loss"], "average", name="test.loss")
     rec = {"rank": comm.rank, "mode": mode, "loss": out_step["loss"], "mean_loss": mean_loss,
-           "ref_loss": float(ref_loss), "classifier_shape": list(trainer.classifier.weight.shape),
+           "ref_loss": float(ref_loss), "classifier_shape": list(trainer.parts.head.weight.shape),
            "backbone_grad_err": max(float((p.grad - q.grad).abs().max())
-                                    for p, q in zip(trainer.backbone.parameters(), bb.parameters())),
+                                    for p, q in zip(trainer.parts.backbone.parameters(), bb.parameters())),
            "backbone_grad_scale": max(float(q.grad.abs().max()) for q in bb.parameters()),
            "classifier_grad_err": float((cls_grad - ref_cls).abs().max()),
            "classifier_grad_scale": float(ref_cls.abs().max()),
-           "lrs": [g["lr"] for opt in (trainer.backbone_opt, trainer.classifier_opt) for g in opt.param_groups]}
+           "lrs": [g["lr"] for opt in (trainer.parts.backbone_opt, trainer.parts.head_opt) for g in opt.param_groups]}
     _write(out, comm.rank, rec)
 
 
@@ -113,10 +114,10 @@ def scenario_np1(shards, out, steps):
     comm = comm_lib.init()
     states = {}
     for mode in ("local", "global"):
-        trainer = Trainer(_config(shards, os.path.join(out, mode), mode, "arcface", steps), comm)
+        trainer = start_trainer(_config(shards, os.path.join(out, mode), mode, "arcface", steps), comm)
         batches = iter(trainer.loader)
         losses = [trainer.train_step(step, batches)["loss"] for step in range(steps)]
-        states[mode] = (trainer.backbone.state_dict(), trainer.classifier.weight.detach().clone(), losses)
+        states[mode] = (trainer.parts.backbone.state_dict(), trainer.parts.head.weight.detach().clone(), losses)
     (bl, cl, ll), (bg, cg, lg) = states["local"], states["global"]
     rec = {"backbone_max_abs_err": max(float((bl[k].float() - bg[k].float()).abs().max()) for k in bl),
            "classifier_max_abs_err": float((cl - cg).abs().max()),

@@ -26,7 +26,8 @@ from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.heads import LocalClassifier  # noqa: E402
 from hvd_partialfc.modes import create_head  # noqa: E402
 from hvd_partialfc.partition import LabelSlice  # noqa: E402
-from hvd_partialfc.train import Trainer, init_classifier_rows  # noqa: E402
+from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.startup import start_trainer  # noqa: E402
 
 LOSSES = ("softmax", "cosface", "arcface")
 SCALE, MARGIN = 16.0, 0.3
@@ -118,8 +119,8 @@ def scenario_step(shards, out, steps, share, loss, pool):
                              f"head.loss={loss}", f"head.scale={SCALE}",
                              f"head.margin={MARGIN}", "optim.backbone_lr=0.05"])
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
-    head = trainer.classifier
+    trainer = start_trainer(cfg, comm)
+    head = trainer.parts.head
     batches = iter(trainer.loader)
     rec = {"rank": comm.rank, "width": head.width, "exchanges": []}
     for step in range(steps):
@@ -128,8 +129,8 @@ def scenario_step(shards, out, steps, share, loss, pool):
             everyone = comm.allgather_object(head.weight.detach().clone(), name=f"test.w{step}")
             others = [(r, w) for r, w in enumerate(everyone) if r != comm.rank]
         if step == 0:
-            bb, w0 = copy.deepcopy(trainer.backbone), head.weight.detach().clone()
-            p0 = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
+            bb, w0 = copy.deepcopy(trainer.parts.backbone), head.weight.detach().clone()
+            p0 = {n: p.detach().clone() for n, p in trainer.parts.backbone.named_parameters()}
         trainer.train_step(step, iter([batch]))
         if step % 2 == 0:  # the buffer holds the other ranks' raw rows (all, or `share` of each, at most
             raw, index, match = owner_rows(head.remote, others)              # ceil(pool / N) of each)
@@ -143,7 +144,7 @@ def scenario_step(shards, out, steps, share, loss, pool):
     rec["remote_requires_grad"] = bool(head.remote.requires_grad)
     rec["remote_grad_is_none"] = head.remote.grad is None
     rec["remote_is_buffer"] = any(b is head.remote for b in head.buffers())
-    rec["digest"] = state_dict_digest(dict(trainer.backbone.named_parameters()))
+    rec["digest"] = state_dict_digest(dict(trainer.parts.backbone.named_parameters()))
     _write(out, comm.rank, rec)
 
 
@@ -151,13 +152,13 @@ def _offline_update_errors(trainer, bb, w0, p0, raw, batch):
     """Step 0 without the trainer: unfused cross entropy over [w0 | owners' raw rows], the backbone copy
     taken before the step. SGD's first step, constant lr: w1 = w0 - lr (g + wd w0), the classifier's
     g its own gradient / N (``optim.classifier_grad_mean=global``), the backbone's the mean over ranks."""
-    comm, cfg, head = trainer.comm, trainer.cfg, trainer.classifier
+    comm, cfg, head = trainer.comm, trainer.cfg, trainer.parts.head
     o = cfg.optim
     ref = LocalClassifier(head.width + raw.shape[0], cfg.model.embedding_dim, cfg.head.loss, SCALE, MARGIN)
     with torch.no_grad():
         ref.weight.copy_(torch.cat([w0, raw]))
     bb.train()
-    x, y = prepare_batch(*batch, trainer.device, trainer.manifest.kind)
+    x, y = prepare_batch(*batch, trainer.step.device, trainer.manifest.kind)
     features = bb(x)
     F.cross_entropy(ref.logits(features, y), y).backward()
     g_cls = ref.weight.grad[:head.width]
@@ -167,7 +168,7 @@ def _offline_update_errors(trainer, bb, w0, p0, raw, batch):
     F.cross_entropy(bare.logits(features.detach(), y), y).backward()
     grads = comm.allgather_object({n: p.grad.detach().clone() for n, p in bb.named_parameters()}, name="test.g")
     worst = 0.0
-    for n, p in trainer.backbone.named_parameters():
+    for n, p in trainer.parts.backbone.named_parameters():
         mean = sum(g[n] for g in grads) / len(grads)
         worst = max(worst, float((p.detach() - (p0[n] - o.backbone_lr * (mean + o.backbone_weight_decay * p0[n])))
                                  .abs().max()))

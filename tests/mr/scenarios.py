@@ -25,7 +25,8 @@ from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
 from hvd_partialfc.heads import LocalClassifier  # noqa: E402
 from hvd_partialfc.models import create_model  # noqa: E402
-from hvd_partialfc.train import Trainer, init_classifier_rows  # noqa: E402
+from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.startup import start_trainer  # noqa: E402
 
 
 def param_digest(module):
@@ -39,9 +40,9 @@ def buffer_digest(module):
 def local_grads(trainer, batch, classifier=False):
     """Gradients of the backbone (and, with ``classifier``, of the classifier's weight, under the key
     ``"classifier"``) from this rank's batch alone: a copy of the model, no Horovod hooks."""
-    bb, cls = copy.deepcopy(trainer.backbone), copy.deepcopy(trainer.classifier)
+    bb, cls = copy.deepcopy(trainer.parts.backbone), copy.deepcopy(trainer.parts.head)
     bb.train(), cls.train()
-    x, y = prepare_batch(*batch, trainer.device, trainer.manifest.kind)
+    x, y = prepare_batch(*batch, trainer.step.device, trainer.manifest.kind)
     cls(bb(x), y).backward()
     out = {n: p.grad.detach().clone() for n, p in bb.named_parameters()}
     if classifier:
@@ -96,11 +97,11 @@ def scenario_core(shards, out, steps):
     comm = comm_lib.init()
     rec = {"rank": comm.rank, "size": comm.size}
     with mock.patch.object(train_lib, "create_model", _perturbed_create_model(comm.rank, rec)):
-        trainer = Trainer(cfg, comm)
-    rec["init_digest_after_broadcast"] = state_dict_digest(trainer.backbone.state_dict())
+        trainer = start_trainer(cfg, comm)
+    rec["init_digest_after_broadcast"] = state_dict_digest(trainer.parts.backbone.state_dict())
     rec.update({"slice": [trainer.label_slice.start, trainer.label_slice.end],
-                "classifier_shape": list(trainer.classifier.weight.shape)})
-    w_init = trainer.classifier.weight.detach().clone()
+                "classifier_shape": list(trainer.parts.head.weight.shape)})
+    w_init = trainer.parts.head.weight.detach().clone()
     # the classifier starts from its own rows of the global init (never broadcast from another rank)
     ref = torch.empty_like(w_init)
     init_classifier_rows(ref, trainer.label_slice.start, cfg.train.seed)
@@ -123,18 +124,18 @@ def scenario_core(shards, out, steps):
         g_cls = grads.pop("classifier")
         all_grads = comm.allgather_object({k: v.cpu() for k, v in grads.items()}, name=f"test.grads.{step}")
         all_cls = comm.allgather_object(g_cls.cpu(), name=f"test.cls_grads.{step}")
-        p_old = {n: p.detach().clone() for n, p in trainer.backbone.named_parameters()}
-        w_old = trainer.classifier.weight.detach().clone()
+        p_old = {n: p.detach().clone() for n, p in trainer.parts.backbone.named_parameters()}
+        w_old = trainer.parts.head.weight.detach().clone()
         trainer.train_step(step, iter([batch]))
-        rec["param_digests"].append(param_digest(trainer.backbone))
+        rec["param_digests"].append(param_digest(trainer.parts.backbone))
         worst = 0.0
-        for n, p in trainer.backbone.named_parameters():
+        for n, p in trainer.parts.backbone.named_parameters():
             mean_grad = sum(g[n] for g in all_grads) / n_ranks
             buf_bb[n] = _sgd_direction(buf_bb.get(n), mean_grad, p_old[n], o.backbone_momentum,
                                        o.backbone_weight_decay)
             worst = max(worst, float((p.detach() - (p_old[n] - o.backbone_lr * buf_bb[n])).abs().max()))
         rec["update_max_abs_err"].append(worst)
-        w = trainer.classifier.weight.detach()
+        w = trainer.parts.head.weight.detach()
         if step == 0:
             # What the alternatives would have applied: how far apart they are sets what the checks can see.
             rec["local_grad_differs_from_mean"] = any(
@@ -150,14 +151,14 @@ def scenario_core(shards, out, steps):
 
     for step in range(2, steps):
         trainer.train_step(step, batches)
-        rec["param_digests"].append(param_digest(trainer.backbone))
-    rec["buffer_digest_before_averaging"] = buffer_digest(trainer.backbone)
+        rec["param_digests"].append(param_digest(trainer.parts.backbone))
+    rec["buffer_digest_before_averaging"] = buffer_digest(trainer.parts.backbone)
     # BatchNorm: every rank's running statistics before the checkpoint averages them; the pooled
     # statistics of the union (equal counts per rank) computed here from them, in float64.
-    everyone = comm.allgather_object(_bn_stats(trainer.backbone), name="test.bn")
+    everyone = comm.allgather_object(_bn_stats(trainer.parts.backbone), name="test.bn")
     ckpt = trainer.save_checkpoint(steps)
-    rec["full_digest_after_checkpoint"] = state_dict_digest(trainer.backbone.state_dict())
-    after = _bn_stats(trainer.backbone)
+    rec["full_digest_after_checkpoint"] = state_dict_digest(trainer.parts.backbone.state_dict())
+    after = _bn_stats(trainer.parts.backbone)
     rec["bn_layers"] = len(after)
     rec["bn_pooled_max_err"] = rec["bn_rank0_vs_pooled"] = rec["bn_mean_of_vars_vs_pooled"] = 0.0
     for name, (mean_after, var_after) in after.items():
@@ -183,7 +184,7 @@ def scenario_np1(shards, out, steps, k=1):
                  f"optim.backward_passes_per_step={k}"]
     cfg = load_config(None, overrides)
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
+    trainer = start_trainer(cfg, comm)
     batches = iter(trainer.loader)
     for step in range(steps):
         trainer.train_step(step, batches)
@@ -208,9 +209,9 @@ def scenario_np1(shards, out, steps, k=1):
             (head(model(x.float()), y) / k).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the trainer clips the averaged backbone grad
         opt_m.step(), opt_h.step()
-    err_bb = max(float((a - b).abs().max()) for a, b in zip(trainer.backbone.state_dict().values(),
+    err_bb = max(float((a - b).abs().max()) for a, b in zip(trainer.parts.backbone.state_dict().values(),
                                                             model.state_dict().values()))
-    err_cls = float((trainer.classifier.weight.detach() - head.weight.detach()).abs().max())
+    err_cls = float((trainer.parts.head.weight.detach() - head.weight.detach()).abs().max())
     moved = float((head.weight.detach() - w_init).abs().max())
     with open(os.path.join(out, "rank-0.json"), "w") as f:
         json.dump({"backbone_max_abs_err": err_bb, "classifier_max_abs_err": err_cls, "steps": steps,
@@ -222,7 +223,7 @@ def scenario_nonfinite(shards, out, steps):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
                              "model.name=mlp", "train.on_nonfinite=skip", "optim.schedule=constant"])
     comm = comm_lib.init()
-    trainer = Trainer(cfg, comm)
+    trainer = start_trainer(cfg, comm)
     batches = iter(trainer.loader)
     rec = {"rank": comm.rank, "backbone": [], "classifier": []}
     for step in range(steps):
@@ -230,9 +231,9 @@ def scenario_nonfinite(shards, out, steps):
         if step == 2 and comm.rank == 1:
             batch[0][0, 0] = float("nan")  # one bad sample on one rank only
         trainer.train_step(step, iter([batch]))
-        rec["backbone"].append(param_digest(trainer.backbone))
-        rec["classifier"].append(param_digest(trainer.classifier))
-    rec["skipped_steps"] = trainer.skipped_steps
+        rec["backbone"].append(param_digest(trainer.parts.backbone))
+        rec["classifier"].append(param_digest(trainer.parts.head))
+    rec["skipped_steps"] = trainer.parts.counters.skipped_steps
     with open(os.path.join(out, f"rank-{comm.rank}.json"), "w") as f:
         json.dump(rec, f)
 

@@ -1,0 +1,56 @@
+"""The optimizers: torch's SGD / AdamW, the sampled-rows optimizer of sampled ``local``, the classifier's
+param group, and the empty optimizer of a classifier that the backbone's averaging optimizer steps."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from .rowsparse import SampledRowsOptimizer
+
+
+def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float,
+                   sampled_rows: str = "") -> torch.optim.Optimizer:
+    """torch's SGD / AdamW; ``sampled_rows`` ("exact" / "lazy"): the step over the rows of a row-sparse
+    gradient only, with that rule (`rowsparse.SampledRowsOptimizer`, the classifier of sampled ``local``)."""
+    if sampled_rows:
+        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay, rule=sampled_rows)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; known: sgd, adamw")
+
+
+def classifier_group(classifier, opt_cfg) -> Dict[str, Any]:
+    """The classifier's param group: its own lr / momentum / weight decay, and ``lr_from``, the config key
+    of its peak lr, which the schedule (``Step.set_lr``) reads whichever optimizer holds the group.
+
+    ``fused``: torch's fused SGD / AdamW kernel updates the (W, D) matrix in one pass, without the
+    (W, D) temporary the per-tensor loop makes for the weight decay: ~4x faster at 5 x 10^5 x 128 on
+    one CPU thread (244 ms -> 60 ms), and the same formula.
+    """
+    group = {"params": list(classifier.parameters()), "lr": opt_cfg.classifier_lr, "fused": True,
+             "lr_from": "classifier_lr", "weight_decay": opt_cfg.classifier_weight_decay}
+    if opt_cfg.name == "sgd":
+        group["momentum"] = opt_cfg.classifier_momentum
+    return group
+
+
+class NoOptimizer:
+    """``classifier_opt`` in ``replicated`` mode, where the backbone's DistributedOptimizer owns the
+    classifier: it holds nothing, so the loop's classifier step, zero_grad and state are no-ops."""
+
+    param_groups: List[Dict[str, Any]] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,133 @@
+"""Resume: find the checkpoint, agree on it across ranks, check that it continues this run, restore it.
+
+Compatible means: the same data (``check_data``) and the same config up to the keys that do not change the
+numbers (``RESUME_FREE_KEYS``) or that extend the run (``RESUME_EXTEND_KEYS``: the lr schedule is then
+recomputed, and resume says so). The restore itself is ``checkpoint.load``: the parts' state, bitwise at
+the same world size; at another, the classifier rows re-sharded and the random streams re-seeded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import config_from_dict, diff_configs
+from .modes import get_mode
+from .seeds import RESHARD_RESEED, derive_seed
+
+# Config keys that may change between a checkpoint and its resume (they do not change the numbers).
+RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
+                    "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
+                    "model.checkpoint_activations", "train.tensorboard")
+# Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
+# so the result is no longer the uninterrupted run's; resume says so.
+RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
+
+
+@dataclass(frozen=True)
+class DataIdentity:
+    """What resume compares of the shard set: its data digest (``shards.data_digest``), its manifest's
+    bytes (checkpoints written before the data digest existed), its class count and shards' label ranges."""
+
+    data_sha256: str
+    manifest_sha256: str
+    num_classes: int
+    shard_slices: tuple
+
+
+def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's, written at ``world_size`` ranks), completed
+    with what it meant: keys added since take their defaults (they did not exist, so the run had the
+    default's behaviour), except where a new default changed the numbers:
+
+    * ``head.sampled_step``: a sampled run of a mode with the row-sparse step (``local``) from before it existed ran the ``lazy`` rule;
+    * ``head.negatives_pool``: before it, nothing capped the share, which the default cap leaves unchanged
+      only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0);
+    * ``train.loss_scale_growth``: an fp16 run from before it doubled its loss scale every 1,000 steps.
+
+    Resume compares this against the current config, so upgrading the package never refuses to resume a
+    run whose settings did not change, and refuses one whose numbers would."""
+    head, train = d.get("head", {}), d.get("train", {})
+    full = config_from_dict(d).to_dict()
+    h = full["head"]
+    mode = get_mode(h["mode"])
+    if "sampled_step" not in head and mode.row_sparse_step and h["sample_rate"] < 1.0:
+        h["sampled_step"] = "lazy"
+    if "negatives_pool" not in head and mode.negatives and h["negatives_every"] > 0 \
+            and (h["negatives_share"] == 0 or h["negatives_share"] * world_size > h["negatives_pool"]):
+        h["negatives_pool"] = 0
+    if "loss_scale_growth" not in train and full["train"]["precision"] == "fp16":
+        full["train"]["loss_scale_growth"] = 1000
+    return full
+
+
+def check_config(meta: Dict[str, Any], cfg, log) -> None:
+    """Raise ValueError unless ``cfg`` continues the checkpoint's config (``meta``)."""
+    diffs = [d for d in diff_configs(saved_config(meta["config"], meta["world_size"]), cfg.to_dict())
+             if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
+    extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
+    diffs = [d for d in diffs if d not in extended]
+    if extended:
+        log(f"resume: {'; '.join(extended)}: the run is extended, its lr schedule recomputed")
+    if diffs:
+        raise ValueError("incompatible config (field: checkpoint != now): " + "; ".join(diffs))
+
+
+def check_data(meta: Dict[str, Any], data: DataIdentity, allow_other_data: bool, log) -> None:
+    """Resume continues on the data the checkpoint trained on: the same `data_digest` (what the shard set
+    holds; where it was built from may differ). Checkpoints written before it was recorded are compared
+    by their manifest's bytes. Other samples on the same classes and shard label ranges are allowed with
+    ``checkpoint.allow_other_data`` (cleaned or re-augmented data); other classes or ranges never are:
+    a rank's classifier rows would then belong to other classes."""
+    key = "data_sha256" if "data_sha256" in meta else "manifest_sha256"
+    now = data.data_sha256 if key == "data_sha256" else data.manifest_sha256
+    if meta[key] == now:
+        return
+    what = f"the shard set differs from the checkpoint's ({key.split('_')[0]} sha256 {meta[key][:12]} != {now[:12]})"
+    slices = [list(s) for s in data.shard_slices]
+    if meta["num_classes"] != data.num_classes or meta["shard_slices"] != slices:
+        raise ValueError(f"{what}, and so do its classes or shards' label ranges (classes "
+                         f"{meta['num_classes']} != {data.num_classes}, {len(meta['shard_slices'])} "
+                         f"!= {len(slices)} shards): the classifiers' rows would name other classes")
+    if not allow_other_data:
+        raise ValueError(f"{what}; its classes and shards' label ranges are the same: to go on with "
+                         "other samples, resume with checkpoint.allow_other_data=true")
+    log(f"resume: {what}: going on with these samples (checkpoint.allow_other_data)")
+
+
+def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[str, Any]:
+    """Check that ``path`` continues this run, then restore it into ``parts``; the resume point."""
+    log = (lambda m: print(m, flush=True)) if comm.is_main else (lambda m: None)
+    meta = ckpt.read_meta(path)
+    check_data(meta, data, cfg.checkpoint.allow_other_data, log)
+    check_config(meta, cfg, log)
+    state = parts.training_state(layout, comm.rank)
+    meta = ckpt.load(path, state)
+    parts.restore_counters(state.counters)
+    if not meta["rng_restored"]:  # another world size: streams cannot be mapped, re-seed them
+        torch.manual_seed(derive_seed(cfg.train.seed, comm.rank, meta["step"], RESHARD_RESEED))
+    return {"path": path, "step": meta["step"], "world_size": meta["world_size"]}
+
+
+def resume(cfg, comm, parts, layout, data: DataIdentity) -> Optional[Dict[str, Any]]:
+    """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any), agree on it
+    across ranks, and load it; the resume point (path, step, world size), or None for a fresh start. A
+    collective: each stage is agreed, so a rank's error stops every rank."""
+    error, path = None, None
+    try:
+        path = ckpt.find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
+            else ckpt.resolve_checkpoint(cfg.checkpoint.resume)
+    except Exception as e:
+        error = f"cannot resume from {cfg.checkpoint.resume} (run {cfg.out}): {type(e).__name__}: {e}"
+    comm.agree(error, name="resume.find")
+    path = ckpt.agree_on_resume(comm, path)
+    error, point = None, None
+    try:
+        if path:
+            point = load_into(path, cfg, comm, parts, layout, data)
+    except Exception as e:
+        error = f"cannot resume from {path}: {type(e).__name__}: {e}"
+    comm.agree(error, name="resume")
+    return point

@@ -1,0 +1,134 @@
+"""Build once: from (config, engine) to a ``Trainer`` ready to loop. A collective: every rank calls it.
+
+    cfg --> device, threads
+        --> manifest --> layout (every rank's slice and shards) --> dataset (this rank's shards)
+        --> build_parts(cfg, comm, layout)                     (parts.py: backbone, head, optimizers)
+        --> evaluator                                           (pair sets read and checked on rank 0)
+        [every error so far agreed across ranks]
+        --> resume (resume.py)  or  model.init_backbone (a fresh start only)
+        --> backbone broadcast from rank 0, digests checked     (identical starts)
+        --> steps agreed (uneven shards never deadlock) --> loader, checkpointer --> Trainer
+
+``cfg`` is read here and by the parts it builds; nothing below this point reaches back for it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import checkpoint as ckpt
+from .augment import parse_augment
+from .config import ConfigError
+from .data import RankShardDataset, make_loader
+from .layout import RankLayout
+from .logging_sinks import tensorboard_missing
+from .parts import build_parts
+from .pretrained import load_initial_backbone
+from .resume import DataIdentity, resume
+from .shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
+from .step import Step
+from .trainer import RunData, Trainer
+from .verification.evaluator import Evaluator
+from .verification.pairs import check_input_shape
+
+
+def rank_threads(local_size: int) -> int:
+    """A CPU rank's default intra-op threads: the host's cores shared by its ``local_size`` ranks, at least 1."""
+    return max(1, (os.cpu_count() or 1) // local_size)
+
+
+def pick_device(cfg, comm) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(comm.local_rank)
+        return torch.device("cuda", comm.local_rank)
+    return torch.device("cpu")
+
+
+def check_runtime_options(cfg, kind: str) -> None:
+    """ConfigError for options the config alone cannot check: the augmentations (registered names, and none
+    on features), and TensorBoard when asked for (installed?). Before the first step, not at the first log."""
+    try:
+        parse_augment(cfg.data.augment, kind)
+    except ValueError as e:
+        raise ConfigError(f"data.augment: {e}") from None
+    if cfg.train.tensorboard:
+        missing = tensorboard_missing()
+        if missing:
+            raise ConfigError(f"train.tensorboard: {missing}")
+
+
+def _read_data(cfg, comm) -> RunData:
+    """The shard set, the layout on this world size, this rank's dataset (checked), the data's identity."""
+    manifest = read_manifest(cfg.data.shards)
+    layout: RankLayout = rank_layout(manifest, comm.size)
+    dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, manifest, layout=layout)
+    check_runtime_options(cfg, manifest.kind)
+    if cfg.data.verify_sha256:
+        for i in layout.shard_blocks[comm.rank]:
+            check_shard_file(cfg.data.shards, manifest, i, verify_sha256=True)
+    batches = len(dataset) // cfg.data.batch_size
+    if batches < cfg.optim.backward_passes_per_step:
+        raise ValueError(f"rank {comm.rank}: {len(dataset)} samples make fewer than one step of "
+                         f"{cfg.optim.backward_passes_per_step} x {cfg.data.batch_size}")
+    identity = DataIdentity(data_digest(manifest), manifest_digest(cfg.data.shards), manifest.num_classes,
+                            tuple((s.start, s.end) for s in manifest.shard_slices()))
+    return RunData(manifest, layout, dataset, identity, batches)
+
+
+def _init_backbone(cfg, comm, parts) -> None:
+    """``model.init_backbone``: rank 0 reads the file; the broadcast that follows gives it to all ranks."""
+    error = None
+    if comm.is_main:
+        try:
+            info = load_initial_backbone(parts.backbone, cfg.model.init_backbone, parts.model_args)
+            print(f"backbone initialised from {info['path']} ({info['format']}, {info['tensors']} tensors)",
+                  flush=True)
+        except Exception as e:
+            error = f"model.init_backbone: {type(e).__name__}: {e}"
+    comm.agree(error, name="init_backbone")
+
+
+def start_trainer(cfg, comm) -> Trainer:
+    """Build this rank's run and agree on it with the other ranks (see the module's docstring)."""
+    device = pick_device(cfg, comm)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
+        torch.set_num_threads(rank_threads(comm.local_size))
+    error = data = parts = evaluator = None
+    try:
+        data = _read_data(cfg, comm)
+        parts = build_parts(cfg, comm, data.layout, data.manifest.sample_shape, device)
+        # Verification during training: every rank holds the evaluator (it averages BatchNorm buffers, a
+        # collective), rank 0 reads and checks the pair sets here, so a bad path fails before training.
+        evaluator = Evaluator.from_config(cfg.eval, cfg.out, comm=comm)
+        for pairset in evaluator.sets:
+            check_input_shape(parts.model_args, pairset)
+    except Exception as e:  # reported with the rank, agreed below
+        error = f"{type(e).__name__}: {e}"
+    comm.agree(error, name="setup")
+    resumed_from = resume(cfg, comm, parts, data.layout, data.identity) if cfg.checkpoint.resume else None
+    start_step = resumed_from["step"] if resumed_from else 0
+    if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
+        _init_backbone(cfg, comm, parts)
+    # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
+    comm.broadcast_module(parts.backbone, name="backbone.init")
+    comm.check_identical(parts.backbone, name="start")
+    steps_per_epoch = data.local_batches // cfg.optim.backward_passes_per_step
+    min_spe = int(comm.allreduce_scalar(steps_per_epoch, "min", name="steps_per_epoch"))
+    total_steps = cfg.train.steps or max(1, int(cfg.train.epochs * min_spe))
+    loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed, cfg.data.workers,
+                            start=start_step * cfg.optim.backward_passes_per_step,
+                            pin_memory=device.type == "cuda", augment=cfg.data.augment)
+    m = data.manifest
+    run_info = {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
+                "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
+                "manifest_sha256": data.identity.manifest_sha256, "data_sha256": data.identity.data_sha256,
+                "config": cfg.to_dict()}
+    checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
+    # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
+    checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
+    step = Step(cfg, comm, parts, device, m.kind, total_steps)
+    return Trainer(cfg, comm, parts, step, data, loader, checkpointer, evaluator, start_step, resumed_from)

@@ -1,0 +1,143 @@
+"""One optimizer step, the same for every mode and engine (``Step``), and the learning-rate schedule.
+
+Per step, on every rank:
+  1. draw ``backward_passes_per_step`` batches of *this rank's* classes from its dedicated loader;
+  2. backbone(x) -> features -> the mode's head (a local classifier as wide as the slice) -> margin loss;
+  3. backward: gradients for the backbone and for the local classifier;
+  4. the engine's averaging optimizer averages the backbone gradients across ranks; they are clipped /
+     checked after that average, so every rank takes the same decision without another collective;
+  5. the classifier's optimizer (plain torch) steps with the local gradient only;
+  6. the learning rate of both follows one schedule (warmup, then cosine / poly), one step per step.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+
+from .data import prepare_batch
+from .rowsparse import grad_values
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class SkippedStepsError(NonFiniteError):
+    """Too many steps in a row skipped (``train.max_consecutive_skips``): the run is no longer training."""
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float, power: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based): linear warmup, then decay."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        decay = 0.5 * (1 + math.cos(math.pi * progress))
+    elif schedule == "poly":
+        decay = (1 - progress) ** power
+    else:
+        decay = 1.0
+    return min_ratio + (1 - min_ratio) * decay
+
+
+class Step:
+    """The step of ``parts`` (parts.py) on batches of a shard set of ``kind``, for a run of ``total_steps``.
+
+    ``on_phase(name)``, if given, is called at the step's phase boundaries ("sync0" before the gradient
+    average, "sync1" after it): the benchmark times the phases with it.
+    """
+
+    def __init__(self, cfg, comm, parts, device: torch.device, kind: str, total_steps: int,
+                 on_phase: Optional[Callable[[str], None]] = None):
+        self.cfg, self.comm, self.parts, self.device, self.kind = cfg, comm, parts, device, kind
+        self.total_steps = total_steps
+        self.on_phase = on_phase or (lambda name: None)
+
+    def set_lr(self, step: int) -> float:
+        o = self.cfg.optim
+        f = lr_factor(step, self.total_steps, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
+        for opt, peak in ((self.parts.backbone_opt, o.backbone_lr), (self.parts.head_opt, o.classifier_lr)):
+            for g in opt.param_groups:
+                # lr_from: the classifier's group names its peak lr (it sits in backbone_opt when averaged)
+                g["lr"] = (getattr(o, g["lr_from"]) if "lr_from" in g else peak) * f
+        return f
+
+    def _autocast(self):
+        p = self.cfg.train.precision
+        if p == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+
+    def __call__(self, step: int, batches: Iterator) -> Dict[str, float]:
+        """One optimizer step over ``backward_passes_per_step`` local batches; returns its figures."""
+        parts, k = self.parts, self.cfg.optim.backward_passes_per_step
+        backbone, head, counters, loss_scale = parts.backbone, parts.head, parts.counters, parts.loss_scale
+        lr_f = self.set_lr(step)
+        backbone.train(), head.train()
+        parts.backbone_opt.zero_grad()  # Horovod: set_to_none is torch 2 default
+        parts.head_opt.zero_grad(set_to_none=True)
+        head.before_step(step)        # the head's periodic work (cross-shard negatives), a collective
+        t0, data_time, loss_sum = time.perf_counter(), 0.0, 0.0
+        for _ in range(k):
+            td = time.perf_counter()
+            x, y = prepare_batch(*next(batches), self.device, self.kind)           # x: (B, ...), y: (B,) local
+            data_time += time.perf_counter() - td
+            with self._autocast():
+                features = backbone(x)                                              # (B, D)
+            loss = head(features.float(), y) / k                                    # the mode's loss
+            (loss * loss_scale.scale).backward()
+            loss_sum += loss.item()
+        self.on_phase("sync0")
+        parts.backbone_opt.synchronize()          # averaged grads are now the mean over ranks
+        self.on_phase("sync1")
+        # Averaged: the backbone's (and the classifier's when the mode averages it with the same optimizer):
+        # identical on all ranks, so the finite check and the clipping decide the same everywhere.
+        averaged = [p for p in parts.backbone_opt_params() if p.grad is not None]
+        local = [p for p in parts.head_opt_params() if p.grad is not None]
+        if loss_scale.enabled:
+            for p in averaged:
+                p.grad.div_(loss_scale.scale)
+        if loss_scale.enabled or parts.head_grad_scale != 1.0:
+            for p in local:
+                p.grad.mul_(parts.head_grad_scale / loss_scale.scale)
+        norm_t = torch.nn.utils.get_total_norm([p.grad for p in averaged])  # identical on all ranks
+        grad_norm = float(norm_t)
+        finite = math.isfinite(grad_norm)
+        loss_scale.update(finite)
+        if finite:
+            counters.consecutive_skips = 0
+            if self.cfg.optim.clip_grad_norm > 0:
+                torch.nn.utils.clip_grads_with_norm_(averaged, self.cfg.optim.clip_grad_norm, norm_t)
+            self.comm.step_synchronized(parts.backbone_opt)
+            if local:
+                cls_norm = float(torch.nn.utils.get_total_norm([grad_values(p.grad) for p in local]))
+                if math.isfinite(cls_norm):  # local decision: the classifier is local
+                    parts.head_opt.step()
+                    counters.classifier_consecutive_skips = 0
+                else:
+                    counters.classifier_skipped_steps += 1
+                    counters.classifier_consecutive_skips += 1
+                    self._check_skips(counters.classifier_consecutive_skips, step, "this rank's classifier gradient")
+        elif loss_scale.enabled or self.cfg.train.on_nonfinite == "skip":
+            counters.skipped_steps += 1      # every rank skips: the averaged norm is the same everywhere
+            counters.consecutive_skips += 1
+            self._check_skips(counters.consecutive_skips, step, "the averaged gradient")
+        else:
+            raise NonFiniteError(f"rank {self.comm.rank}: non-finite backbone gradient at step {step} "
+                                 f"(local loss {loss_sum}); set train.on_nonfinite=skip to skip such steps")
+        return {"loss": loss_sum, "grad_norm": grad_norm, "lr_factor": lr_f,
+                "data_time": data_time, "step_time": time.perf_counter() - t0}
+
+    def _check_skips(self, consecutive: int, step: int, what: str) -> None:
+        limit = self.cfg.train.max_consecutive_skips
+        if limit and consecutive >= limit:
+            ls = self.parts.loss_scale
+            scale = f"; fp16 loss scale now {ls.scale:g}" if ls.enabled else ""
+            raise SkippedStepsError(
+                f"rank {self.comm.rank}: {consecutive} steps in a row skipped up to step {step}: {what} is not "
+                f"finite{scale}. The run is not training; stopping (train.max_consecutive_skips="
+                f"{limit}). Lower the learning rate, check the data, or resume from an earlier checkpoint")

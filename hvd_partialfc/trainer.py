@@ -1,0 +1,180 @@
+"""The loop: train to the last step, log, evaluate, checkpoint, stop on a signal. One loop for every mode
+and engine; the parts it trains and the step it runs are built once, before it (startup.py).
+
+Per step: the step (step.py); the stop vote started after the previous step is read (any rank's SIGTERM,
+rank 0's time-based checkpoint), so every rank stops at the same step; the log line (its figures agreed
+across ranks); evaluation on its schedule; the checkpoint when due, stopped or voted.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from tqdm import tqdm
+
+from . import faults
+from .commbase import gradient_bytes
+from .config import dump_config
+from .logging_sinks import LoaderWatch, MetricsLog
+from .preempt import StopSignals
+
+
+@dataclass
+class RunData:
+    """The run's data as built once (startup.py): the manifest, the rank layout, this rank's dataset, the
+    data's identity (resume.DataIdentity) and this rank's batches per epoch."""
+
+    manifest: Any
+    layout: Any
+    dataset: Any
+    identity: Any
+    local_batches: int
+
+
+class Trainer:
+    """Holds the step and the loop over the parts built for it (``startup.start_trainer`` builds it)."""
+
+    def __init__(self, cfg, comm, parts, step, data: RunData, loader, checkpointer, evaluator,
+                 start_step: int = 0, resumed_from: Optional[Dict[str, Any]] = None):
+        self.cfg, self.comm, self.parts, self.step, self.data = cfg, comm, parts, step, data
+        self.layout, self.manifest = data.layout, data.manifest
+        self.label_slice = data.layout.slices[comm.rank]
+        self.loader, self.checkpointer, self.evaluator = loader, checkpointer, evaluator
+        self.start_step, self.resumed_from = start_step, resumed_from
+        self.total_steps = step.total_steps
+        self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
+        self.loader_watch = LoaderWatch(cfg.data.workers)
+
+    def train_step(self, step: int, batches) -> Dict[str, float]:
+        """One optimizer step (step.py)."""
+        return self.step(step, batches)
+
+    def startup_notes(self) -> List[str]:
+        """The lines rank 0 prints before the first step: the negatives' exchange and its cost against the
+        backbone gradient (more than one rank), and a warning when sampled ``local`` scores few rows."""
+        notes = []
+        head = self.parts.head
+        if self.comm.size > 1:
+            line = head.describe(gradient_bytes(self.parts.backbone.parameters(), self.cfg.optim.fp16_compression))
+            notes += [line] if line else []
+        warning = head.sampling_warning()
+        return notes + ([warning] if warning else [])
+
+    def fit(self) -> str:
+        """Train to ``total_steps`` (or until a stop signal, then ``self.stopped_by`` names it); returns the
+        last checkpoint folder."""
+        cfg, comm = self.cfg, self.comm
+        if comm.is_main:
+            os.makedirs(cfg.out, exist_ok=True)
+            dump_config(cfg, os.path.join(cfg.out, "config.yaml"))
+        if self.start_step >= self.total_steps:
+            return self._nothing_to_train()
+        metrics = MetricsLog(cfg.out, cfg.train.tensorboard) if comm.is_main else None
+        interval = {"data_time": 0.0, "step_time": 0.0}   # seconds summed since the last log line
+        samples_per_step = cfg.data.batch_size * cfg.optim.backward_passes_per_step * comm.size
+        bar = tqdm(total=self.total_steps, initial=self.start_step, disable=not comm.is_main,
+                   dynamic_ncols=True, desc=f"train np={comm.size}")
+        if comm.is_main:
+            for line in self.startup_notes():
+                bar.write(line)
+        if self.resumed_from and comm.is_main:
+            r = self.resumed_from
+            bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
+        last_log, last_t = self.start_step, time.perf_counter()
+        last_save = time.monotonic()
+        every_s = 60.0 * cfg.checkpoint.every_minutes
+        ckpt_dir, vote = None, None
+        try:
+            with StopSignals() as signals:
+                batches = iter(self.loader)   # after the handlers: forked workers inherit them
+                for step in range(self.start_step, self.total_steps):
+                    faults.before_step(step, comm.rank)
+                    out = self.train_step(step, batches)
+                    for key in interval:
+                        interval[key] += out[key]
+                    done = step + 1
+                    final = done == self.total_steps
+                    # The vote started after the previous step: did any rank get a stop signal, is rank 0's
+                    # time-based checkpoint due? Every rank reads the same answer at the same step.
+                    stop, time_due = (v > 0 for v in vote.result()) if vote is not None else (False, False)
+                    vote = None
+                    if done % cfg.train.log_every == 0 or final:
+                        last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar,
+                                                     interval)
+                    bar.update(1)
+                    self.maybe_evaluate(done, final=final, bar=bar, metrics=metrics)
+                    if self.checkpointer.due(done, final) or stop or time_due:
+                        ckpt_dir = self.save_checkpoint(done)
+                        last_save = time.monotonic()
+                    if stop:
+                        self.stopped_by = signals.received or "a stop signal on another rank"
+                        bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
+                                  f"resume with --resume auto")
+                        break
+                    if not final:  # after the save, so a time-based checkpoint is not due twice in a row
+                        due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
+                        vote = comm.vote_async([signals.received is not None, due], name="step")
+        finally:
+            bar.close()
+            if metrics:
+                metrics.close()
+        return ckpt_dir
+
+    def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
+             metrics, bar, interval: Dict[str, float]) -> Tuple[int, float]:
+        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks).
+        ``interval``: rank 0's data and step seconds summed since the last line (reset here); the record
+        holds their means per step, and the first interval after a (re)start, which includes the workers'
+        start-up, never warns."""
+        cfg = self.cfg
+        mean_loss = self.comm.allreduce_scalar(out["loss"], "average", name="log.loss")
+        cls_skips = int(self.comm.allreduce_scalar(self.parts.counters.classifier_skipped_steps, "sum", name="log.cls_skips"))
+        now = time.perf_counter()
+        sps = samples_per_step * (done - last_log) / max(now - last_t, 1e-9)
+        lr = cfg.optim.backbone_lr * out["lr_factor"]
+        data_t, step_t = (interval[k] / max(1, done - last_log) for k in ("data_time", "step_time"))
+        interval.update(data_time=0.0, step_time=0.0)
+        if metrics:
+            rec = {"step": done, "loss": mean_loss, "rank0_loss": out["loss"], "lr": lr,
+                   "grad_norm": out["grad_norm"], "samples_per_s": sps, "skipped_steps": self.parts.counters.skipped_steps,
+                   "classifier_skipped_steps": cls_skips, "data_time": data_t, "step_time": step_t,
+                   "time": time.time()}
+            if self.parts.loss_scale.enabled:
+                rec["loss_scale"] = self.parts.loss_scale.scale
+            metrics.write(rec)
+        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s")
+        warning = self.loader_watch.check(done, data_t, step_t, first=last_log == self.start_step)
+        if warning and self.comm.is_main:   # rank 0's figures, said by rank 0 (tqdm.write ignores `disable`)
+            bar.write(warning)
+        return done, now
+
+    def _nothing_to_train(self) -> str:
+        """Resumed at (or past) the last step: nothing is rewritten. A checkpoint loaded from elsewhere or
+        re-sharded to this world size is saved into this run (that is a new file, not a rewrite)."""
+        r = self.resumed_from
+        own = r and r["world_size"] == self.comm.size and os.path.realpath(os.path.dirname(r["path"])) == \
+            os.path.realpath(self.checkpointer.base)
+        if own:
+            if self.comm.is_main:
+                print(f"nothing to train: {r['path']} is at step {r['step']} of {self.total_steps}", flush=True)
+            return r["path"]
+        return self.save_checkpoint(self.start_step)
+
+    def maybe_evaluate(self, step: int, final: bool, bar=None, metrics=None) -> Optional[Dict[str, Any]]:
+        """The evaluator decides and averages the buffers (every rank); rank 0 logs its records."""
+        records = self.evaluator.maybe_run(step, final, self.parts.backbone)
+        if records is None:
+            return None
+        if metrics:
+            for rec in records.values():
+                metrics.write({"eval": rec, "step": step})
+        if bar is not None:
+            bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in self.evaluator.summary(records).items()))
+        return records
+
+    def save_checkpoint(self, step: int) -> str:
+        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step)."""
+        return self.checkpointer.save(step, self.parts.training_state(self.layout, self.comm.rank), self.total_steps)
+

@@ -1,0 +1,92 @@
+"""The architecture's promises: a classifier mode is one registered component, and the core runs without
+Horovod (only the Horovod engine, comm.py, imports it)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT, launch_env
+
+FEATURES = os.path.join(ROOT, "tests", "fixtures", "pins", "data", "features")
+SMALL = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=16",
+         "train.threads=1", "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
+
+
+def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
+    """A toy mode (a local head whose classifier is frozen) registered here, nowhere else, trains under
+    ``simulate --ranks 2``: its head and its "optimizer" are the ones used, the backbone learns."""
+    from hvd_partialfc.config import load_config
+    from hvd_partialfc.modes import LocalMode, _MODES, register_mode
+    from hvd_partialfc.optimizers import NoOptimizer
+    from hvd_partialfc.simulate import simulate
+    built = []
+
+    @register_mode("frozen_local")
+    class FrozenLocal(LocalMode):
+        samples = negatives = False
+
+        def create_head(self, cfg, layout, rank, comm):
+            head = super().create_head(cfg, layout, rank, comm)
+            built.append((rank, type(head).__name__, head.width))
+            return head
+
+        def classifier_optimizer(self, head, cfg):
+            head.weight.requires_grad_(False)
+            return NoOptimizer()
+
+    try:
+        cfg = load_config(None, [f"data.shards={FEATURES}", f"out={tmp_path / 'run'}", "train.steps=6",
+                                 "head.mode=frozen_local", "head.negatives_every=0", *SMALL])
+        result = simulate(cfg, 2)
+    finally:
+        _MODES.pop("frozen_local")
+    assert sorted(built) == [(0, "LocalHead", 20), (1, "LocalHead", 20)]
+    for r in range(2):
+        f = torch.load(os.path.join(result.checkpoint, f"classifier-{r:05d}-of-00002.pt"), weights_only=True)
+        # frozen: the rows are still their init (parts.init_classifier_rows), checked against a fresh draw
+        from hvd_partialfc.parts import init_classifier_rows
+        want = torch.empty(20, 16)
+        init_classifier_rows(want, 20 * r, cfg.train.seed)
+        assert torch.equal(f["weight"], want)
+        assert f["optimizer"] == {}
+    bb = torch.load(os.path.join(result.checkpoint, "backbone.pt"), weights_only=True)
+    assert bb["optimizer"]["state"], "the backbone was stepped"
+
+
+NO_HOROVOD = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "horovod" or name.startswith("horovod."):
+            raise ImportError("horovod is blocked in this test")
+sys.meta_path.insert(0, Block())
+from hvd_partialfc.cli import main
+from hvd_partialfc.bench import main as bench_main
+args = sys.argv[1:]
+rc = bench_main(args[1:]) if args[0] == "bench" else main(args)
+assert not any(m == "horovod" or m.startswith("horovod.") for m in sys.modules), "horovod was imported"
+sys.exit(rc)
+"""
+
+
+def _no_horovod(*args, cwd=ROOT):
+    p = subprocess.run([sys.executable, "-c", NO_HOROVOD, *map(str, args)], env=launch_env(), cwd=cwd,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def test_the_core_runs_without_horovod(tmp_path):
+    """``import horovod`` blocked: ``simulate --ranks 2``, the benchmark's no-communication job and ``eval``
+    run, and no module of horovod is ever imported."""
+    sets = [x for s in SMALL for x in ("--set", s)]
+    _no_horovod("simulate", "--ranks", 2, "--shards", FEATURES, "--out", tmp_path / "run", "--steps", 4, *sets)
+    (tmp_path / "job").mkdir()
+    _no_horovod("bench", "--worker", "limit", "--classes", 40, "--dim", 16, "--batch", 8, "--steps", 2,
+                "--warmup", 1, "--np", 2, "--in-dim", 16, "--rank", 1, "--job", tmp_path / "job")
+    assert os.listdir(tmp_path / "job") == ["rank-1.json"]
+    out = _no_horovod("eval", "--backbone", tmp_path / "run", "--all-pairs", FEATURES, "--out", tmp_path / "eval")
+    assert "all-pairs" in out.stdout.lower() or os.listdir(tmp_path / "eval")
