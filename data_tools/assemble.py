@@ -14,7 +14,7 @@ import os
 from typing import Any, Dict
 
 from hvd_partialfc.atomic import commit_folder, recover_folder
-from hvd_partialfc.shards import Manifest, ShardEntry, ShardError
+from hvd_partialfc.data.shards import Manifest, ShardEntry, ShardError
 
 from .shard_writer import write_manifest
 from .stream_restart import PLAN, done_record, is_work_file, resumable_dir

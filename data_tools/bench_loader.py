@@ -7,7 +7,7 @@
 1. storage: random-batch read speed of one raw shard for chunk sizes x compression (how the defaults of
    `data_tools.build` were chosen);
 2. build throughput (samples/s, the whole ``build`` call): ``fonts`` and ``imagefolder`` (PNG files);
-3. loader throughput (samples/s) of `hvd_partialfc.data.make_loader`, 0 and 2 workers, raw vs encoded;
+3. loader throughput (samples/s) of `hvd_partialfc.data.loader.make_loader`, 0 and 2 workers, raw vs encoded;
 4. what the trainer consumes: the default ``resnet`` backbone (64x64, embedding 128), forward + backward +
    SGD step at batch 128 on one thread; the loader/trainer ratio must be >= 5;
 5. faces (``--faces OUT``: this section alone, JSON in OUT/faces_loader.json): the loader on an encoded shard
@@ -36,9 +36,9 @@ def _glyphs(n: int, classes: int, seed: int = 0) -> tuple:
 
 
 def bench_storage(tmp: str, images: np.ndarray, batches: int) -> list:
-    from hvd_partialfc.data import RankShardDataset
-    from hvd_partialfc.partition import LabelSlice
-    from hvd_partialfc.shards import Manifest, ShardEntry
+    from hvd_partialfc.data.loader import RankShardDataset
+    from hvd_partialfc.data.partition import LabelSlice
+    from hvd_partialfc.data.shards import Manifest, ShardEntry
     from .shard_writer import write_manifest, write_shard
     rows = []
     labels = np.zeros(len(images), np.int64)
@@ -91,7 +91,7 @@ def bench_build(tmp: str, images: np.ndarray, labels: np.ndarray, fonts_chars: i
 
 def bench_loader(tmp: str, batches: int) -> list:
     import torch
-    from hvd_partialfc.data import RankShardDataset, make_loader
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader
     torch.set_num_threads(1)
     rows = []
     for store in ("raw", "encoded"):
@@ -172,10 +172,10 @@ def bench_faces(tmp: str, n: int, batches: int) -> dict:
     """Loader samples/s on 112x112 JPEGs for 0/1/2 workers x {none, flip, all} augmentation, plus the bare
     ``decode_image`` rate on one core."""
     import torch
-    from hvd_partialfc.data import RankShardDataset, make_loader
-    from hvd_partialfc.partition import even_slices
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader
+    from hvd_partialfc.data.partition import even_slices
     from data_tools.shard_writer import write_shard_set
-    from hvd_partialfc.shards import decode_image
+    from hvd_partialfc.data.shards import decode_image
     torch.set_num_threads(1)
     blobs, labels = face_jpegs(n)
     d = os.path.join(tmp, "faces")

@@ -19,8 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvd_partialfc.atomic import recover_folder
-from hvd_partialfc.partition import balanced_slices, even_slices, imbalance
-from hvd_partialfc.shards import Manifest, ShardError
+from hvd_partialfc.data.partition import balanced_slices, even_slices, imbalance
+from hvd_partialfc.data.shards import Manifest, ShardError
 
 from .imported import ImportedData
 from .shard_writer import write_shard_set

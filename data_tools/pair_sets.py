@@ -3,7 +3,7 @@
 ``make_pairs`` draws ``num_pairs`` pairs, half "same" (two distinct samples of one class) and half
 "different" (one sample from each of two distinct classes), from a seeded generator: the same shard set and
 seed give the same file. Only the images the pairs use are written, in shard order. The output formats
-are those of `hvd_partialfc.pairs` (the evaluation reads both); `write_pairs_h5` and `write_bin` write them.
+are those of `hvd_partialfc.data.pair_files` (the evaluation reads both); `write_pairs_h5` and `write_bin` write them.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import h5py
 import numpy as np
 
 from hvd_partialfc.atomic import atomic_path
-from hvd_partialfc.pairs import FORMAT, VERSION, read_pairs
-from hvd_partialfc.shards import ShardError, open_shard, read_manifest, read_shard_labels, unreadable_shard
+from hvd_partialfc.data.pair_files import FORMAT, VERSION, read_pairs
+from hvd_partialfc.data.shards import ShardError, open_shard, read_manifest, read_shard_labels, unreadable_shard
 
 
 def load_shard_set(shard_dir: str, positions: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, List[str]]:
     """(uint8 images (M, H, W[, C]) at ``positions`` (all when None), global labels (all), class names)."""
-    from hvd_partialfc.shards import decode_image
+    from hvd_partialfc.data.shards import decode_image
     m = read_manifest(shard_dir)
     labels = []
     for s in m.shards:

@@ -1,6 +1,6 @@
 """Writing shard sets: one shard file, a whole set from memory, the manifest, the atomic set folder.
 
-The format is `hvd_partialfc.shards` (the reader, and docs/data.md §1); the trainer package only reads
+The format is `hvd_partialfc.data.shards` (the reader, and docs/data.md §1); the trainer package only reads
 it, all writing lives here in `data_tools`. `ShardFileWriter` is the one place that lays out a shard
 file: `write_shard` (in-memory builds) writes a shard in one go with it, the streaming build
 (`data_tools/stream_write.py`) block by block.
@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 
 from hvd_partialfc.atomic import commit_folder, recover_folder, write_text
-from hvd_partialfc.partition import LabelSlice, check_partition
-from hvd_partialfc.shards import (FORMAT, MANIFEST, VERSION, Manifest, ShardEntry, ShardError, sha256_file,
+from hvd_partialfc.data.partition import LabelSlice, check_partition
+from hvd_partialfc.data.shards import (FORMAT, MANIFEST, VERSION, Manifest, ShardEntry, ShardError, sha256_file,
                                   shard_name)
 
 

@@ -103,8 +103,8 @@ def _assemble(args) -> int:
 
 def inspect_shard_set(path: str, verify_sha256: bool = True) -> dict:
     """Validate a shard set (manifest, label ranges, every label, counts, sha256) and summarise it."""
-    from hvd_partialfc.partition import imbalance
-    from hvd_partialfc.shards import ShardError, check_shard_file, open_shard, read_manifest, read_shard_labels
+    from hvd_partialfc.data.partition import imbalance
+    from hvd_partialfc.data.shards import ShardError, check_shard_file, open_shard, read_manifest, read_shard_labels
     m = read_manifest(path)
     rows = []
     for i, s in enumerate(m.shards):

@@ -5,7 +5,7 @@ Importers of image files do not read pixels themselves: they return *references*
 and, per ``--store``:
 
 * ``raw``:     decodes to uint8 of one ``sample_shape`` (H, W) or (H, W, C) (converted and resized with
-  bilinear filtering, exactly as the loader's `hvd_partialfc.shards.decode_image` does for encoded samples);
+  bilinear filtering, exactly as the loader's `hvd_partialfc.data.shards.decode_image` does for encoded samples);
 * ``encoded``: keeps the original bytes, after checking that they decode (an unreadable file is found at
   build time, not in the middle of training); in-memory images (fonts, npz) are PNG-encoded.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_partialfc.shards import ShardError, decode_image
+from hvd_partialfc.data.shards import ShardError, decode_image
 
 from .imported import ImportedData
 
@@ -53,7 +53,7 @@ class RecordRef:
     key: int
 
     def read(self) -> bytes:
-        from .recordio import read_record_at, unpack_image
+        from .recordio_format import read_record_at, unpack_image
         return unpack_image(read_record_at(self.path, self.offset))[1]
 
     def __str__(self) -> str:

@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, Tuple
 import numpy as np
 
 from hvd_partialfc.atomic import recover_folder, write_text
-from hvd_partialfc.shards import ShardError
+from hvd_partialfc.data.shards import ShardError
 
 from .assemble import assemble
 from .stream_index import INDEXERS, load_index_cache, save_index_cache

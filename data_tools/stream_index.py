@@ -88,7 +88,7 @@ def _sorted_classes(first_seen: List[Any], codes: array) -> Tuple[np.ndarray, Li
 
 
 def index_recordio(prefix: str) -> SampleIndex:
-    from .recordio import image_key_mask, read_index_arrays, rec_idx_paths, record_label_from
+    from .recordio_format import image_key_mask, read_index_arrays, rec_idx_paths, record_label_from
     rec, idx = rec_idx_paths(prefix)
     keys, offsets = read_index_arrays(idx)
     n_records = len(keys)

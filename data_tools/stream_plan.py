@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_partialfc.shards import ShardError, shard_name
+from hvd_partialfc.data.shards import ShardError, shard_name
 
 from .build import partition_counts
 from .stream_index import SampleIndex

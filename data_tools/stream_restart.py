@@ -18,7 +18,7 @@ import os
 from typing import Any, Dict, Optional
 
 from hvd_partialfc.atomic import write_text
-from hvd_partialfc.shards import FORMAT, ShardError, sha256_file
+from hvd_partialfc.data.shards import FORMAT, ShardError, sha256_file
 
 PLAN = "plan.json"
 FINGERPRINT = "fingerprint.json"

@@ -18,10 +18,10 @@ import h5py
 import numpy as np
 
 from hvd_partialfc.atomic import atomic_path
-from hvd_partialfc.partition import LabelSlice
-from hvd_partialfc.shards import ShardError, decode_image, sha256_file
+from hvd_partialfc.data.partition import LabelSlice
+from hvd_partialfc.data.shards import ShardError, decode_image, sha256_file
 
-from .recordio import read_record, unpack_image
+from .recordio_format import read_record, unpack_image
 from .shard_writer import ShardFileWriter
 from .stream_index import SampleIndex
 from .storage import sample_shape

@@ -15,7 +15,7 @@ import json
 import os
 
 from hvd_partialfc.atomic import write_text
-from hvd_partialfc.shards import MANIFEST, Manifest, ShardEntry, manifest_digest, read_manifest
+from hvd_partialfc.data.shards import MANIFEST, Manifest, ShardEntry, manifest_digest, read_manifest
 
 
 def write_prefix_subset(src_dir: str, out_dir: str, num_shards: int) -> Manifest:

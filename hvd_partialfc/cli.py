@@ -44,18 +44,18 @@ def _train_config(args):
 
 def _expected_errors():
     """The errors raised on purpose, which carry their explanation (anything else also gets its traceback)."""
-    from .checkpoint import CheckpointError
-    from .commbase import RankFailure
+    from .run.checkpoint_files import CheckpointError
+    from .engine.base import RankFailure
     from .config import ConfigError
-    from .shards import ShardError
-    from .step import NonFiniteError
+    from .data.shards import ShardError
+    from .run.step import NonFiniteError
     return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)
 
 
 def _train(args) -> int:
     cfg = _train_config(args)
-    from . import comm as comm_lib
-    from .startup import start_trainer
+    from .engine import horovod as comm_lib
+    from .run.startup import start_trainer
     comm = comm_lib.init()
     try:
         trainer = start_trainer(cfg, comm)
@@ -67,7 +67,7 @@ def _train(args) -> int:
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     if trainer.stopped_by:
-        from .preempt import EXIT_PREEMPTED
+        from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
               f"{EXIT_PREEMPTED} (resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
@@ -80,7 +80,7 @@ def _train(args) -> int:
 def _simulate(args) -> int:
     """``train``'s run for ``--ranks`` virtual ranks in this process (simulate.py); the same exit codes."""
     cfg = _train_config(args)
-    from .simulate import SimFailure, simulate
+    from .run.simulate import SimFailure, simulate
     try:
         result = simulate(cfg, args.ranks)
     except SimFailure as f:
@@ -89,7 +89,7 @@ def _simulate(args) -> int:
         print(f"[rank {f.rank}] error: {type(f.error).__name__}: {f.error}", file=sys.stderr, flush=True)
         return 1
     if result.stopped_by:
-        from .preempt import EXIT_PREEMPTED
+        from .run.preempt import EXIT_PREEMPTED
         print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
               "(resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
@@ -98,9 +98,9 @@ def _simulate(args) -> int:
 
 
 def _export(args) -> int:
-    from .export import export_backbone
+    from .tools.export import export_backbone
     if args.onnx:
-        from .onnx_export import export_onnx_file
+        from .tools.onnx_export import export_onnx_file
         info = export_onnx_file(args.run, args.out, args.rank)
     else:
         info = export_backbone(args.run, args.out, args.rank)
@@ -109,21 +109,21 @@ def _export(args) -> int:
 
 
 def _reshard(args) -> int:
-    from .checkpoint import reshard_checkpoint
+    from .run.reshard import reshard_checkpoint
     out = reshard_checkpoint(args.checkpoint, args.out, args.world_size)
     print(f"wrote {out} for {args.world_size} ranks; resume with --resume {out}")
     return 0
 
 
 def _upgrade(args) -> int:
-    from .checkpoint import upgrade_run
+    from .run.upgrade import upgrade_run
     done = upgrade_run(args.run)
     print("\n".join(f"upgraded {d}" for d in done) if done else f"{args.run}: already the current format")
     return 0
 
 
 def _info(args) -> int:
-    from .export import run_summary
+    from .tools.export import run_summary
     s = run_summary(args.run)
     if args.json:
         print(json.dumps(s, indent=1))
@@ -160,13 +160,13 @@ def _eval(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
     run_bench(args)
     return 0
 
 
 def _estimate(args) -> int:
-    from .estimate import estimate, table
+    from .tools.estimate import estimate, table
     modes = args.mode or ["local", "global", "replicated"]
     results = [estimate(args.classes, args.world_size, args.dim, args.batch, args.backbone, m, args.dtype,
                         optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape)
@@ -258,7 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     v.add_argument("--out", help="output folder (default: the run/checkpoint folder, or beside the file)")
     v.set_defaults(fn=_eval)
-    from .bench import add_arguments as bench_arguments
+    from .tools.bench import add_arguments as bench_arguments
     b = sub.add_parser("bench", help="local vs global vs replicated vs the limit, synthetic data (docs/benchmarks.md)")
     bench_arguments(b)
     b.set_defaults(fn=_bench)

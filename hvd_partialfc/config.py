@@ -23,7 +23,7 @@ class DataConfig:
     batch_size: int = 128       # per rank, per backward pass
     workers: int = 0            # DataLoader worker processes per rank (h5py is opened per worker)
     verify_sha256: bool = False  # hash every shard file before training (slow on big sets)
-    # training-time augmentation, applied in this order (hvd_partialfc/augment.py: flip, lowres, blur,
+    # training-time augmentation, applied in this order (hvd_partialfc/data/augment.py: flip, lowres, blur,
     # jitter, gray; "name" or "name:key=value,..."). Empty: glyph classes change under a flip; faces: [flip]
     augment: List[str] = field(default_factory=list)
 

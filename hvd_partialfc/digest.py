@@ -1,6 +1,6 @@
 """The identity of a model's state: sha256 over a state dict. Not a collective; no Horovod.
 
-The identity check of the backbones across ranks (DESIGN §1.7) compares these digests (``comm.py``
+The identity check of the backbones across ranks (every rank's is the model) compares these digests (``engine/base.py``
 gathers them); checkpoints record them, and a saved backbone file can be checked against them offline
 (``export.py``).
 """

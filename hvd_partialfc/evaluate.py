@@ -13,5 +13,5 @@ from .verification.metrics import (FARS, N_FOLDS, best_threshold, check_scores, 
                                    kfold_accuracy, roc_auc, roc_curve, roc_points, tar_at_far, verification_metrics)
 from .verification.output import (BASELINE_LABELS, default_out_dir, format_all_pairs, format_table,  # noqa: F401
                                   plot_roc)
-from .verification.pairs import check_input_shape, evaluate_backbone, evaluate_baselines  # noqa: F401
+from .verification.verify_pairs import check_input_shape, evaluate_backbone, evaluate_baselines  # noqa: F401
 from .verification.suite import evaluate_files  # noqa: F401

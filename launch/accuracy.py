@@ -103,11 +103,11 @@ def load_row(args, name: str) -> dict:
 
 
 def extra_cost(args, variant: str, np_: int, every: int, share: int) -> dict:
-    """Per-rank bytes above bare `local`, from `hvd_partialfc.estimate`: traffic per step (the negatives'
+    """Per-rank bytes above bare `local`, from `hvd_partialfc.tools.estimate`: traffic per step (the negatives'
     all-gather amortised over K, or `global`'s gathers: features, labels, row statistics, the features'
     gradient) and memory (the negatives' buffer and extra logit columns, or `global`'s gathered features
     and (B x N, W) logits)."""
-    from hvd_partialfc.estimate import estimate
+    from hvd_partialfc.tools.estimate import estimate
     kw = dict(classes=args.num_classes, world_size=np_, dim=args.dim, batch=args.global_batch // np_,
               bb=args.bb_figures)
     base = estimate(mode="local", **kw)
@@ -160,8 +160,8 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     sys.path.insert(0, ROOT)
-    from hvd_partialfc.estimate import backbone_figures
-    from hvd_partialfc.shards import read_manifest
+    from hvd_partialfc.tools.estimate import backbone_figures
+    from hvd_partialfc.data.shards import read_manifest
     import yaml
     cfg = yaml.safe_load(open(args.config))
     m = read_manifest(args.shards)

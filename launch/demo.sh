@@ -42,7 +42,7 @@ t_train=$(date +%s)
 
 "$BIN/hvd-partialfc" eval --backbone "$RUN" --pairs "$DATA/pairs.h5" --baselines --all-pairs "$DATA/heldout" \
     --ijb "$DATA/ijb" --ijb-name IJBC --ijb-no-flip --identification "$DATA/heldout" --out "$RUN/eval"
-"$BIN/python" -m hvd_partialfc.report "$RUN" --pairs "$DATA/pairs.h5" \
+"$BIN/python" -m hvd_partialfc.tools.report "$RUN" --pairs "$DATA/pairs.h5" \
     --note "wall time=set-up $((t_setup - t0)) s, data $((t_data - t_setup)) s, training $((t_train - t_data)) s, evaluation $(( $(date +%s) - t_train )) s" \
     --note "machine=$(nproc) cores, $NP ranks (horovodrun --gloo)" >/dev/null
 echo "report: $RUN/report.md"

@@ -42,7 +42,7 @@ cp /tmp/run/metrics.jsonl $OUT/ 2>/dev/null
 python3 - <<'PY'
 import torch, time
 from hvd_partialfc.models import create_model
-from hvd_partialfc.heads import LocalClassifier
+from hvd_partialfc.classifier.margins import LocalClassifier
 for size, width, bs in [(32, 16, 256), (64, 16, 256), (112, 64, 256)]:
     for prec in ("fp32", "bf16"):
         m = create_model('resnet', in_shape=[size, size], embedding_dim=128, width=width).cuda()

@@ -31,10 +31,10 @@ sys.path.insert(0, ROOT)
 
 from data_tools.bench_loader import face_jpegs  # noqa: E402
 from data_tools.shard_writer import write_shard_set  # noqa: E402
-from hvd_partialfc.data import RankShardDataset, make_loader, prepare_batch  # noqa: E402
-from hvd_partialfc.heads import create_margin, margin_cross_entropy  # noqa: E402
+from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch  # noqa: E402
+from hvd_partialfc.classifier.margins import create_margin, margin_cross_entropy  # noqa: E402
 from hvd_partialfc.models import create_model  # noqa: E402
-from hvd_partialfc.partition import even_slices  # noqa: E402
+from hvd_partialfc.data.partition import even_slices  # noqa: E402
 
 
 def build_shards(out: str, classes: int, per_class: int) -> str:

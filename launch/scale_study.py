@@ -207,7 +207,7 @@ def _data_digest(args, of_shard, of_file) -> str:
     """sha256 over both manifests' class counts and label ranges, ``of_shard(folder, entry)`` of every shard
     and ``of_file(path)`` of the pair set: the two digests below differ only in these two."""
     import hashlib
-    from hvd_partialfc.shards import read_manifest
+    from hvd_partialfc.data.shards import read_manifest
     parts = []
     for d in (args.shards, args.heldout):
         m = read_manifest(d)
@@ -220,7 +220,7 @@ def data_sha256(args) -> str:
     """One digest of the data every figure depends on: the shard files' sha256 as the training and held-out
     manifests record them (the trainer checks its files against these with `data.verify_sha256`,
     `hvd-partialfc-shards inspect` any set's) and the bytes of the pair set."""
-    from hvd_partialfc.shards import sha256_file
+    from hvd_partialfc.data.shards import sha256_file
     return _data_digest(args, lambda d, e: e.sha256, sha256_file)
 
 
@@ -228,7 +228,7 @@ def data_content_sha256(args) -> str:
     """The same, of what the files hold (``shards.sha256_content``: the arrays, not the HDF5 encoding), so a
     rebuild of the same samples on another machine, whose file bytes differ (docs/data.md §4.1), is the same
     data. Cells record both; a cell with this digest is checked on it, an older one on its ``data_sha256``."""
-    from hvd_partialfc.shards import sha256_content
+    from hvd_partialfc.data.shards import sha256_content
     return _data_digest(args, lambda d, e: sha256_content(os.path.join(d, e.file)), sha256_content)
 
 
@@ -246,7 +246,7 @@ def collective_bytes(args, c: Cell, bb_params: int, dim: int) -> Dict[str, float
     allreduces. The share is what a real run shares (``modes.negatives_share``: negatives_share or W, capped
     at ceil(negatives_pool / N)), W = ceil(C / N)."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.estimate import estimate
+    from hvd_partialfc.tools.estimate import estimate
     h = load_config(args.config, c.sets, {"data": {"shards": c.shards}}).head
     kw = dict(classes=c.classes, world_size=c.n, dim=dim, batch=args.global_batch // c.n,
               bb={"params": bb_params, "activation_bytes": 0})
@@ -396,7 +396,7 @@ def _params(name: str, dim: int, in_shape: tuple, kwargs: str) -> int:
 def backbone_params(args) -> Dict[str, int]:
     """Parameter counts of the study's backbone and of iresnet50 (the traffic yardsticks)."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.shards import read_manifest
+    from hvd_partialfc.data.shards import read_manifest
     cfg = load_config(args.config, list(args.set), {"data": {"shards": rel(args.shards)}})
     shape = tuple(read_manifest(args.shards).sample_shape)
     return {"study": _params(cfg.model.name, cfg.model.embedding_dim, shape, json.dumps(cfg.model.kwargs)),
@@ -438,7 +438,7 @@ def parse(argv: Optional[List[str]] = None):
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     from data_tools.subset import write_prefix_subset
-    from hvd_partialfc.shards import read_manifest
+    from hvd_partialfc.data.shards import read_manifest
     src = read_manifest(args.shards)
     os.makedirs(args.out, exist_ok=True)
     args.data_sha256, args.data_content_sha256 = data_sha256(args), data_content_sha256(args)

@@ -106,7 +106,7 @@ def read_json_lines(path):
 def in_threads(n, fn):
     """Run ``fn(comm)`` on ``n`` virtual ranks (simcomm alone, no trainer); every rank's result or error."""
     import threading
-    from hvd_partialfc.simcomm import SimComm, SimWorld
+    from hvd_partialfc.engine.sim import SimComm, SimWorld
     world, out = SimWorld(n), [None] * n
 
     def target(r):

@@ -1,5 +1,5 @@
 """A small MXNet RecordIO writer for tests, written from the format (dmlc-core ``recordio.cc``
-``RecordIOWriter::WriteRecord`` and MXNet ``recordio.pack``), independently of `data_tools.recordio`.
+``RecordIOWriter::WriteRecord`` and MXNet ``recordio.pack``), independently of `data_tools.recordio_format`.
 
 ``write_rec(prefix, images, labels)`` writes an InsightFace-style ``prefix.rec``/``prefix.idx``: record 0
 is the header (flag 2, labels (first identity key, end of identity keys)), keys 1..N are images with

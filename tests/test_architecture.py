@@ -1,5 +1,5 @@
 """The architecture's promises: a classifier mode is one registered component, and the core runs without
-Horovod (only the Horovod engine, comm.py, imports it)."""
+Horovod (only the Horovod engine, engine/horovod.py, imports it)."""
 from __future__ import annotations
 
 import os
@@ -19,9 +19,9 @@ def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
     """A toy mode (a local head whose classifier is frozen) registered here, nowhere else, trains under
     ``simulate --ranks 2``: its head and its "optimizer" are the ones used, the backbone learns."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.modes import LocalMode, _MODES, register_mode
-    from hvd_partialfc.optimizers import NoOptimizer
-    from hvd_partialfc.simulate import simulate
+    from hvd_partialfc.classifier.modes import LocalMode, _MODES, register_mode
+    from hvd_partialfc.classifier.optimizers import NoOptimizer
+    from hvd_partialfc.run.simulate import simulate
     built = []
 
     @register_mode("frozen_local")
@@ -47,7 +47,7 @@ def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
     for r in range(2):
         f = torch.load(os.path.join(result.checkpoint, f"classifier-{r:05d}-of-00002.pt"), weights_only=True)
         # frozen: the rows are still their init (parts.init_classifier_rows), checked against a fresh draw
-        from hvd_partialfc.parts import init_classifier_rows
+        from hvd_partialfc.run.parts import init_classifier_rows
         want = torch.empty(20, 16)
         init_classifier_rows(want, 20 * r, cfg.train.seed)
         assert torch.equal(f["weight"], want)
@@ -64,7 +64,7 @@ class Block:
             raise ImportError("horovod is blocked in this test")
 sys.meta_path.insert(0, Block())
 from hvd_partialfc.cli import main
-from hvd_partialfc.bench import main as bench_main
+from hvd_partialfc.tools.bench import main as bench_main
 args = sys.argv[1:]
 rc = bench_main(args[1:]) if args[0] == "bench" else main(args)
 assert not any(m == "horovod" or m.startswith("horovod.") for m in sys.modules), "horovod was imported"

@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from hvd_partialfc.augment import AUGMENTATIONS, BatchAugment, parse_augment
+from hvd_partialfc.data.augment import AUGMENTATIONS, BatchAugment, parse_augment
 from hvd_partialfc.config import ConfigError, load_config
-from hvd_partialfc.data import RankShardDataset, make_loader
-from hvd_partialfc.partition import even_slices
+from hvd_partialfc.data.loader import RankShardDataset, make_loader
+from hvd_partialfc.data.partition import even_slices
 from hvd_partialfc.seeds import derive_seed
 from data_tools.shard_writer import write_shard_set
 
@@ -80,7 +80,7 @@ def test_flip_flips_about_half_and_keeps_labels(rgb_shards):
                                         ("flip:p=2", "out of range"), ("lowres:min_scale=x", "not a number")])
 def test_unknown_names_are_config_errors(spec, match):
     # the config is plain data: the names are checked against the registry before the first step
-    from hvd_partialfc.startup import check_runtime_options
+    from hvd_partialfc.run.startup import check_runtime_options
     with pytest.raises(ConfigError, match=match):
         check_runtime_options(load_config(None, ["data.shards=/x", f"data.augment=['{spec}']"]), "images")
 

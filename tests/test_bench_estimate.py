@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import BIN, ROOT
-from hvd_partialfc.estimate import estimate
+from hvd_partialfc.tools.estimate import estimate
 
 BB = {"params": 1000, "activation_bytes": 0}
 
@@ -34,7 +34,7 @@ def test_global_and_replicated_pay_in_classes_and_batch():
 
 
 def test_backbone_figures_for_features_grey_and_colour_images():
-    from hvd_partialfc.estimate import backbone_figures
+    from hvd_partialfc.tools.estimate import backbone_figures
     grey = backbone_figures("resnet", 32, 4, [32, 32], {"width": 8})       # (H, W): one channel
     rgb = backbone_figures("resnet", 32, 4, [32, 32, 3], {"width": 8})
     assert 0 < grey["params"] < rgb["params"] and grey["activation_bytes"] > 0
@@ -105,7 +105,7 @@ def test_estimate_cli_negatives_default_to_trainings_share_and_pool():
 
 def _tiny_bench(out, *args):
     """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json."""
-    cmd = [sys.executable, "-m", "hvd_partialfc.bench", "--dims", "16", "--batch", "8", "--steps", "1",
+    cmd = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--dims", "16", "--batch", "8", "--steps", "1",
            "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(out),
            "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from data_tools.bench_build import write_synthetic_rec
-from hvd_partialfc.shards import read_manifest
+from hvd_partialfc.data.shards import read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

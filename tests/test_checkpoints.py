@@ -43,7 +43,7 @@ def latest(run):
 
 
 def steps_in(run):
-    from hvd_partialfc.checkpoint import list_checkpoints
+    from hvd_partialfc.run.checkpoint_files import list_checkpoints
     return list_checkpoints(str(run))
 
 
@@ -68,7 +68,7 @@ def test_resume_from_older_checkpoint_never_loses_latest(shards2, tmp_path):
 
 
 def test_dangling_latest_is_an_error_never_a_fresh_start(tmp_path):
-    from hvd_partialfc.checkpoint import CheckpointError, find_resume
+    from hvd_partialfc.run.checkpoint_files import CheckpointError, find_resume
     base = tmp_path / "run" / "checkpoints"
     base.mkdir(parents=True)
     (base / "latest").write_text("step-00000015\n")
@@ -155,7 +155,7 @@ def test_format1_checkpoint_upgrades_then_resumes_bitwise(shards2, tmp_path):
     _downgrade_to_format1(ck)
     with pytest.raises(Exception):
         torch.load(ck / "classifier-00000-of-00001.pt", weights_only=True)
-    from hvd_partialfc.checkpoint import CheckpointError, find_resume, read_meta
+    from hvd_partialfc.run.checkpoint_files import CheckpointError, find_resume, read_meta
     with pytest.raises(CheckpointError, match=r"checkpoint format 1, .* `hvd-partialfc upgrade "):
         read_meta(find_resume(str(run)))   # what resume reads first, on every rank
     p = subprocess.run(CLI + ["upgrade", str(run)], capture_output=True, text=True, env=launch_env(), cwd=ROOT)
@@ -282,8 +282,8 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, sig):
 def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
     # the sampled-rows AdamW keeps a (W,) per-row step count beside its (W, D) moments: re-sharding cuts
     # it by rows like them (it was taken whole from the first file, as a per-parameter scalar)
-    from hvd_partialfc.checkpoint import gather_classifier_rows
-    from hvd_partialfc.rowsparse import SampledRowsOptimizer, gather_rows
+    from hvd_partialfc.run.reshard import gather_classifier_rows
+    from hvd_partialfc.classifier.rowsparse import SampledRowsOptimizer, gather_rows
     torch.manual_seed(0)
     slices, files, full = [(0, 4), (4, 10)], [], {}
     for r, (lo, hi) in enumerate(slices):
@@ -308,7 +308,7 @@ def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
 
 def test_an_older_config_means_the_defaults_the_lazy_sampled_step_and_no_pool():
     from hvd_partialfc.config import Config
-    from hvd_partialfc.resume import saved_config
+    from hvd_partialfc.run.resume import saved_config
     old = Config().to_dict()
     for section, key in (("data", "augment"), ("head", "sampled_step"), ("head", "negatives_pool")):
         old[section].pop(key)

@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from data_tools.shards_cli import inspect_shard_set, main
-from hvd_partialfc.data import RankShardDataset
-from hvd_partialfc.pairs import read_pairs
-from hvd_partialfc.shards import read_manifest
+from hvd_partialfc.data.loader import RankShardDataset
+from hvd_partialfc.data.pair_files import read_pairs
+from hvd_partialfc.data.shards import read_manifest
 
 from helpers_recordio import write_rec
 

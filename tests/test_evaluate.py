@@ -17,7 +17,7 @@ import torch
 from hvd_partialfc import evaluate as ev
 from hvd_partialfc.models import create_model
 from data_tools.pair_sets import write_bin, write_pairs_h5
-from hvd_partialfc.pairs import PairSet, read_pairs
+from hvd_partialfc.data.pair_files import PairSet, read_pairs
 
 BIN = os.path.dirname(sys.executable)
 
@@ -375,9 +375,9 @@ def test_eval_cli_all_pairs_of_a_shard_set(tiny_run, tmp_path, capsys):
 
 
 def test_demo_report_from_a_run_and_its_evaluation(tiny_run, tmp_path):
-    """`hvd_partialfc.report` (what `make demo` writes last): tables, all-pairs line, figures, run facts."""
+    """`hvd_partialfc.tools.report` (what `make demo` writes last): tables, all-pairs line, figures, run facts."""
     from hvd_partialfc.cli import main
-    from hvd_partialfc.report import write_report
+    from hvd_partialfc.tools.report import write_report
     h5 = _write_h5_set(tmp_path / "held.h5", seed=8)
     out = tmp_path / "eval"
     assert main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", h5, "--baselines",

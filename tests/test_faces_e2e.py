@@ -87,7 +87,7 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
     assert r.returncode == 0, r.stderr
     assert onnx_path.stat().st_size > 10 ** 7                            # iresnet18's 24 M parameters
     import onnxruntime as ort
-    from hvd_partialfc.export import load_backbone
+    from hvd_partialfc.tools.export import load_backbone
     export_pt = tmp_path / "bb.pt"
     subprocess.run([CLI, "export", resumed, "--out", str(export_pt)], check=True, capture_output=True)
     model, _ = load_backbone(str(export_pt))

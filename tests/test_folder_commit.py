@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hvd_partialfc.atomic import commit_folder, recover_folder
-from hvd_partialfc.shards import ShardError, check_shard_file, read_manifest
+from hvd_partialfc.data.shards import ShardError, check_shard_file, read_manifest
 
 OLD = {"a.txt": b"old a", "sub/b.txt": b"old b", "sub/deep/c.bin": b"\0old"}
 NEW = {"a.txt": b"new a", "n.txt": b"new n", "sub/b.txt": b"new b"}

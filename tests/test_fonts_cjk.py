@@ -14,8 +14,8 @@ import pytest
 from data_tools.charsets import load_charset
 from data_tools.shards_cli import main
 from data_tools.importers.fonts import family_key, is_near_duplicate, limit_faces_per_family
-from hvd_partialfc.data import RankShardDataset
-from hvd_partialfc.shards import read_manifest
+from hvd_partialfc.data.loader import RankShardDataset
+from hvd_partialfc.data.shards import read_manifest
 
 DROID = "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf"      # fonts-droid-fallback
 VL = "/usr/share/fonts/truetype/vlgothic/VL-Gothic-Regular.ttf"          # fonts-vlgothic

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hvd_partialfc.heads import LocalClassifier, create_margin, list_losses
+from hvd_partialfc.classifier.margins import LocalClassifier, create_margin, list_losses
 from hvd_partialfc.models import create_model, list_models
 
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from data_tools.pair_sets import write_pairs_h5
 from data_tools.shard_writer import write_shard_set
-from hvd_partialfc.partition import even_slices
+from hvd_partialfc.data.partition import even_slices
 from hvd_partialfc.verification import identification as I
 from hvd_partialfc.verification.evaluator import Evaluator
 from hvd_partialfc.verification.metrics import rank_accuracy, tpir_at_fpir

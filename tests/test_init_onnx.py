@@ -14,10 +14,10 @@ from conftest import ROOT, build_shards, launch_env, run_job
 from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, random_state
 from hvd_partialfc.cli import main
-from hvd_partialfc.export import ExportError, export_backbone, load_backbone
+from hvd_partialfc.tools.export import ExportError, export_backbone, load_backbone
 from hvd_partialfc.models import create_model, list_models, model_input_shape
-from hvd_partialfc.onnx_export import export_onnx
-from hvd_partialfc.pretrained import InitBackboneError, load_initial_backbone
+from hvd_partialfc.tools.onnx_export import export_onnx
+from hvd_partialfc.models.pretrained import InitBackboneError, load_initial_backbone
 
 EMB = 64
 TRAIN = ["--steps", "1", "--set", "model.name=iresnet18", "--set", f"model.embedding_dim={EMB}",

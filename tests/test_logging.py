@@ -8,8 +8,8 @@ import pytest
 
 from conftest import launch_env, read_json_lines, run_job
 from hvd_partialfc.config import ConfigError, load_config
-from hvd_partialfc.logging_sinks import LoaderWatch, scalars
-from hvd_partialfc.startup import check_runtime_options
+from hvd_partialfc.run.metrics_log import LoaderWatch, scalars
+from hvd_partialfc.run.startup import check_runtime_options
 from data_tools.pair_sets import write_pairs_h5
 
 

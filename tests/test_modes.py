@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from conftest import MR, run_hvd
 from hvd_partialfc.config import ConfigError, load_config
-from hvd_partialfc.heads import LocalClassifier, margin_cross_entropy
-from hvd_partialfc.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
-from hvd_partialfc.rowsparse import sample_rows
+from hvd_partialfc.classifier.margins import LocalClassifier, margin_cross_entropy
+from hvd_partialfc.classifier.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
+from hvd_partialfc.classifier.rowsparse import sample_rows
 
 SCEN = os.path.join(MR, "modes_scenarios.py")
 
@@ -130,10 +130,10 @@ def test_sampled_loss_is_softmax_over_kept_rows():
 
 def _local_parts_and_step(cfg, classes):
     """One rank's parts and step on the no-communication engine, for ``classes`` classes (no shards)."""
-    from hvd_partialfc.layout import RankLayout
-    from hvd_partialfc.localcomm import LocalComm
-    from hvd_partialfc.parts import build_parts
-    from hvd_partialfc.step import Step
+    from hvd_partialfc.data.layout import RankLayout
+    from hvd_partialfc.engine.local import LocalComm
+    from hvd_partialfc.run.parts import build_parts
+    from hvd_partialfc.run.step import Step
     comm, cpu = LocalComm(), torch.device("cpu")
     parts = build_parts(cfg, comm, RankLayout.even(classes, 1), [32], cpu)
     return parts, Step(cfg, comm, parts, cpu, "features", 2)
@@ -141,7 +141,7 @@ def _local_parts_and_step(cfg, classes):
 
 def test_mode_config_is_validated():
     # plain data at load time; the mode is looked up and checked when the parts are built
-    from hvd_partialfc.modes import get_mode
+    from hvd_partialfc.classifier.modes import get_mode
     with pytest.raises(ConfigError, match="sample_rate"):
         load_config(None, ["data.shards=x", "head.sample_rate=0"])
     with pytest.raises(ValueError, match="head.mode='ring'; known: global, local, replicated"):
@@ -275,7 +275,7 @@ def test_checkpoints_with_normalised_remote_rows(loss, kept):
 def test_sampled_local_train_step_changes_only_the_sampled_rows(optim):
     # the trainer's own parts and step (the benchmark's builder; one rank, the no-communication engine):
     # with momentum and weight decay on, exactly K = 0.2 x 50 rows of the classifier move, two steps running
-    from hvd_partialfc.bench import _synthetic_batches
+    from hvd_partialfc.tools.bench import _synthetic_batches
     cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
                              "model.embedding_dim=16", "head.sample_rate=0.2", f"optim.name={optim}",
                              "optim.classifier_weight_decay=0.01", "head.negatives_every=0"])

@@ -63,15 +63,15 @@ def test_negatives_config_is_checked():
     # on by default in local mode (docs/accuracy.md picks K and the share); the other modes do not use it
     cfg = load_config(None, ["data.shards=/x"])
     assert (cfg.head.negatives_every, cfg.head.negatives_share, cfg.head.negatives_pool) == (50, 1024, 8192)
-    from hvd_partialfc.modes import negatives_share
+    from hvd_partialfc.classifier.modes import negatives_share
     # the share is capped at ceil(pool / N): 1,024 a rank up to N=8, then the pool divided (what a rank
     # receives stays ~8,192 rows), never more than the slice; pool 0: no cap; share 0: the whole slice
     assert [negatives_share(3095, n, 1024, 8192) for n in (2, 8, 64, 256)] == [1024, 1024, 128, 32]
     assert negatives_share(97, 256, 1024, 100000) == 97 and negatives_share(5000, 256, 1024, 0) == 1024
     assert negatives_share(5000, 64, 0, 8192) == 128 and negatives_share(5000, 64, 0, 0) == 5000
-    from hvd_partialfc.layout import RankLayout
-    from hvd_partialfc.mode_heads import GlobalSoftmaxHead
-    from hvd_partialfc.modes import get_mode
+    from hvd_partialfc.data.layout import RankLayout
+    from hvd_partialfc.classifier.heads import GlobalSoftmaxHead
+    from hvd_partialfc.classifier.modes import get_mode
     g = load_config(None, ["data.shards=/x", "head.mode=global", "model.embedding_dim=3"])
     assert type(get_mode("global").create_head(g, RankLayout.even(8, 2), 0, None)) is GlobalSoftmaxHead
     with pytest.raises(ConfigError, match=">= 0"):
@@ -86,7 +86,7 @@ def test_start_of_run_line_counts_bytes_sent_and_received():
     steps; against the gradient's allreduce, handed in and received (2 x its bytes)."""
     import re
     from types import SimpleNamespace
-    from hvd_partialfc.modes import CrossShardNegativesHead
+    from hvd_partialfc.classifier.modes import CrossShardNegativesHead
     widths = [388] * 63 + [374]                 # 24,818 classes on 64 ranks, the last slice narrower
     comm = SimpleNamespace(rank=63, size=64)    # describe() reads rank and size only: no collective runs
     head = CrossShardNegativesHead(374, 128, 24_444, comm, every=50, share=1024, slice_widths=widths,

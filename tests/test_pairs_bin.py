@@ -16,7 +16,7 @@ from PIL import Image
 
 from hvd_partialfc import evaluate as ev
 from data_tools.pair_sets import write_bin, write_pairs_h5
-from hvd_partialfc.pairs import PairSetError, read_pairs
+from hvd_partialfc.data.pair_files import PairSetError, read_pairs
 
 
 def _images(n, size=16, seed=0):

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hvd_partialfc.partition import (LabelSlice, balanced_slices, check_partition, even_slices, group_slices,
+from hvd_partialfc.data.partition import (LabelSlice, balanced_slices, check_partition, even_slices, group_slices,
                                      imbalance)
 
 

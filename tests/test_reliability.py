@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import BIN, HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
-from hvd_partialfc.shards import data_digest, manifest_digest, read_manifest
+from hvd_partialfc.data.shards import data_digest, manifest_digest, read_manifest
 
 pytestmark = pytest.mark.multirank
 CLI = os.path.join(BIN, "hvd-partialfc")
@@ -75,7 +75,7 @@ def latest(run):
 
 
 def load_ckpt(run):
-    from hvd_partialfc.checkpoint import read_meta, resolve_checkpoint
+    from hvd_partialfc.run.checkpoint_files import read_meta, resolve_checkpoint
     ck = resolve_checkpoint(run)
     meta = read_meta(ck)
     bb = torch.load(os.path.join(ck, "backbone.pt"), weights_only=True)
@@ -203,7 +203,7 @@ def test_reshard_to_another_world_size(shards4, tmp_path, old_np, new_np):
     # offline: hvd-partialfc reshard gives the same rows
     out = str(tmp_path / "offline")
     subprocess.run([CLI, "reshard", run, "--world-size", str(new_np), "--out", out], check=True, capture_output=True)
-    from hvd_partialfc.checkpoint import read_meta
+    from hvd_partialfc.run.checkpoint_files import read_meta
     m = read_meta(out)
     rows = [torch.load(os.path.join(out, f), weights_only=True)["weight"] for f in m["classifier_files"]]
     assert torch.equal(torch.cat(rows), old_w)
@@ -247,7 +247,7 @@ def test_bad_sample_on_one_rank_only(tmp_path):
     # rank 1's shard holds one encoded image that cannot be decoded: found mid-training on rank 1 only
     import io
     from PIL import Image
-    from hvd_partialfc.partition import even_slices
+    from hvd_partialfc.data.partition import even_slices
     from data_tools.shard_writer import write_manifest, write_shard_set
     rng = np.random.default_rng(0)
     blobs, labels = [], []

@@ -16,8 +16,8 @@ from conftest import ROOT, build_shards, make_image_npz
 
 from data_tools.pair_sets import write_pairs_h5
 from data_tools.subset import write_prefix_subset
-from hvd_partialfc.data import RankShardDataset
-from hvd_partialfc.shards import ShardError, read_manifest
+from hvd_partialfc.data.loader import RankShardDataset
+from hvd_partialfc.data.shards import ShardError, read_manifest
 
 
 def _strings(obj):
@@ -180,7 +180,7 @@ def test_row_geometry_cosines_of_known_rows(tmp_path, capsys):
     # three are orthogonal (0): the script's figures are those, and the nearest row over all is 1 for a row
     # of slice 0 and 0 for one of slice 1 (mean over every row: 0.5)
     import torch
-    from hvd_partialfc.checkpoint import FORMAT_VERSION, classifier_file, step_dir_name
+    from hvd_partialfc.run.checkpoint_files import FORMAT_VERSION, classifier_file, step_dir_name
     rg = _launch_script("row_geometry")
     ckpt = tmp_path / "run" / "checkpoints" / step_dir_name(2)
     ckpt.mkdir(parents=True)

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from hvd_partialfc.parts import LossScale
-from hvd_partialfc.step import lr_factor
+from hvd_partialfc.run.parts import LossScale
+from hvd_partialfc.run.step import lr_factor
 
 
 # --- lr_factor(step, total, warmup, schedule, min_ratio, power) ------------------------------------------

@@ -9,8 +9,8 @@ import torch
 
 from conftest import build_shards, make_feature_npz, make_image_npz
 from data_tools.shards_cli import main as shards_main
-from hvd_partialfc.data import EpochBatchSampler, RankShardDataset, make_loader, prepare_batch
-from hvd_partialfc.shards import ShardError, check_shard_file, rank_layout, read_manifest
+from hvd_partialfc.data.loader import EpochBatchSampler, RankShardDataset, make_loader, prepare_batch
+from hvd_partialfc.data.shards import ShardError, check_shard_file, rank_layout, read_manifest
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def test_sha256_mismatch_detected(four_shards):
 def test_content_digest_is_of_the_arrays_not_the_encoding(four_shards, tmp_path):
     # the same arrays written with another layout (chunked, compressed): other bytes, the same content digest;
     # one value changed: another content digest
-    from hvd_partialfc.shards import sha256_content, sha256_file
+    from hvd_partialfc.data.shards import sha256_content, sha256_file
     src = os.path.join(four_shards, read_manifest(four_shards).shards[0].file)
     copy = str(tmp_path / "copy.h5")
     with h5py.File(src, "r") as f, h5py.File(copy, "w") as g:

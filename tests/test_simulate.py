@@ -164,7 +164,7 @@ def in_process():
 def _simulate_here(ranks, shards, out, steps, *sets):
     """``simulate`` through its API, in a thread with a deadline (a deadlock fails instead of hanging)."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.simulate import simulate as run
+    from hvd_partialfc.run.simulate import simulate as run
     cfg = load_config(None, SETS + list(sets), {"data": {"shards": shards}, "out": str(out),
                                                "train": {"steps": steps}})
     box = {}
@@ -184,8 +184,8 @@ def _simulate_here(ranks, shards, out, steps, *sets):
 
 
 def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
-    from hvd_partialfc.export import export_backbone, run_summary
-    from hvd_partialfc.simulate import SimFailure
+    from hvd_partialfc.tools.export import export_backbone, run_summary
+    from hvd_partialfc.run.simulate import SimFailure
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     sets = ("checkpoint.every=4", "checkpoint.keep=5")
     _simulate_here(2, shards8, whole, 10, *sets)
@@ -201,7 +201,7 @@ def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
     # a stop signal to the process (here: received before the start) stops every virtual rank at the same
     # step, with a checkpoint; the resumed run is the uninterrupted one (but for the BatchNorm statistics
     # averaged at the extra checkpoint)
-    from hvd_partialfc.preempt import StopSignals
+    from hvd_partialfc.run.preempt import StopSignals
     stopped = tmp_path / "stopped"
     with StopSignals() as main:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -222,7 +222,7 @@ def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
 
 def test_stop_signal_reaches_threads():
     """The main thread's StopSignals is what a virtual rank's StopSignals reports (no handler in threads)."""
-    from hvd_partialfc.preempt import StopSignals
+    from hvd_partialfc.run.preempt import StopSignals
     seen = []
 
     def rank():
@@ -245,7 +245,7 @@ def test_stop_signal_reaches_threads():
 
 
 def test_collectives_mismatch_and_the_average():
-    from hvd_partialfc.commbase import RankFailure
+    from hvd_partialfc.engine.base import RankFailure
     # rank 1 calls another collective than rank 0: both stop with the names, neither waits forever
     out = in_threads(2, lambda c: c.allreduce_scalar(c.rank, "sum", name=f"step{c.rank}"))
     assert all(isinstance(e, RankFailure) for e in out) and "step0" in str(out[0]) + str(out[1])
@@ -267,7 +267,7 @@ def test_collectives_mismatch_and_the_average():
 
 
 def test_simcomm_imports_no_horovod():
-    code = "import sys, hvd_partialfc.simcomm, hvd_partialfc.commbase; assert 'horovod' not in sys.modules"
+    code = "import sys, hvd_partialfc.engine.sim, hvd_partialfc.engine.base; assert 'horovod' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch_env())
     assert r.returncode == 0, r.stderr
 

@@ -103,7 +103,7 @@ def test_cli_train_loss_falls_then_info_and_export(feature_shards, tmp_path):
     subprocess.run([CLI, "export", run, "--rank", "1", "--out", str(out)], check=True, capture_output=True)
     # the exported file loads with plain torch (no Horovod in this process) and rebuilds the model
     code = ("import torch, sys; d = torch.load(sys.argv[1], weights_only=True); "
-            "from hvd_partialfc.export import load_backbone; m, a = load_backbone(sys.argv[1]); "
+            "from hvd_partialfc.tools.export import load_backbone; m, a = load_backbone(sys.argv[1]); "
             "assert 'horovod' not in sys.modules; print(a['name'], d['digest'][:8])")
     r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -191,7 +191,7 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     # the options were applied, not only accepted: the lr follows the configured schedule, fp16 keeps a
     # loss scale, AdamW keeps its moments
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.step import lr_factor
+    from hvd_partialfc.run.step import lr_factor
     o = load_config(None, ["data.shards=x", *options]).optim
     for m in metrics:
         f = lr_factor(m["step"] - 1, 12, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
@@ -207,17 +207,17 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
                 scale *= 2 if good % 4 == 0 else 1
             want.append(scale)
         assert [m["loss_scale"] for m in metrics] == want and max(want) > min(want) * 2, metrics
-    from hvd_partialfc.checkpoint import load_file, resolve_checkpoint
+    from hvd_partialfc.run.checkpoint_files import load_file, resolve_checkpoint
     state = load_file(os.path.join(resolve_checkpoint(run), "backbone.pt"))["optimizer"]["state"]
     assert ("exp_avg" in next(iter(state.values()))) == ("optim.name=adamw" in options)
 
 
 def test_evaluation_during_training_np2(image_shards, tmp_path):
     # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
-    from hvd_partialfc.verification.pairs import evaluate_backbone
-    from hvd_partialfc.export import load_backbone
+    from hvd_partialfc.verification.verify_pairs import evaluate_backbone
+    from hvd_partialfc.tools.export import load_backbone
     from data_tools.pair_sets import write_pairs_h5
-    from hvd_partialfc.pairs import read_pairs
+    from hvd_partialfc.data.pair_files import read_pairs
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
     pairs = rng.integers(0, 40, size=(60, 2))
@@ -234,7 +234,7 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     # BatchNorm buffers are the pooled ones, checked in the core scenario) does offline; rank 0's own
     # statistics would move every score, hence the best threshold
     model, _ = load_backbone(run)
-    from hvd_partialfc.startup import rank_threads
+    from hvd_partialfc.run.startup import rank_threads
     threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host): the convolutions round
     torch.set_num_threads(rank_threads(2))  # differently with another, and a score's round-off moved a fold's
     try:                                    # threshold

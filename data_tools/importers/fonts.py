@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .registry import register_importer
+from .importer_registry import register_importer
 from ..imported import ImportedData
 from ..charsets import load_charset
 from ..storage import default_workers, pmap
@@ -355,7 +355,7 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
         per_char[ci] = None                # the concatenation below is the only copy kept
     arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
     del samples, per_char
-    from hvd_partialfc.shards import sha256_file
+    from hvd_partialfc.data.shards import sha256_file
     used = [dict(f, samples=kept[i], sha256=sha256_file(f["file"])) for i, f in enumerate(faces) if kept[i]]
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),
                    "size": side, "samples_per_font": k, "seed": seed, "min_fonts": min_fonts,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .registry import register_importer
+from .importer_registry import register_importer
 from ..imported import ImportedData
 from ..storage import FileRef
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Iterator, Tuple
 
-from .registry import register_importer
+from .importer_registry import register_importer
 from ..imported import ImportedData
 from ..storage import FileRef
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import register_importer
+from .importer_registry import register_importer
 from ..imported import ImportedData
 
 

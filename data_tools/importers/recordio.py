@@ -2,15 +2,15 @@
 
 Only the record headers are read here (the label of each image record); the image bytes are read by the
 worker processes of `data_tools.storage.to_storage`, through `RecordRef`. PREFIX may also be given as the
-``.rec`` or ``.idx`` path. See `data_tools.recordio` for the format.
+``.rec`` or ``.idx`` path. See `data_tools.recordio_format` for the format.
 """
 from __future__ import annotations
 
 import os
 
-from .registry import register_importer
+from .importer_registry import register_importer
 from ..imported import ImportedData
-from ..recordio import image_keys, read_index, rec_idx_paths, record_label
+from ..recordio_format import image_keys, read_index, rec_idx_paths, record_label
 from ..storage import RecordRef
 
 

@@ -11,7 +11,7 @@ import time
 import torch
 
 from hvd_partialfc.models import create_model
-from hvd_partialfc.onnx_export import export_onnx
+from hvd_partialfc.tools.onnx_export import export_onnx
 
 out_dir, names = sys.argv[1], sys.argv[2:]
 os.makedirs(out_dir, exist_ok=True)

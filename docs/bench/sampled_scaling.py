@@ -3,7 +3,7 @@ the estimator: memory per rank, logits per rank per step, bytes handed to collec
 
     PYTHONPATH=. .venv/bin/python docs/bench/sampled_scaling.py
 """
-from hvd_partialfc.estimate import estimate, backbone_figures, human
+from hvd_partialfc.tools.estimate import estimate, backbone_figures, human
 bb = backbone_figures("resnet18", 512, 128, [112, 112, 3])
 print("| ranks N | classes C | r | `local`-r memory / rank | PartialFC-r memory / rank | `local`-r logits / rank | PartialFC-r logits / rank | `local`-r bytes / step | PartialFC-r bytes / step |")
 print("|---|---|---|---|---|---|---|---|---|")

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hvd_partialfc.rowsparse import SampledRowsOptimizer, gather_rows, sample_rows
+from hvd_partialfc.classifier.rowsparse import SampledRowsOptimizer, gather_rows, sample_rows
 
 
 def run(rule: str, width: int, rate: float, dim: int = 128):

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from . import register_model
+from .model_registry import register_model
 from .recompute import run_segment
 
 LAYOUTS = {"iresnet18": (2, 2, 2, 2), "iresnet34": (3, 4, 6, 3), "iresnet50": (3, 4, 14, 3),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import register_model
+from .model_registry import register_model
 
 
 class MLP(nn.Module):

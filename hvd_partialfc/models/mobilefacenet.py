@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from . import register_model
+from .model_registry import register_model
 from .iresnet import face_input_channels
 from .recompute import run_segment
 

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from . import register_model
+from .model_registry import register_model
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:

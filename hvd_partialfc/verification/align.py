@@ -69,7 +69,7 @@ def align(image: Image.Image, landmarks, in_shape: Sequence[int], template=None)
 
     ``landmarks``: (5, 2) points in ``image``; ``template``: where they should land (default: the ArcFace
     template scaled to (H, W)). The image is converted to grayscale (``L``) or RGB first, as the shards
-    store samples (`hvd_partialfc.shards.decode_image`)."""
+    store samples (`hvd_partialfc.data.shards.decode_image`)."""
     h, w = int(in_shape[0]), int(in_shape[1])
     gray = len(in_shape) == 2 or in_shape[-1] == 1
     image = image.convert("L" if gray else "RGB")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..data import RankShardDataset
+from ..data.loader import RankShardDataset
 from .embedding import embed
 from .metrics import far_key
 

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import prepare_batch
+from ..data.loader import prepare_batch
 from ..models import create_model
-from ..pairs import PairSet
+from ..data.pair_files import PairSet
 
 
 

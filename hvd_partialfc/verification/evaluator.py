@@ -5,7 +5,7 @@ Contract: the trainer builds one `Evaluator` on *every* rank, with the run's com
 config alone, so every rank gives the same answer), averages the BatchNorm buffers across ranks through
 the comm (a collective every rank must join: each rank's running statistics come from its own classes),
 and evaluates on the main rank only, which alone reads the pair sets. Horovod is not imported here: the
-comm is any object with ``is_main`` and ``average_buffers(module, name)`` (`hvd_partialfc.comm.Comm`);
+comm is any object with ``is_main`` and ``average_buffers(module, name)`` (`hvd_partialfc.engine.horovod.Comm`);
 without one (``comm=None``) the evaluator is a single process's, that averages nothing.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import torch.nn as nn
 
-from ..pairs import read_pairs
+from ..data.pair_files import read_pairs
 from .metrics import FARS, N_FOLDS, check_scores, far_key
-from .pairs import check_names, evaluate_backbone
+from .verify_pairs import check_names, evaluate_backbone
 
 
 class Evaluator:

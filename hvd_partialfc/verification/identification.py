@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..data import RankShardDataset
+from ..data.loader import RankShardDataset
 from .embedding import embed
 from .metrics import rank_accuracy, tpir_at_fpir
 

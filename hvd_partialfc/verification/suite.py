@@ -7,7 +7,7 @@ metrics), ``ijb`` (``IJBB``/``IJBC`` -> `metrics.template_metrics` keys, the opt
 counts and times) and ``identification`` (shard dir -> rank-k and ``tpir@fpir=...``). Every protocol's
 TAR keys are the same ``tar@far=...``. PNGs: ``roc.png`` (pair sets), ``roc-ijbc.png`` / ``roc-ijbb.png``.
 
-The backbone is a file or folder written by this package (`hvd_partialfc.export.load_backbone`), or a
+The backbone is a file or folder written by this package (`hvd_partialfc.tools.export.load_backbone`), or a
 plain ``state_dict`` file such as arcface_torch's ``backbone.pth`` together with the registered backbone
 ``model`` name it loads into (its keys must match exactly; ``in_shape`` and ``embedding_dim`` give the
 architecture's input and width).
@@ -22,16 +22,16 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from ..atomic import write_text
-from ..export import load_backbone
+from ..tools.export import load_backbone
 from ..models import create_model
-from ..pretrained import key_mismatch, read_backbone_file
-from ..pairs import read_pairs
+from ..models.pretrained import key_mismatch, read_backbone_file
+from ..data.pair_files import read_pairs
 from .all_pairs import evaluate_all_pairs
 from .identification import evaluate_identification
 from .ijb import evaluate_ijb, print_progress
 from .metrics import jsonable
 from .output import default_out_dir, format_all_pairs, format_identification, format_ijb, format_table, plot_roc
-from .pairs import check_input_shape, check_names, evaluate_backbone, evaluate_baselines
+from .verify_pairs import check_input_shape, check_names, evaluate_backbone, evaluate_baselines
 
 
 @dataclass

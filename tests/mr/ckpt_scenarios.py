@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hvd_partialfc import comm as comm_lib  # noqa: E402
-from hvd_partialfc.checkpoint import CheckpointError  # noqa: E402
+from hvd_partialfc.run.checkpoint_files import CheckpointError  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
-from hvd_partialfc.startup import start_trainer  # noqa: E402
-from hvd_partialfc.step import SkippedStepsError  # noqa: E402
+from hvd_partialfc.run.startup import start_trainer  # noqa: E402
+from hvd_partialfc.run.step import SkippedStepsError  # noqa: E402
 
 BASE = ["model.name=mlp", "data.batch_size=8", "optim.schedule=constant", "head.negatives_every=0",
         "train.log_every=1"]

@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from hvd_partialfc import comm as comm_lib  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
-from hvd_partialfc.data import prepare_batch  # noqa: E402
-from hvd_partialfc.heads import LocalClassifier  # noqa: E402
-from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
-from hvd_partialfc.startup import start_trainer  # noqa: E402
+from hvd_partialfc.data.loader import prepare_batch  # noqa: E402
+from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402
+from hvd_partialfc.run.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.run.startup import start_trainer  # noqa: E402
 
 
 def _write(out, rank, rec):

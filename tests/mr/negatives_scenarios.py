@@ -21,13 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from hvd_partialfc import comm as comm_lib  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
-from hvd_partialfc.data import prepare_batch  # noqa: E402
+from hvd_partialfc.data.loader import prepare_batch  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
-from hvd_partialfc.heads import LocalClassifier  # noqa: E402
-from hvd_partialfc.modes import create_head  # noqa: E402
-from hvd_partialfc.partition import LabelSlice  # noqa: E402
-from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
-from hvd_partialfc.startup import start_trainer  # noqa: E402
+from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402
+from hvd_partialfc.classifier.modes import create_head  # noqa: E402
+from hvd_partialfc.data.partition import LabelSlice  # noqa: E402
+from hvd_partialfc.run.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.run.startup import start_trainer  # noqa: E402
 
 LOSSES = ("softmax", "cosface", "arcface")
 SCALE, MARGIN = 16.0, 0.3

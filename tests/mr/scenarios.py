@@ -22,11 +22,11 @@ from hvd_partialfc import comm as comm_lib  # noqa: E402
 from hvd_partialfc import train as train_lib  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
-from hvd_partialfc.data import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
-from hvd_partialfc.heads import LocalClassifier  # noqa: E402
+from hvd_partialfc.data.loader import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
+from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402
 from hvd_partialfc.models import create_model  # noqa: E402
-from hvd_partialfc.parts import init_classifier_rows  # noqa: E402
-from hvd_partialfc.startup import start_trainer  # noqa: E402
+from hvd_partialfc.run.parts import init_classifier_rows  # noqa: E402
+from hvd_partialfc.run.startup import start_trainer  # noqa: E402
 
 
 def param_digest(module):

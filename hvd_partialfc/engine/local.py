@@ -12,8 +12,8 @@ from typing import Any, List
 import torch
 import torch.nn as nn
 
-from .commbase import CommBase, backbone_params
-from .simcomm import SimDistributedOptimizer
+from .base import CommBase, backbone_params
+from .optimizer import AveragingOptimizer
 
 
 class LocalComm(CommBase):
@@ -25,7 +25,7 @@ class LocalComm(CommBase):
     def _alone(self, what: str, name: str) -> None:
         if self.size > 1:
             raise RuntimeError(f"{what} '{name}' across {self.size} ranks: the no-communication engine "
-                               "(localcomm.py) runs no collective; use a real engine or the simulator")
+                               "(engine/local.py) runs no collective; use a real engine or the simulator")
 
     def allreduce_scalar(self, value: float, op: str, name: str) -> float:
         self._alone("allreduce", name)
@@ -74,7 +74,7 @@ class LocalVote:
         return self.flags
 
 
-class _Unaveraged(SimDistributedOptimizer):
+class _Unaveraged(AveragingOptimizer):
     """The distributed optimizer's interface over a plain optimizer: ``synchronize`` does nothing."""
 
     def synchronize(self) -> None:

@@ -1,6 +1,6 @@
 """The one module that touches Horovod: init, broadcast, the backbone's DistributedOptimizer, and the
-small named collectives on which ``commbase.CommBase`` builds error agreement, digests, buffer averaging
-and the all-gather with a summed backward (``simcomm.py`` implements the same interface for virtual ranks
+small named collectives on which ``base.CommBase`` builds error agreement, digests, buffer averaging
+and the all-gather with a summed backward (``engine/sim.py`` implements the same interface for virtual ranks
 in one process, without Horovod).
 
 Contract:
@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import horovod.torch as hvd
 
-from .commbase import CommBase, backbone_params
+from .base import CommBase, backbone_params
 
 
 class Comm(CommBase):
@@ -65,7 +65,7 @@ class Comm(CommBase):
 
     # --- the backbone -------------------------------------------------------------------------------
     def broadcast_module(self, module: nn.Module, name: str, root_rank: int = 0) -> None:
-        """Overwrite ``module``'s parameters *and* buffers with root's (identical starts, DESIGN §1.6)."""
+        """Overwrite ``module``'s parameters *and* buffers with root's (identical starts: any rank's backbone is the model)."""
         state = {f"{name}.{k}": v for k, v in _named_state(module).items()}  # names match across ranks
         hvd.broadcast_parameters(state, root_rank=root_rank)
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, Sequence
 
 import torch.nn as nn
 
-from ..pairs import PairSet
+from ..data.pair_files import PairSet
 from .embedding import pair_scores, pixel_embed, random_init_backbone, score_pairs
 from .metrics import FARS, roc_points, verification_metrics
 

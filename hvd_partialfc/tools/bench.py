@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .commbase import gradient_bytes
-from .modes import list_modes
+from ..engine.base import gradient_bytes
+from ..classifier.modes import list_modes
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -72,16 +72,16 @@ def _instrument(parts, comm) -> Tuple[Dict[str, float], Callable[[str], None]]:
 def run_worker(a) -> Dict[str, Any]:
     """One rank of one job: build the trainer's components for ``a.mode``, run steps, measure."""
     torch.set_num_threads(1)
-    from .config import load_config
-    from .layout import RankLayout
-    from .localcomm import LocalComm
-    from .parts import build_parts
-    from .step import Step
+    from ..config import load_config
+    from ..data.layout import RankLayout
+    from ..engine.local import LocalComm
+    from ..run.parts import build_parts
+    from ..run.step import Step
     limit = a.mode == "limit"
     if limit:      # rank r of N alone: what `local` costs with free communication
         comm = LocalComm(a.rank, a.np)
     else:
-        from . import comm as comm_lib
+        from ..engine import horovod as comm_lib
         comm = comm_lib.init()
     # `negatives` is `local` with cross-shard negatives; every other job runs its mode bare
     every = a.negatives_every if a.mode == "negatives" else 0
@@ -149,7 +149,7 @@ def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int,
     ``rate``: ``head.sample_rate`` of the job (after the ``--set`` ones, so it wins)."""
     job = os.path.join(out, "jobs", f"{mode}-C{classes}-D{dim}" + (f"-r{rate:g}" if rate < 1.0 else ""))
     os.makedirs(job, exist_ok=True)
-    worker = [sys.executable, "-m", "hvd_partialfc.bench", "--worker", mode, "--classes", str(classes),
+    worker = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--worker", mode, "--classes", str(classes),
               "--dim", str(dim), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
               "--np", str(a.np), "--in-dim", str(a.in_dim), "--job", job,
               "--negatives-every", str(a.negatives_every), "--negatives-share", str(a.negatives_share)]
@@ -261,7 +261,7 @@ def _opt_kind(cfg) -> str:
 
 
 def _bench_config(a):
-    from .config import load_config
+    from ..config import load_config
     return load_config(a.config or None, [*(a.set or []), "data.shards=synthetic"])
 
 
@@ -362,7 +362,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvd_partialfc.bench")
+    p = argparse.ArgumentParser(prog="python -m hvd_partialfc.tools.bench")
     add_arguments(p)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)

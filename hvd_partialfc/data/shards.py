@@ -6,7 +6,7 @@ A shard set is one directory::
     shard-00000-of-00004.h5 ... shard-00003-of-00004.h5
 
 Each shard holds the samples of one contiguous range ``[label_start, label_end)`` of global labels, so a
-rank that owns a block of consecutive shards owns one contiguous label range (DESIGN.md §3). Inside a
+rank that owns a block of consecutive shards owns one contiguous label range (``layout.RankLayout``). Inside a
 shard:
 
 * ``labels``   int64 (N,), global labels, each in the shard's range;

@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from tqdm import tqdm
 
 from . import faults
-from .commbase import gradient_bytes
-from .config import dump_config
-from .logging_sinks import LoaderWatch, MetricsLog
+from ..engine.base import gradient_bytes
+from ..config import dump_config
+from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
 
 

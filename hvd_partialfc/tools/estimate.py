@@ -43,8 +43,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .modes import get_mode, list_modes
-from .negatives import negatives_share as negatives_share_rows
+from ..classifier.modes import get_mode, list_modes
+from ..classifier.negatives import negatives_share as negatives_share_rows
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGIT_COPIES = 1
@@ -56,7 +56,7 @@ FACE_BACKBONES = ("iresnet", "mobilefacenet")   # 112x112x3 only
 def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequence[int]] = None,
                      kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, int]:
     """Parameter count and activation bytes per batch of ``batch`` samples (fp32) of a registered backbone."""
-    from .models import create_model, model_input_shape
+    from ..models import create_model, model_input_shape
     shape = list(in_shape or DEFAULT_IN_SHAPE.get(name, [112, 112, 3] if name.startswith(FACE_BACKBONES) else [512]))
     model = create_model(name, in_shape=shape, embedding_dim=dim, **(kwargs or {}))
     params = sum(p.numel() for p in model.parameters())

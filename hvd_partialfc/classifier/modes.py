@@ -13,7 +13,7 @@ file holds all C rows; else each holds its slice) and its terms in the memory an
   the cross-shard negatives' exchange: negatives.py). ``head.sample_rate`` < 1 scores a sample of the
   slice's rows and steps only those (rowsparse.py).
 * ``global`` (exact model-parallel softmax, PartialFC's): each rank scores the gathered batch against its
-  slice; the softmax is normalised across ranks (mode_heads.py).
+  slice; the softmax is normalised across ranks (heads.py).
 * ``replicated`` (classic data parallel): the full classifier on every rank, averaged with the backbone.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .heads import LocalClassifier
-from .mode_heads import GlobalSoftmaxHead, LocalHead, ReplicatedHead
+from .margins import LocalClassifier
+from .heads import GlobalSoftmaxHead, LocalHead, ReplicatedHead
 from .negatives import CrossShardNegativesHead, negatives_share
 from .optimizers import classifier_group, make_optimizer
 

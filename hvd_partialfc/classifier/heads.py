@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .heads import LocalClassifier, margin_cross_entropy
+from .margins import LocalClassifier, margin_cross_entropy
 from .rowsparse import gather_rows, sample_rows
 
 # sampled ``local`` scores int(sample_rate x width) of a rank's rows a step (plus its positives); fewer than

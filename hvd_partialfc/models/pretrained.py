@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .checkpoint import load_file
+from ..run.checkpoint_files import load_file
 
 
 class InitBackboneError(ValueError):

@@ -13,9 +13,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint as ckpt
-from .config import config_from_dict, diff_configs
-from .modes import get_mode
-from .seeds import RESHARD_RESEED, derive_seed
+from .checkpoint_files import agree_on_resume, find_resume, read_meta, resolve_checkpoint
+from ..config import config_from_dict, diff_configs
+from ..classifier.modes import get_mode
+from ..seeds import RESHARD_RESEED, derive_seed
 
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
@@ -100,7 +101,7 @@ def check_data(meta: Dict[str, Any], data: DataIdentity, allow_other_data: bool,
 def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[str, Any]:
     """Check that ``path`` continues this run, then restore it into ``parts``; the resume point."""
     log = (lambda m: print(m, flush=True)) if comm.is_main else (lambda m: None)
-    meta = ckpt.read_meta(path)
+    meta = read_meta(path)
     check_data(meta, data, cfg.checkpoint.allow_other_data, log)
     check_config(meta, cfg, log)
     state = parts.training_state(layout, comm.rank)
@@ -117,12 +118,12 @@ def resume(cfg, comm, parts, layout, data: DataIdentity) -> Optional[Dict[str, A
     collective: each stage is agreed, so a rank's error stops every rank."""
     error, path = None, None
     try:
-        path = ckpt.find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
-            else ckpt.resolve_checkpoint(cfg.checkpoint.resume)
+        path = find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
+            else resolve_checkpoint(cfg.checkpoint.resume)
     except Exception as e:
         error = f"cannot resume from {cfg.checkpoint.resume} (run {cfg.out}): {type(e).__name__}: {e}"
     comm.agree(error, name="resume.find")
-    path = ckpt.agree_on_resume(comm, path)
+    path = agree_on_resume(comm, path)
     error, point = None, None
     try:
         if path:

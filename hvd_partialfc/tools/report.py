@@ -5,7 +5,7 @@ It gathers what the run already wrote (``metrics.jsonl``, ``eval.jsonl``, ``info
 held-out pairs with their scores (true/false accepts and rejects at the best threshold), so a person sees
 what the model gets right and wrong. No Horovod here.
 
-    python -m hvd_partialfc.report RUN --pairs PAIRS.h5 [--eval-dir RUN/eval]
+    python -m hvd_partialfc.tools.report RUN --pairs PAIRS.h5 [--eval-dir RUN/eval]
 """
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def pair_grid(backbone: str, pairs_path: str, threshold: float, out: str, per_ki
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .verification.embedding import score_pairs
+    from ..verification.embedding import score_pairs
     from .export import load_backbone
-    from .pairs import read_pairs
+    from ..data.pair_files import read_pairs
     model, _ = load_backbone(backbone)
     ps = read_pairs(pairs_path)
     scores = score_pairs(model, ps)
@@ -113,7 +113,7 @@ def _fmt(v: Any, digits: int = 4) -> str:
 
 def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[str, Any]] = None) -> str:
     from .export import run_summary
-    from .shards import read_manifest
+    from ..data.shards import read_manifest
     info = run_summary(run)
     ev = json.load(open(os.path.join(eval_dir, "eval.json")))
     cfg_text = open(os.path.join(run, "config.yaml")).read()
@@ -184,7 +184,7 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hvd_partialfc.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hvd_partialfc.tools.report", description=__doc__.split("\n")[0])
     p.add_argument("run")
     p.add_argument("--pairs", required=True)
     p.add_argument("--eval-dir", help="folder of eval.json / roc.png (default RUN/eval)")

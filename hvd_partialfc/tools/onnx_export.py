@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import atomic
+from .. import atomic
 from .export import ExportError, build_backbone, load_backbone, verified_backbone
-from .models import model_input_shape
+from ..models import model_input_shape
 
 TOLERANCE = 1e-4
 SAMPLES = 64

@@ -18,19 +18,19 @@ import os
 import torch
 
 from . import checkpoint as ckpt
-from .augment import parse_augment
-from .config import ConfigError
-from .data import RankShardDataset, make_loader
-from .layout import RankLayout
-from .logging_sinks import tensorboard_missing
+from ..data.augment import parse_augment
+from ..config import ConfigError
+from ..data.loader import RankShardDataset, make_loader
+from ..data.layout import RankLayout
+from .metrics_log import tensorboard_missing
 from .parts import build_parts
-from .pretrained import load_initial_backbone
+from ..models.pretrained import load_initial_backbone
 from .resume import DataIdentity, resume
-from .shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
+from ..data.shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
 from .step import Step
 from .trainer import RunData, Trainer
-from .verification.evaluator import Evaluator
-from .verification.pairs import check_input_shape
+from ..verification.evaluator import Evaluator
+from ..verification.verify_pairs import check_input_shape
 
 
 def rank_threads(local_size: int) -> int:

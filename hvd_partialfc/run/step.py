@@ -18,8 +18,8 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
-from .data import prepare_batch
-from .rowsparse import grad_values
+from ..data.loader import prepare_batch
+from ..classifier.rowsparse import grad_values
 
 
 class NonFiniteError(RuntimeError):

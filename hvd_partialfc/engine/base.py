@@ -1,14 +1,16 @@
-"""The half of the ``Comm`` interface that needs no Horovod: the collectives built from a few primitives.
+"""The ``Comm`` interface of the engines: a few primitives, and the collectives built from them, once.
 
-Two implementations provide the primitives: ``comm.Comm`` (Horovod, one process per rank) and
-``simcomm.SimComm`` (N virtual ranks in one process, the simulator). What is built on them lives here,
-once, so both compute the same thing: error agreement, backbone digests and their check, BatchNorm buffer
+Three implementations provide the primitives: ``horovod.Comm`` (one process per rank), ``sim.SimComm``
+(N virtual ranks in one process, the simulator) and ``local.LocalComm`` (one rank, no communication). A
+second real engine implements the same primitives. What is built on them lives here, so all compute the
+same thing: error agreement, backbone digests and their check, BatchNorm buffer
 averaging (the pooled statistics), and the all-gather whose backward sums over ranks.
 
 Primitives a subclass provides (each a collective: every rank calls it, in the same order, same name):
 ``allreduce_scalar``, ``allgather_object``, ``allreduce_tensor``, ``allgather_tensor``, ``grouped_average``
 (elementwise mean of a list of tensors), ``vote_async``, ``broadcast_module``, ``distributed_optimizer``,
-``shutdown``. Not a collective to import; imports no Horovod.
+``shutdown``; ``step_synchronized`` steps what ``distributed_optimizer`` returned. Not a collective to
+import; imports no Horovod.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .digest import state_digest
+from ..digest import state_digest
 
 
 class RankFailure(RuntimeError):

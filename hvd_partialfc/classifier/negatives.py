@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .heads import margin_cross_entropy
-from .mode_heads import LocalHead
-from .seeds import derive_seed
+from .margins import margin_cross_entropy
+from .heads import LocalHead
+from ..seeds import derive_seed
 
 
 def negatives_share(width: int, world_size: int, share: int, pool: int) -> int:

@@ -29,14 +29,14 @@ import ctypes
 import random
 import threading
 from collections import deque
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from .commbase import CommBase, RankFailure, backbone_params
+from .base import CommBase, RankFailure, backbone_params
+from .optimizer import AveragingOptimizer
 
 
 class SimAbort(RankFailure):
@@ -335,10 +335,10 @@ class SimComm(CommBase):
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, module: nn.Module,
                               fp16_compression: bool = False,
-                              backward_passes_per_step: int = 1) -> "SimDistributedOptimizer":
+                              backward_passes_per_step: int = 1) -> AveragingOptimizer:
         """Wrap the *backbone's* optimizer: its gradients are averaged over ranks before each step."""
-        return SimDistributedOptimizer(self, optimizer, backbone_params(optimizer, module), fp16_compression,
-                                       backward_passes_per_step)
+        return AveragingOptimizer(self, optimizer, backbone_params(optimizer, module), fp16_compression,
+                                  backward_passes_per_step)
 
     def average_gradients(self, grads: List[torch.Tensor], name: str, fp16: bool) -> List[torch.Tensor]:
         """The elementwise mean over ranks of each gradient (``fp16``: sent, summed and scaled in float16,
@@ -360,66 +360,3 @@ class SimVote:
         t = torch.tensor(self.flags, dtype=torch.float64)                          # (K,)
         out = self.comm.world.meet(self.comm.rank, "vote", self.name, t, lambda v: torch.stack(v).amax(dim=0))
         return [float(v) for v in out]
-
-
-class SimDistributedOptimizer:
-    """Horovod's DistributedOptimizer, as the trainer uses it, for a virtual rank.
-
-    ``synchronize()`` replaces every gradient by its mean over ranks (a parameter without a gradient
-    sends zeros, as Horovod does); ``step()`` synchronizes first unless inside ``skip_synchronize()``;
-    ``zero_grad``, ``param_groups``, ``state``, ``state_dict`` and ``load_state_dict`` are the wrapped
-    optimizer's (the same state-dict format as Horovod's, whose optimizer is the same class). Gradients are
-    accumulated locally over ``backward_passes_per_step`` passes and averaged once, as Horovod's hooks do.
-    At one rank nothing is averaged (Horovod registers no hooks there either).
-    """
-
-    def __init__(self, comm: SimComm, optimizer: torch.optim.Optimizer, named_params, fp16_compression: bool,
-                 backward_passes_per_step: int):
-        self._comm, self._opt = comm, optimizer
-        self._params = [p for _, p in named_params if p.requires_grad]
-        self._fp16 = bool(fp16_compression)
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self._should_synchronize = True
-
-    @property
-    def param_groups(self):
-        return self._opt.param_groups
-
-    @property
-    def state(self):
-        return self._opt.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._opt.zero_grad(set_to_none=set_to_none)
-
-    def synchronize(self) -> None:
-        if self._comm.size == 1:
-            return
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
-                raise RuntimeError("sparse gradients are not averaged by the simulator")
-        grads = [p.grad for p in self._params]
-        avg = self._comm.average_gradients(grads, "backbone.gradients", self._fp16)
-        with torch.no_grad():
-            torch._foreach_copy_(grads, avg)
-
-    @contextmanager
-    def skip_synchronize(self):
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def step(self, closure=None):
-        if self._should_synchronize:
-            self.synchronize()
-        return self._opt.step(closure)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self._opt.state_dict()
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._opt.load_state_dict(state)

@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .augment import BatchAugment
-from .seeds import LOADER_WORKERS, derive_seed
+from ..seeds import LOADER_WORKERS, derive_seed
 from .shards import (Manifest, ShardError, decode_image, open_shard, rank_layout, read_manifest, read_shard_labels,
                      unreadable_shard)
 

@@ -18,12 +18,12 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
-from .modes import ClassifierMode, get_mode
-from .models import create_model
-from .models.recompute import set_activation_checkpointing
-from .optimizers import NoOptimizer, classifier_group, make_optimizer
-from .seeds import classifier_block_seed, rank_process_seed
-from .syncbn import convert_sync_batchnorm
+from ..classifier.modes import ClassifierMode, get_mode
+from ..models import create_model
+from ..models.recompute import set_activation_checkpointing
+from ..classifier.optimizers import NoOptimizer, classifier_group, make_optimizer
+from ..seeds import classifier_block_seed, rank_process_seed
+from ..engine.syncbn import convert_sync_batchnorm
 
 
 def init_classifier_rows(weight: torch.Tensor, start: int, seed: int, block: int = 4096) -> None:

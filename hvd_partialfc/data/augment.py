@@ -38,7 +38,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 from PIL import Image, ImageFilter
 
-from .seeds import AUGMENT, stream_entropy
+from ..seeds import AUGMENT, stream_entropy
 
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)   # ITU-R BT.601, as PIL's convert("L")
 

@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch.nn as nn
 
-from .checkpoint import load_file, read_meta, resolve_checkpoint
-from . import atomic
-from .digest import state_dict_digest
+from ..run.checkpoint_files import load_file, read_meta, resolve_checkpoint
+from .. import atomic
+from ..digest import state_dict_digest
 
 
 class ExportError(RuntimeError):
@@ -85,7 +85,7 @@ def load_backbone(path: str) -> Tuple[nn.Module, Dict[str, Any]]:
 def build_backbone(m: Dict[str, Any], state_dict: Dict[str, Any]) -> nn.Module:
     """The backbone described by ``m`` (a file's ``model``: name, in_shape, embedding_dim, kwargs) with
     ``state_dict`` loaded, on CPU, in eval mode."""
-    from .models import create_model
+    from ..models import create_model
     model = create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"], **m["kwargs"])
     model.load_state_dict(state_dict)
     return model.eval()

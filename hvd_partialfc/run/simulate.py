@@ -1,6 +1,6 @@
 """``hvd-partialfc simulate --ranks N``: the trainer's method for N virtual ranks in one process.
 
-Each virtual rank is a thread running the unchanged trainer (startup.py, trainer.py) with a ``simcomm.SimComm``: its
+Each virtual rank is a thread running the unchanged trainer (startup.py, trainer.py) with an ``engine.sim.SimComm``: its
 own label slice, loader, backbone copy (so BatchNorm normalises over the rank's own batch, and its running
 statistics are the rank's own until a checkpoint or an evaluation averages them), classifier and
 optimizers; the backbone gradient is averaged over the virtual ranks; the cross-shard negatives and the
@@ -8,7 +8,7 @@ optimizers; the backbone gradient is averaged over the virtual ranks; the cross-
 metrics, checkpoints with every rank's classifier file and digests): ``info``, ``eval``, ``export``,
 ``reshard`` and ``--resume`` work on it, and a real run can resume it (and the other way round).
 
-One virtual rank computes at a time (simcomm.py: the baton), with the intra-op threads a real rank would
+One virtual rank computes at a time (engine/sim.py: the baton), with the intra-op threads a real rank would
 have on this host (``train.threads`` sets more): the cost is about that of one process training on the
 global batch (docs/simulate.md). DataLoader workers are off
 (``data.workers`` = 0: N ranks would fork N x workers processes from a threaded process); the loader then
@@ -24,9 +24,9 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .config import Config
+from ..config import Config
 from .preempt import StopSignals
-from .simcomm import SimComm, SimWorld
+from ..engine.sim import SimComm, SimWorld
 from .startup import start_trainer
 
 

@@ -1,0 +1,2 @@
+"""Data: the shard format (shards.py), the rank layout (layout.py), label slices (partition.py), the
+loader (loader.py), augmentation (augment.py) and pair-set files (pair_files.py)."""

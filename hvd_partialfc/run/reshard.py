@@ -1,0 +1,98 @@
+"""Re-sharding: a checkpoint's classifier rows (and their optimizer state) cut for another world size.
+``checkpoint.load`` uses it when a run resumes at another world size; ``hvd-partialfc reshard`` writes a
+re-sharded copy. Not a collective; imports no Horovod."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Dict
+
+import torch
+
+from .. import atomic
+from .checkpoint_files import CheckpointError, classifier_file, load_file, read_meta, resolve_checkpoint
+
+def _row_sliced(value: Any, width: int, dim: int) -> bool:
+    """Per-row optimizer state: shaped like the weight (W, D) (momentum, moments), or a (W,) vector (the
+    sampled-rows AdamW's per-row step count, rowsparse.py)."""
+    return torch.is_tensor(value) and tuple(value.shape) in ((width, dim), (width,))
+
+
+def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end: int) -> Dict[str, Any]:
+    """Classifier rows ``[start, end)`` and their optimizer state, cut from the old ranks' files.
+
+    Rows of the new slice may come from several old files (fewer ranks) or from part of one (more
+    ranks). Per-row optimizer state (SGD momentum, Adam moments: tensors shaped like the weight; the
+    sampled-rows AdamW's (W,) per-row step) is cut the same way; per-parameter scalars (Adam's step) are
+    equal on all old ranks and taken from the first.
+    """
+    weights, states, scalars, groups = [], [], {}, None
+    for (old_start, old_end), name in zip(meta["slices"], meta["classifier_files"]):
+        lo, hi = max(start, old_start), min(end, old_end)
+        if lo >= hi:
+            continue
+        path = os.path.join(ckpt_dir, name)
+        f = load_file(path, "classifier checkpoint")
+        if (f["label_start"], f["label_end"]) != (old_start, old_end):
+            raise CheckpointError(f"{path} covers [{f['label_start']}, {f['label_end']}), meta.json says "
+                                  f"[{old_start}, {old_end})")
+        w = f["weight"]
+        weights.append(w[lo - old_start:hi - old_start])
+        opt = f["optimizer"]
+        groups = groups or opt.get("param_groups")
+        st = opt.get("state", {}).get(0, {})
+        states.append({k: v[lo - old_start:hi - old_start] for k, v in st.items() if _row_sliced(v, *w.shape)})
+        for k, v in st.items():
+            if not _row_sliced(v, *w.shape):
+                scalars.setdefault(k, v)
+    if not weights or sum(w.shape[0] for w in weights) != end - start:
+        raise CheckpointError(f"{ckpt_dir}: the classifier files do not cover labels [{start}, {end})")
+    state = {}
+    if states and states[0]:
+        state = {k: torch.cat([s[k] for s in states]) for k in states[0]}
+    state.update(scalars)
+    return {"weight": torch.cat(weights),
+            "optimizer": {"state": {0: state} if state else {}, "param_groups": groups or []}}
+
+
+def reshard_checkpoint(src: str, out: str, world_size: int) -> str:
+    """Write a copy of checkpoint ``src`` for ``world_size`` ranks (``hvd-partialfc reshard``).
+
+    The backbone is copied; classifier rows and their optimizer state are redistributed to the label
+    slices that the shard set gives ``world_size`` ranks (from the shard ranges recorded in meta.json);
+    in ``replicated`` mode every rank's file holds the full classifier (its optimizer state is the
+    backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded from
+    the run's seed, its rank and the step).
+    """
+    from ..data.layout import RankLayout
+    from ..classifier.modes import get_mode
+    from ..data.partition import LabelSlice
+    src = resolve_checkpoint(src)
+    meta = read_meta(src)
+    shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
+    slices = RankLayout.from_shards(shard_slices, world_size).slices
+    replicated = meta.get("replicated") or get_mode(meta.get("config", {}).get("head", {}).get("mode", "local")).replicated_rows
+    if os.path.exists(out):
+        raise FileExistsError(f"{out} already exists")
+    tmp = out.rstrip("/") + ".partial"
+    os.makedirs(tmp, exist_ok=True)
+    shutil.copyfile(os.path.join(src, "backbone.pt"), os.path.join(tmp, "backbone.pt"))
+    digest = meta["digests"][0]
+    full = load_file(os.path.join(src, meta["classifier_files"][0]), "classifier checkpoint") if replicated else None
+    for s in slices:
+        if replicated:
+            rows = {"weight": full["weight"], "optimizer": full["optimizer"]}
+        else:
+            rows = gather_classifier_rows(src, meta, s.start, s.end)
+        rows.update({"rank": s.index, "world_size": world_size, "label_start": s.start, "label_end": s.end,
+                     "rng": None, "resharded_from": meta["world_size"], "backbone_digest": digest,
+                     "counters": {}})
+        atomic.torch_save(rows, os.path.join(tmp, classifier_file(s.index, world_size)))
+    new = dict(meta)
+    new.update({"world_size": world_size, "slices": [[s.start, s.end] for s in slices],
+                "classifier_files": [classifier_file(r, world_size) for r in range(world_size)],
+                "digests": [digest] * world_size, "resharded_from": meta["world_size"]})
+    atomic.write_text(os.path.join(tmp, "meta.json"), json.dumps(new, indent=1))
+    atomic.commit_folder(tmp, out)
+    return out

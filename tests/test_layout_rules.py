@@ -1,0 +1,123 @@
+"""Sizes a person can hold, names that say one job, and no import circles, in hvd_partialfc/ and data_tools/:
+kept by this test so later work keeps them (docs/architecture.md says why)."""
+from __future__ import annotations
+
+import ast
+import os
+from collections import defaultdict
+
+from conftest import ROOT
+
+PACKAGES = ("hvd_partialfc", "data_tools")
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 300
+
+
+def _modules():
+    """{dotted module name: (path, is_package)} of every .py under the two packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for dp, dirs, files in os.walk(os.path.join(ROOT, pkg)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dp, f), ROOT)[:-3].replace(os.sep, ".")
+                    is_pkg = rel.endswith(".__init__")
+                    out[rel[:-len(".__init__")] if is_pkg else rel] = (os.path.join(dp, f), is_pkg)
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name, path, is_pkg):
+    """Every module of the two packages that ``name`` imports, at any depth of its code (function-level
+    imports hide a circle, they do not remove it)."""
+    tree = ast.parse(open(path).read(), path)
+    here = name if is_pkg else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[:len(here.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:       # `import a.b.c` names a.b.c; a symbol names its module
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def test_module_and_class_sizes():
+    big = {m: n for m, (p, _) in MODULES.items() if (n := len(open(p).read().splitlines())) > MAX_MODULE_LINES}
+    assert not big, f"modules over {MAX_MODULE_LINES} lines (split by job, not by count): {big}"
+    classes = {}
+    for m, (p, _) in MODULES.items():
+        for node in ast.walk(ast.parse(open(p).read())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                classes[f"{m}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not classes, f"classes over {MAX_CLASS_LINES} lines: {classes}"
+
+
+def test_no_two_modules_share_a_name():
+    by_name = defaultdict(list)
+    for m in MODULES:
+        leaf = m.rsplit(".", 1)[-1]
+        if not MODULES[m][1] and leaf not in ("__main__",):
+            by_name[leaf].append(m)
+    assert {k: v for k, v in by_name.items() if len(v) > 1} == {}
+
+
+def test_no_import_circles():
+    graph = {m: _imports(m, p, pkg) for m, (p, pkg) in MODULES.items()}
+    # Tarjan's strongly connected components: any component of more than one module is a circle
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == [], f"import circles: {circles}"
+
+
+def test_the_rules_can_fail(tmp_path):
+    """The circle finder sees a circle hidden in a function, through a package's __init__."""
+    global MODULES
+    saved = MODULES
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from .b import g\n")
+    b.write_text("from . import a\n")
+    MODULES = {"p": (str(tmp_path / "__init__.py"), True), "p.a": (str(a), False), "p.b": (str(b), False)}
+    try:
+        assert _imports("p.a", str(a), False) == {"p.b"} and _imports("p.b", str(b), False) == {"p.a"}
+    finally:
+        MODULES = saved
