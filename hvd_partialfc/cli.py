@@ -167,13 +167,15 @@ def _bench(args) -> int:
 
 def _estimate(args) -> int:
     from .tools.estimate import estimate, table
-    modes = args.mode or ["local", "global", "replicated"]
+    from .classifier.modes import get_mode, list_modes
+    modes = args.mode or list_modes()
     results = [estimate(args.classes, args.world_size, args.dim, args.batch, args.backbone, m, args.dtype,
                         optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape)
                for m in modes]
-    if args.negatives_every:
-        results.insert(1 if "local" in modes else 0, estimate(
-            args.classes, args.world_size, args.dim, args.batch, args.backbone, "local", args.dtype,
+    if args.negatives_every:   # beside the first mode that takes cross-shard negatives (the method)
+        with_negatives = next(m for m in list_modes() if get_mode(m).negatives)
+        results.insert(modes.index(with_negatives) + 1 if with_negatives in modes else 0, estimate(
+            args.classes, args.world_size, args.dim, args.batch, args.backbone, with_negatives, args.dtype,
             optimizer=args.optimizer, in_shape=args.in_shape, negatives_every=args.negatives_every,
             negatives_share=args.negatives_share, negatives_pool=args.negatives_pool))
     print(json.dumps(results, indent=1) if args.json else table(results))
@@ -189,7 +191,7 @@ def _train_arguments(t) -> None:
     t.add_argument("--out", help="run directory (= --set out=DIR)")
     t.add_argument("--steps", type=int, help="optimizer steps (= --set train.steps=N)")
     t.add_argument("--resume", help="auto | checkpoint path (= --set checkpoint.resume=...)")
-    t.add_argument("--classifier", choices=["local", "global", "replicated"],
+    t.add_argument("--classifier", metavar="MODE",
                    help="local: the method; global: exact model-parallel softmax; replicated: data parallel "
                         "(= --set head.mode=...)")
     t.add_argument("--sample-rate", type=float,
@@ -270,7 +272,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18, "
                                                           "iresnet18..200, mobilefacenet)")
     s.add_argument("--in-shape", type=lambda x: [int(v) for v in x.split(",")], help="sample shape, e.g. 112,112,3")
-    s.add_argument("--mode", action="append", choices=["local", "global", "replicated"], help="repeatable; default all")
+    s.add_argument("--mode", action="append", help="a registered classifier mode (local, global, replicated); "
+                                                   "repeatable; default all")
     s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
     s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
     s.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")

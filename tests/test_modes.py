@@ -144,7 +144,7 @@ def test_mode_config_is_validated():
     from hvd_partialfc.classifier.modes import get_mode
     with pytest.raises(ConfigError, match="sample_rate"):
         load_config(None, ["data.shards=x", "head.sample_rate=0"])
-    with pytest.raises(ValueError, match="head.mode='ring'; known: global, local, replicated"):
+    with pytest.raises(ValueError, match="head.mode='ring'; known: local, global, replicated"):
         get_mode(load_config(None, ["data.shards=x", "head.mode=ring"]).head.mode)
     cfg = load_config(None, ["data.shards=x", "head.mode=replicated", "head.sample_rate=0.5"])
     with pytest.raises(ValueError, match="not replicated"):

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from hvd_partialfc import rowsparse
+from hvd_partialfc.classifier import rowsparse
 from hvd_partialfc.classifier.rowsparse import SampledRowsOptimizer, gather_rows
 
 KINDS = {"sgd": dict(momentum=0.9, weight_decay=5e-4), "adamw": dict(weight_decay=0.1)}

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..engine.base import gradient_bytes
-from ..classifier.modes import list_modes
+from ..classifier.modes import get_mode, list_modes
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -208,9 +208,9 @@ def run_bench(a) -> Dict[str, Any]:
         for classes in a.classes:
             for rate, mode in ((r, m) for r in rates for m in ["limit"] + modes):
                 negatives = mode == "negatives"
-                if mode == "replicated" and rate < 1.0:
+                if rate < 1.0 and mode in list_modes() and not get_mode(mode).samples:
                     points.append({"mode": mode, "classes": classes, "dim": dim, "sample_rate": rate,
-                                   "skipped": "replicated does not sample"})
+                                   "skipped": f"{mode} does not sample"})
                     continue
                 est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
                                mode if mode in list_modes() else "local", optimizer=_opt_kind(cfg),

@@ -19,12 +19,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hvd_partialfc import comm as comm_lib  # noqa: E402
+from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data.loader import prepare_batch  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402
-from hvd_partialfc.classifier.modes import create_head  # noqa: E402
+from hvd_partialfc.classifier.modes import get_mode  # noqa: E402
+from hvd_partialfc.data.layout import RankLayout  # noqa: E402
 from hvd_partialfc.data.partition import LabelSlice  # noqa: E402
 from hvd_partialfc.run.parts import init_classifier_rows  # noqa: E402
 from hvd_partialfc.run.startup import start_trainer  # noqa: E402
@@ -53,10 +54,13 @@ def owner_rows(remote, others):
 
 def _head(comm, loss, share, widths):
     cfg = load_config(None, ["data.shards=/unused", f"head.loss={loss}", f"head.scale={SCALE}",
-                             f"head.margin={MARGIN}", "head.negatives_every=1", f"head.negatives_share={share}"])
+                             f"head.margin={MARGIN}", "head.negatives_every=1", f"head.negatives_share={share}",
+                             "model.embedding_dim=16", "train.seed=1"])
     start = sum(widths[:comm.rank])
-    head = create_head("local", LabelSlice(comm.rank, start, start + widths[comm.rank]), sum(widths), 16,
-                       cfg.head, comm, slice_widths=widths, seed=1)
+    bounds = [sum(widths[:r]) for r in range(len(widths) + 1)]
+    layout = RankLayout(bounds[-1], tuple(LabelSlice(r, bounds[r], bounds[r + 1]) for r in range(len(widths))),
+                        tuple(() for _ in widths))
+    head = get_mode("local").create_head(cfg, layout, comm.rank, comm)
     init_classifier_rows(head.weight, start, seed=1)
     with torch.no_grad():  # rows of different norms (as after training), so a row's scale matters
         g = torch.Generator().manual_seed(50 + comm.rank)

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hvd_partialfc import comm as comm_lib  # noqa: E402
-from hvd_partialfc import train as train_lib  # noqa: E402
+from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
+from hvd_partialfc.run import parts as parts_lib  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.data.loader import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
@@ -96,7 +96,7 @@ def scenario_core(shards, out, steps):
                              "head.negatives_every=0"])   # the bare method's update (negatives: negatives_scenarios.py)
     comm = comm_lib.init()
     rec = {"rank": comm.rank, "size": comm.size}
-    with mock.patch.object(train_lib, "create_model", _perturbed_create_model(comm.rank, rec)):
+    with mock.patch.object(parts_lib, "create_model", _perturbed_create_model(comm.rank, rec)):
         trainer = start_trainer(cfg, comm)
     rec["init_digest_after_broadcast"] = state_dict_digest(trainer.parts.backbone.state_dict())
     rec.update({"slice": [trainer.label_slice.start, trainer.label_slice.end],
