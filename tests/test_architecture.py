@@ -90,3 +90,15 @@ def test_the_core_runs_without_horovod(tmp_path):
     assert os.listdir(tmp_path / "job") == ["rank-1.json"]
     out = _no_horovod("eval", "--backbone", tmp_path / "run", "--all-pairs", FEATURES, "--out", tmp_path / "eval")
     assert "all-pairs" in out.stdout.lower() or os.listdir(tmp_path / "eval")
+
+
+def test_the_config_is_plain_data():
+    """Loading and validating a config imports nothing of the runtime (no torch, no registry)."""
+    code = ("import sys; from hvd_partialfc.config import load_config; "
+            "load_config(None, ['data.shards=x', 'head.mode=global', 'data.augment=[flip]']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'h5py') "
+            "or m.startswith('hvd_partialfc.') and m != 'hvd_partialfc.config'))")
+    p = subprocess.run([sys.executable, "-c", code], env=launch_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"
