@@ -82,17 +82,19 @@ def test_estimate_cli_prints_a_table():
     assert "| classifier weights |" in out and "local C=1,000,000 N=8" in out and "replicated" in out
 
 
-def test_estimate_cli_negatives_default_to_trainings_share_and_pool():
+def test_estimate_cli_negatives_default_to_trainings_share_and_pool(capsys):
     """`--negatives-every K` alone estimates what a run with the default head does: share and pool are
-    training's (1,024 a rank, capped at ceil(8,192 / N)), not the whole slice."""
+    training's (1,024 a rank, capped at ceil(8,192 / N)), not the whole slice. The CLI's own parser and
+    printing, in this process (the console script itself: the test above)."""
+    from hvd_partialfc.cli import main
     from hvd_partialfc.config import HeadConfig
 
     def cli(*extra):
-        out = subprocess.run([os.path.join(BIN, "hvd-partialfc"), "estimate", "--classes", "1e6", "--world-size",
-                              "64", "--dim", "128", "--batch", "32", "--backbone", "mlp", "--in-shape", "64",
-                              "--mode", "local", "--negatives-every", "50", "--json", *extra],
-                             capture_output=True, text=True, check=True, cwd=ROOT).stdout
-        return json.loads(out)[1]
+        capsys.readouterr()
+        assert main(["estimate", "--classes", "1e6", "--world-size", "64", "--dim", "128", "--batch", "32",
+                     "--backbone", "mlp", "--in-shape", "64", "--mode", "local", "--negatives-every", "50",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)[1]
     h = HeadConfig()
     want = estimate(1_000_000, 64, 128, 32, "mlp", "local", in_shape=[64], negatives_every=50,
                     negatives_share=h.negatives_share, negatives_pool=h.negatives_pool)
@@ -108,41 +110,58 @@ def _tiny_bench(out, *args):
     cmd = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--dims", "16", "--batch", "8", "--steps", "1",
            "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(out),
            "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=400)
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
     return json.load(open(os.path.join(out, "bench.json")))
 
 
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory):
+    """One tiny bench for both tests below (9 jobs, 7 of them under horovodrun -np 2): C = 4,000 (a slice
+    W = 2,000 a rank), cross-shard negatives every step with whole slices, at sample rates 0.1 and 1. Points
+    by (mode, rate); and the output folder."""
+    out = tmp_path_factory.mktemp("bench")
+    res = _tiny_bench(out, "--classes", "4000", "--negatives-every", "1", "--sample-rates", "0.1,1")
+    assert {p["classes"] for p in res["points"]} == {4000}
+    return {(p["mode"], p["sample_rate"]): p for p in res["points"]}, out
+
+
 @pytest.mark.multirank
-def test_tiny_bench_counts_bytes_and_writes_table(tmp_path):
-    res = _tiny_bench(tmp_path, "--classes", "2000,4000", "--negatives-every", "1")
-    by = {(p["mode"], p["classes"]): p for p in res["points"]}
+def test_tiny_bench_counts_bytes_and_writes_table(tiny_bench):
+    """Bytes per step as each mode sends them (rate 1): local exactly the backbone gradient (so whatever the
+    class count), negatives that plus the whole slice's centres, replicated that plus the whole C x D
+    classifier gradient, global more than local, the limit nothing; memory within the estimator's figure."""
+    by, out = tiny_bench
     assert set(m for m, _ in by) == {"limit", "local", "negatives", "global", "replicated"}
+    loc = by["local", 1.0]
     # negatives (K=1, share 0): local's bytes plus the whole slice's centres, every step
-    assert by["negatives", 4000]["bytes_per_step"] - by["local", 4000]["bytes_per_step"] == 2000 * 16 * 4
-    # local: exactly the backbone gradient, the same at both class counts
-    assert by["local", 2000]["bytes_per_step"] == by["local", 4000]["bytes_per_step"] == by["local", 2000]["grad_bytes"]
-    assert by["global", 4000]["bytes_per_step"] > by["local", 4000]["bytes_per_step"]
-    assert by["replicated", 4000]["bytes_per_step"] - by["replicated", 2000]["bytes_per_step"] == 2000 * 16 * 4
-    assert by["limit", 2000]["bytes_per_step"] == 0 and by["local", 2000]["vs_limit"] > 0
-    assert all(p["peak_rss"] > 0 and abs(p["estimate_err"]) < 1 for p in by.values())
-    assert "| 16 | 4,000 | replicated |" in open(tmp_path / "bench.md").read()
+    assert by["negatives", 1.0]["bytes_per_step"] - loc["bytes_per_step"] == 2000 * 16 * 4
+    # local: exactly the backbone gradient in fp32 (no term in the class count or the slice)
+    assert loc["bytes_per_step"] == loc["grad_bytes"] == loc["backbone_params"] * 4
+    assert by["global", 1.0]["bytes_per_step"] > loc["bytes_per_step"]
+    # replicated: the backbone gradient and the whole classifier's (all C = 4,000 rows, not the slice's)
+    assert by["replicated", 1.0]["bytes_per_step"] - loc["bytes_per_step"] == 4000 * 16 * 4
+    assert by["limit", 1.0]["bytes_per_step"] == 0 and loc["vs_limit"] > 0
+    ran = [p for p in by.values() if "skipped" not in p]
+    assert len(ran) == 9 and all(p["peak_rss"] > 0 and abs(p["estimate_err"]) < 1 for p in ran)
+    assert "| 16 | 4,000 | replicated |" in open(out / "bench.md").read()
 
 
 @pytest.mark.multirank
-def test_bench_sample_rates_reach_every_job_and_count_logits(tmp_path):
-    # one set of jobs per rate, the limit included; the rate each worker ran with is its own config's
-    res = _tiny_bench(tmp_path, "--classes", "4000", "--sample-rates", "0.1,1")
-    by = {(p["mode"], p["sample_rate"]): p for p in res["points"]}
+def test_bench_sample_rates_reach_every_job_and_count_logits(tiny_bench):
+    """One set of jobs per rate, the limit included; the rate each worker ran with is its own config's;
+    logits per rank and step: rows (B; B x N gathered for global) x columns (rate x W of W = 2,000, plus the
+    remote centres for negatives)."""
+    by, out = tiny_bench
     assert by["replicated", 0.1]["skipped"] == "replicated does not sample" and "skipped" not in by["replicated", 1.0]
-    for mode in ("limit", "local", "global"):
+    for mode in ("limit", "local", "negatives", "global"):
         assert by[mode, 0.1]["sample_rate"] == 0.1 and by[mode, 1.0]["sample_rate"] == 1.0
-    # logits per rank and step: rows (B; B x N gathered for global) x columns (rate x W of W = 2000)
     assert by["local", 0.1]["logits_per_step"] == by["limit", 0.1]["logits_per_step"] == 8 * 200
     assert by["global", 0.1]["logits_per_step"] == 16 * 200 and by["local", 1.0]["logits_per_step"] == 8 * 2000
+    assert by["negatives", 0.1]["logits_per_step"] == 8 * (200 + 2000)
     assert by["replicated", 1.0]["logits_per_step"] == 8 * 4000
     assert by["local", 0.1]["bytes_per_step"] == by["local", 1.0]["bytes_per_step"]
     assert by["local", 0.1]["vs_limit"] > 0           # against the limit of the same rate
-    assert "| 16 | 4,000 | global | 0.1 |" in open(tmp_path / "bench.md").read()
+    assert "| 16 | 4,000 | global | 0.1 |" in open(out / "bench.md").read()
 
 
 def test_sampled_local_counts_its_sampled_columns_and_rows_sparse_gradient():

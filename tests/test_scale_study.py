@@ -17,7 +17,7 @@ from conftest import ROOT, build_shards, make_image_npz
 from data_tools.pair_sets import write_pairs_h5
 from data_tools.subset import write_prefix_subset
 from hvd_partialfc.data.loader import RankShardDataset
-from hvd_partialfc.data.shards import ShardError, read_manifest
+from hvd_partialfc.data.shards import read_manifest
 
 
 def _strings(obj):

@@ -1,15 +1,17 @@
-"""Checkpoint and step-decision scenarios run by tests/test_checkpoints.py under real ``horovodrun`` (or
-alone, as one rank). Each writes ``OUT/rank-<r>.json`` with what it observed.
+"""Checkpoint and step-decision scenarios run by tests/test_checkpoints.py and tests/test_reliability.py
+under real ``horovodrun`` (or alone, as one rank). Each writes ``OUT/rank-<r>.json`` with what it observed.
 
     python ckpt_scenarios.py diverged   SHARDS OUT   # backbones differ at a save: aside, latest untouched
     python ckpt_scenarios.py skips      SHARDS OUT   # classifier skips counted; consecutive skips stop the run
     python ckpt_scenarios.py replicated SHARDS OUT   # replicated: the classifier's averaged grad is clipped
+    python ckpt_scenarios.py nonfinite  SHARDS OUT   # a NaN on one rank: skip (nothing changes), stop (every rank)
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -18,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
 from hvd_partialfc.run.checkpoint_files import CheckpointError  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
+from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.run.startup import start_trainer  # noqa: E402
-from hvd_partialfc.run.step import SkippedStepsError  # noqa: E402
+from hvd_partialfc.run.step import NonFiniteError, SkippedStepsError  # noqa: E402
 
 BASE = ["model.name=mlp", "data.batch_size=8", "optim.schedule=constant", "head.negatives_every=0",
         "train.log_every=1"]
@@ -104,7 +107,43 @@ def scenario_replicated(shards, out):
                        "classifier_update_norm": float((trainer.parts.head.weight.detach() - cls_before).norm())})
 
 
+def scenario_nonfinite(shards, out):
+    """Two trainers in one launch. ``skip`` (train.on_nonfinite=skip): a NaN sample on rank 1 at step 2;
+    the parameters' digests after each of 5 steps. ``stop`` (the default): a NaN sample on rank 1 at step 0;
+    what each rank raised and how long after the step began."""
+    comm = comm_lib.init()
+    digest = lambda module: state_dict_digest(dict(module.named_parameters()))  # noqa: E731
+    cfg = load_config(None, [f"data.shards={shards}", f"out={out}/skip", "train.steps=5", "data.batch_size=8",
+                             "model.name=mlp", "train.on_nonfinite=skip", "optim.schedule=constant"])
+    trainer = start_trainer(cfg, comm)
+    batches = iter(trainer.loader)
+    rec = {"rank": comm.rank, "backbone": [], "classifier": []}
+    for step in range(5):
+        batch = next(batches)
+        if step == 2 and comm.rank == 1:
+            batch[0][0, 0] = float("nan")  # one bad sample on one rank only
+        trainer.train_step(step, iter([batch]))
+        rec["backbone"].append(digest(trainer.parts.backbone))
+        rec["classifier"].append(digest(trainer.parts.head))
+    rec["skipped_steps"] = trainer.parts.counters.skipped_steps
+    cfg = load_config(None, [f"data.shards={shards}", f"out={out}/stop", "train.steps=5", "data.batch_size=8",
+                             "model.name=mlp"])
+    trainer = start_trainer(cfg, comm)
+    batch = next(iter(trainer.loader))
+    if comm.rank == 1:
+        batch[0][0, 0] = float("nan")
+    t0 = time.time()
+    try:
+        trainer.train_step(0, iter([batch]))
+        rec["stop"] = None
+    except NonFiniteError as e:
+        rec["stop"] = f"{type(e).__name__}: {e}"
+    rec["stop_seconds"] = time.time() - t0
+    _write(out, comm, rec)
+
+
 if __name__ == "__main__":
     name, shards, out = sys.argv[1], sys.argv[2], sys.argv[3]
     os.makedirs(out, exist_ok=True)
-    {"diverged": scenario_diverged, "skips": scenario_skips, "replicated": scenario_replicated}[name](shards, out)
+    {"diverged": scenario_diverged, "skips": scenario_skips, "replicated": scenario_replicated,
+     "nonfinite": scenario_nonfinite}[name](shards, out)
