@@ -7,8 +7,6 @@ import json
 import math
 import os
 import pickle
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,8 +16,6 @@ from hvd_partialfc import evaluate as ev
 from hvd_partialfc.models import create_model
 from data_tools.pair_sets import write_bin, write_pairs_h5
 from hvd_partialfc.data.pair_files import PairSet, read_pairs
-
-BIN = os.path.dirname(sys.executable)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -261,16 +257,26 @@ def test_evaluator_checks_sets_up_front(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A backbone trained for 20 steps on 10 classes of noise (one rank, no horovodrun)."""
+    """A backbone trained for 20 steps on 10 classes of noise: one rank, ``hvd-partialfc simulate --ranks 1``
+    through the CLI's entry point in this process (no horovodrun, no second torch import); the torch thread
+    count and the random streams are put back after."""
+    import contextlib
+    import random
+    from conftest import build_shards
+    from hvd_partialfc.cli import main
     d = tmp_path_factory.mktemp("tiny")
     np.savez(d / "img.npz", images=_images(200, seed=7), labels=np.repeat(np.arange(10), 20))
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    for cmd in (["hvd-partialfc-shards", "build", "npz", str(d / "img.npz"), "--out", str(d / "shards"),
-                 "--num-shards", "1"],
-                ["hvd-partialfc", "train", "--shards", str(d / "shards"), "--out", str(d / "run"), "--steps", "20",
-                 "--set", "data.batch_size=32", "--set", "model.kwargs={width: 8}"]):
-        p = subprocess.run([os.path.join(BIN, cmd[0])] + cmd[1:], env=env, capture_output=True, text=True)
-        assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}"
+    build_shards(d / "img.npz", d / "shards", 1)
+    threads, rngs = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            rc = main(["simulate", "--ranks", "1", "--shards", str(d / "shards"), "--out", str(d / "run"),
+                       "--steps", "20", "--set", "data.batch_size=32", "--set", "model.kwargs={width: 8}"])
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rngs[0]), np.random.set_state(rngs[1]), random.setstate(rngs[2])
+    assert rc == 0, f"training failed:\n{log.getvalue()[-3000:]}"
     return d
 
 
@@ -316,16 +322,18 @@ class _Touch:
         return (os.system, (f"touch {self.path}",))
 
 
-def test_eval_cli_refuses_a_bin_holding_code(tiny_run, tmp_path):
+def test_eval_cli_refuses_a_bin_holding_code(tiny_run, tmp_path, capsys):
+    """A .bin whose pickle asks for os.system: refused by name (exit 2, no traceback, no report), and the
+    code never runs (the file it would touch does not appear)."""
+    from hvd_partialfc.cli import main
     made = tmp_path / "made-by-the-pickle"
     bad = tmp_path / "LFW.bin"
     bad.write_bytes(pickle.dumps((_png_blobs(_images(2)), [True], _Touch(made)), protocol=2))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli", "eval", "--backbone", str(tiny_run / "run"),
-                        "--pairs", str(bad), "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=root)
-    assert p.returncode != 0 and not made.exists()
-    assert f"{bad}: refused to load: the pickle asks for {os.system.__module__}.system" in p.stderr
-    assert "Traceback" not in p.stderr + p.stdout
+    rc = main(["eval", "--backbone", str(tiny_run / "run"), "--pairs", str(bad), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert rc != 0 and not made.exists()
+    assert f"{bad}: refused to load: the pickle asks for {os.system.__module__}.system" in out.err
+    assert "Traceback" not in out.err + out.out
     assert not (tmp_path / "out" / "eval.json").exists()
 
 

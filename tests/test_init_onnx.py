@@ -1,16 +1,23 @@
-"""``train --init-backbone`` (arcface_torch and exported files, not re-applied on resume) and
-``export --onnx`` (checked against PyTorch with onnxruntime, nothing written when the check fails)."""
+"""``--init-backbone`` (arcface_torch and exported files, not re-applied on resume) and
+``export --onnx`` (checked against PyTorch with onnxruntime, nothing written when the check fails).
+
+The training runs are ``hvd-partialfc simulate --ranks 1`` through the CLI's entry point in this process
+(``train``'s options and its start-up, ``run/startup.py``, without a second torch import; nothing here
+needs Horovod). iresnet18's ONNX export through the CLI is in tests/test_faces_e2e.py (from its 2-rank
+face run); here the CLI path runs on the mlp."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-import sys
+import random
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, build_shards, launch_env, run_job
+from conftest import build_shards
 from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, random_state
 from hvd_partialfc.cli import main
@@ -23,23 +30,32 @@ EMB = 64
 TRAIN = ["--steps", "1", "--set", "model.name=iresnet18", "--set", f"model.embedding_dim={EMB}",
          "--set", "optim.backbone_lr=0.0", "--set", "data.batch_size=4", "--set", "head.negatives_every=0",
          "--set", "train.threads=1"]
-# exported in test_cli_export_onnx (iresnet18) or the same code at more depth (the other iresnets)
-NOT_HERE = {"iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200"}
+# iresnet18: exported through the CLI in tests/test_faces_e2e.py; the other iresnets: the same code at more
+# depth; mlp: through the CLI in test_cli_export_onnx below
+NOT_HERE = {"iresnet18", "iresnet34", "iresnet50", "iresnet100", "iresnet200", "mlp"}
 SMALL = {"mobilefacenet": ([112, 112, 3], {"scale": 1, "blocks": [1, 1, 1, 1]}), "resnet": ([32, 32], {}),
-         "resnet18": ([32, 32, 3], {"width": 16}), "mlp": ([16], {})}
+         "resnet18": ([32, 32, 3], {"width": 16})}
 
 
-def _cli(*args, timeout=240):
-    env = dict(launch_env(), OMP_NUM_THREADS="1")
-    proc = run_job([sys.executable, "-m", "hvd_partialfc.cli", *map(str, args)], env, timeout)
-    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+def _simulate(*args):
+    """``hvd-partialfc simulate --ranks 1 ARGS`` in this process; its printed output. The torch thread count
+    and the random streams are put back after (the run sets them)."""
+    threads, rngs = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            rc = main(["simulate", "--ranks", "1", *map(str, args)])
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rngs[0]), np.random.set_state(rngs[1]), random.setstate(rngs[2])
+    assert rc == 0, f"simulate {args} exited {rc}\n{out.getvalue()[-5000:]}"
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One process, world size 1: 1 step of iresnet18 (D=64) from an arcface_torch-format file, backbone lr 0,
-    on 16 random 112x112x3 images of 4 classes."""
+    """World size 1: 1 step of iresnet18 (D=64) from an arcface_torch-format file, backbone lr 0, on 16
+    random 112x112x3 images of 4 classes."""
     d = tmp_path_factory.mktemp("init")
     rng = np.random.default_rng(0)
     np.savez(d / "faces.npz", images=rng.integers(0, 256, (16, 112, 112, 3)).astype(np.uint8),
@@ -47,8 +63,8 @@ def run(tmp_path_factory):
     shards = build_shards(d / "faces.npz", d / "shards", 1)
     state = random_state(iresnet_table((2, 2, 2, 2), EMB), seed=1)
     torch.save(state, d / "backbone.pth")
-    proc = _cli("train", "--shards", shards, "--out", d / "run", "--init-backbone", d / "backbone.pth", *TRAIN)
-    return {"dir": d, "shards": shards, "state": state, "run": str(d / "run"), "log": proc.stdout + proc.stderr}
+    log = _simulate("--shards", shards, "--out", d / "run", "--init-backbone", d / "backbone.pth", *TRAIN)
+    return {"dir": d, "shards": shards, "state": state, "run": str(d / "run"), "log": log}
 
 
 def _backbone(ckpt_dir):
@@ -77,35 +93,51 @@ def test_resume_does_not_reapply_the_init_file(run):
     moved = run["dir"] / "moved.pth"
     os.replace(run["dir"] / "backbone.pth", moved)
     try:
-        proc = _cli("train", "--shards", run["shards"], "--out", run["run"], "--resume", "auto",
-                    "--init-backbone", run["dir"] / "backbone.pth", *TRAIN[:1], "2", *TRAIN[2:],
-                    "--set", "model.checkpoint_activations=true")
+        log = _simulate("--shards", run["shards"], "--out", run["run"], "--resume", "auto",
+                        "--init-backbone", run["dir"] / "backbone.pth", *TRAIN[:1], "2", *TRAIN[2:],
+                        "--set", "model.checkpoint_activations=true")
     finally:
         os.replace(moved, run["dir"] / "backbone.pth")
-    assert "backbone initialised" not in proc.stdout + proc.stderr
+    assert "backbone initialised" not in log and "resumed from" in log
     step2 = _backbone(os.path.join(run["run"], "checkpoints", "step-00000002"))
     assert int(step2["bn1.num_batches_tracked"]) == int(run["state"]["bn1.num_batches_tracked"]) + 2
     assert torch.equal(step2["fc.weight"], run["state"]["fc.weight"])
 
 
-def test_cli_export_onnx(run, tmp_path, capsys):
+def _mlp_with_statistics(embedding_dim=32):
+    """An mlp whose BatchNorm statistics are not 0 / 1 (one training-mode forward)."""
+    torch.manual_seed(0)
+    model = create_model("mlp", in_shape=[16], embedding_dim=embedding_dim)
+    with torch.no_grad():
+        model.train()(torch.rand(8, 16) * 2 - 1)
+    return model.eval()
+
+
+def test_cli_export_onnx(tmp_path, capsys):
+    """``export FILE --onnx`` through the CLI (an exported mlp backbone file): the JSON it prints (the check's
+    difference on its default 64 samples, the input with a dynamic batch), the file it wrote, and
+    onnxruntime's embeddings at another batch size equal to PyTorch's."""
+    model = _mlp_with_statistics()
+    m = {"name": "mlp", "in_shape": [16], "embedding_dim": 32, "kwargs": {}}
+    torch.save({"format": "hvd_partialfc.exported_backbone", "model": m, "state_dict": model.state_dict()},
+               tmp_path / "mlp.pt")
     out = tmp_path / "model.onnx"
-    assert main(["export", run["run"], "--onnx", "--out", str(out)]) == 0   # in-process: no second torch import
+    assert main(["export", str(tmp_path / "mlp.pt"), "--onnx", "--out", str(out)]) == 0
     info = json.loads(capsys.readouterr().out)
     with capsys.disabled():
-        print(f"\niresnet18 (the run, via the CLI): max abs diff of L2-normalised embeddings "
-              f"{info['max_abs_diff_normalised']:.3g}")
-    assert info["max_abs_diff_normalised"] <= 1e-4 and info["samples"] == 64 and info["input"] == ["batch", 3, 112, 112]
+        print(f"\nmlp (via the CLI): max abs diff of L2-normalised embeddings {info['max_abs_diff_normalised']:.3g}")
+    assert info["max_abs_diff_normalised"] <= 1e-4 and info["samples"] == 64 and info["input"] == ["batch", 16]
+    assert info["model"] == m and info["bytes"] == os.path.getsize(out)
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(out), options, providers=["CPUExecutionProvider"])
     assert session.get_inputs()[0].shape[0] == "batch"
-    model, _ = load_backbone(run["run"])
-    x = torch.rand(3, 3, 112, 112) * 2 - 1
+    loaded, _ = load_backbone(str(tmp_path / "mlp.pt"))
+    x = torch.rand(3, 16) * 2 - 1
     got = session.run(["embedding"], {"input": x.numpy()})[0]
     with torch.no_grad():
-        want = torch.nn.functional.normalize(model(x), dim=1).numpy()
+        want = torch.nn.functional.normalize(loaded(x), dim=1).numpy()
     got = got / np.linalg.norm(got, axis=1, keepdims=True)
     assert np.abs(got - want).max() < 1e-4
 
@@ -116,14 +148,17 @@ def test_every_backbone_is_covered():
 
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_onnx_export_of_each_backbone(name, tmp_path):
+    """Each backbone's graph exports and agrees with PyTorch, checked on 8 samples (the dynamic batch: traced
+    at 2); the CLI's default of 64 is test_cli_export_onnx's."""
     in_shape, kwargs = SMALL[name]
     torch.manual_seed(0)
     model = create_model(name, in_shape=in_shape, embedding_dim=32, **kwargs)
     with torch.no_grad():
         model.train()(torch.rand(8, *model_input_shape(in_shape)) * 2 - 1)   # BatchNorm statistics not 0 / 1
-    info = export_onnx(model, in_shape, str(tmp_path / f"{name}.onnx"))
+    info = export_onnx(model, in_shape, str(tmp_path / f"{name}.onnx"), samples=8)
     print(f"{name}: max abs diff of L2-normalised embeddings {info['max_abs_diff_normalised']:.3g}")
     assert 0 <= info["max_abs_diff_normalised"] <= 1e-4 and os.path.getsize(tmp_path / f"{name}.onnx") == info["bytes"]
+    assert info["samples"] == 8
 
 
 def test_failed_check_leaves_no_file(tmp_path):
