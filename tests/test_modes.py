@@ -5,13 +5,14 @@ one-rank fake of ``Comm`` (identity collectives).
 """
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MR, run_hvd
+from conftest import MR, launch_env, run_hvd, run_job
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.classifier.margins import LocalClassifier, margin_cross_entropy
 from hvd_partialfc.classifier.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
@@ -24,11 +25,23 @@ def _ranks(out, n):
     return [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(n)]
 
 
+EXACT = [("global", "arcface"), ("global", "softmax"), ("replicated", "cosface")]
+
+
+@pytest.fixture(scope="module")
+def np2(feature_shards, tmp_path_factory):
+    """One ``horovodrun -np 2`` launch (gloo) for the module's two-rank scenarios: ``gather``, then ``exact``
+    for each case of EXACT (each builds its own trainer from the same seeds, as a launch of its own would)."""
+    out = tmp_path_factory.mktemp("modes")
+    run_hvd(2, [SCEN, "np2", feature_shards, out, *(f"{m}:{l}" for m, l in EXACT)])
+    return out
+
+
 @pytest.mark.multirank
-def test_allgather_backward_sums_over_ranks(tmp_path):
-    out = tmp_path / "gather"
-    run_hvd(2, [SCEN, "gather", out])
-    for r in _ranks(out, 2):
+def test_allgather_backward_sums_over_ranks(np2):
+    """allgather_with_grad's backward sums the gathered rows' gradients over ranks (Horovod's own averages),
+    with even and uneven row counts, and scales them by ``grad_scale``."""
+    for r in _ranks(np2 / "gather", 2):
         for case in ("even", "uneven"):
             assert r[case]["forward_err"] == 0.0
             assert r[case]["grad_err"] < 1e-5 and r[case]["grad_norm"] > 1.0
@@ -38,11 +51,12 @@ def test_allgather_backward_sums_over_ranks(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode,loss", [("global", "arcface"), ("global", "softmax"), ("replicated", "cosface")])
-def test_np2_mode_equals_full_softmax_on_union_batch(feature_shards, tmp_path, mode, loss):
-    out = tmp_path / f"exact-{mode}"
-    run_hvd(2, [SCEN, "exact", feature_shards, out, mode, loss])
-    for r in _ranks(out, 2):
+@pytest.mark.parametrize("mode,loss", EXACT)
+def test_np2_mode_equals_full_softmax_on_union_batch(np2, mode, loss):
+    """One train_step at np=2 in ``mode`` == one process computing the full softmax on the union batch:
+    the loss, the backbone's and this rank's classifier gradients; each optimizer's lr is its own."""
+    for r in _ranks(np2 / f"exact-{mode}-{loss}", 2):
+        assert r["mode"] == mode
         assert r["classifier_shape"] == [40 if mode == "replicated" else 20, 128]
         assert r["mean_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
         if mode == "global":   # the loss itself is global: the same number on every rank
@@ -55,8 +69,11 @@ def test_np2_mode_equals_full_softmax_on_union_batch(feature_shards, tmp_path, m
 
 @pytest.mark.multirank
 def test_np1_local_equals_global(feature_shards, tmp_path):
+    """At np=1 ``local`` and ``global`` train to the same numbers (one process, Horovod alone: size 1, no
+    launcher needed)."""
     out = tmp_path / "np1"
-    run_hvd(1, [SCEN, "np1", feature_shards, out, 4])
+    proc = run_job([sys.executable, SCEN, "np1", feature_shards, str(out), "4"], launch_env(), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     r = _ranks(out, 1)[0]
     assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
     assert r["loss_max_abs_err"] < 1e-5

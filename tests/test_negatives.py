@@ -17,12 +17,25 @@ def _ranks(out, n=2):
     return [json.load(open(out / f"rank-{r}.json")) for r in range(n)]
 
 
-def test_remote_columns_score_like_their_owner(tmp_path):
-    # every loss, every share: rank r's logit for a remote class == the owner's logit for it, on the
-    # same features (softmax: x . w with the owner's raw row; cosface/arcface: s cos, scale included)
-    out = tmp_path / "logits"
-    run_hvd(2, [SCEN, "logits", out], timeout=120)
-    for r in _ranks(out):
+STEP_CASES = [(0, "softmax", 0), (2, "arcface", 0), (0, "cosface", 3)]
+
+
+@pytest.fixture(scope="module")
+def np2(tmp_path_factory):
+    """One ``horovodrun -np 2`` launch (gloo) for the module: ``logits``, then ``step`` (5 steps) for each case
+    of STEP_CASES on 5 classes over 2 ranks: slices [0, 3) and [3, 5) of different widths."""
+    base = tmp_path_factory.mktemp("neg")
+    shards = build_shards(make_feature_npz(base / "f.npz", [12] * 5), base / "s", 2)
+    out = base / "out"
+    run_hvd(2, [SCEN, "all", shards, out, 5, *(f"{s}:{l}:{p}" for s, l, p in STEP_CASES)], timeout=240)
+    return out
+
+
+def test_remote_columns_score_like_their_owner(np2):
+    """Every loss, every share: rank r's logit for a remote class == the owner's logit for it, on the same
+    features (softmax: x . w with the owner's raw row; cosface/arcface: s cos, scale included), and the
+    fused forward (loss and gradients) == cross entropy over [own rows | the owners' raw rows]."""
+    for r in _ranks(np2 / "logits"):
         assert sorted(r["cases"]) == sorted(f"{l}-share{s}" for l in ("softmax", "cosface", "arcface") for s in (0, 3))
         for name, c in r["cases"].items():
             assert c["remote_rows"] == (3 if name.endswith("share3") else 9 - 2 * r["rank"]), name
@@ -34,13 +47,12 @@ def test_remote_columns_score_like_their_owner(tmp_path):
             assert c["grad_w_err"] <= 1e-5 * max(1.0, c["grad_w_scale"]), (name, c)
 
 
-@pytest.mark.parametrize("share,loss,pool", [(0, "softmax", 0), (2, "arcface", 0), (0, "cosface", 3)])
-def test_exchange_uneven_slices_frozen_remote_local_classifier(tmp_path, share, loss, pool):
-    # 5 classes on 2 ranks: slices [0, 3) and [3, 5) of different widths
-    shards = build_shards(make_feature_npz(tmp_path / "f.npz", [12] * 5), tmp_path / "s", 2)
-    out = tmp_path / "neg"
-    run_hvd(2, [SCEN, "step", shards, out, 5, share, loss, pool], timeout=120)
-    r0, r1 = _ranks(out)
+@pytest.mark.parametrize("share,loss,pool", STEP_CASES)
+def test_exchange_uneven_slices_frozen_remote_local_classifier(np2, share, loss, pool):
+    """Training with negatives every 2 steps on uneven slices: each exchange delivers the other rank's raw
+    centres (or its share, capped by the pool), they stay a frozen buffer, and step 0's updates are the
+    offline ones (classifier: its own gradient / N, remote columns included; backbone: the ranks' mean)."""
+    r0, r1 = _ranks(np2 / f"step-{share}-{loss}-{pool}")
     assert (r0["width"], r1["width"]) == (3, 2)
     # at steps 0, 2, 4 each rank received exactly the other rank's raw centres (or `share` of them; with
     # head.negatives_pool=3 at most ceil(3 / 2) = 2 of each, so rank 0's whole slice of 3 is capped)

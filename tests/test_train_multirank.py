@@ -1,22 +1,21 @@
 """The method's claims under real horovodrun (Gloo, and MPI): no mocked Horovod.
 
-Each test has a timeout, so a hang shows as a failure, not a stuck CI.
+Each launch has a timeout, so a hang shows as a failure, not a stuck CI. The ``hvd-partialfc train`` runs
+that tests only inspect afterwards share one launch (the ``runs`` fixture: one Horovod start-up for all).
 """
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import BIN, MR, ROOT, build_shards, make_feature_npz, read_json_lines, run_hvd
+from conftest import MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
 
 pytestmark = pytest.mark.multirank
-CLI = os.path.join(BIN, "hvd-partialfc")
 
 
 def _ranks(out, n):
@@ -69,45 +68,148 @@ def test_np2_identity_averaged_update_no_leakage(image_shards, tmp_path, backend
     assert r0["full_digest_after_checkpoint"] == r1["full_digest_after_checkpoint"]
 
 
+@pytest.fixture(scope="module")
+def np1_runs(feature_shards, tmp_path_factory):
+    """The np1 scenario for K = 1 and 2, in one process: Horovod alone (size 1) needs no launcher."""
+    out = tmp_path_factory.mktemp("np1")
+    proc = run_job([sys.executable, os.path.join(MR, "scenarios.py"), "np1", feature_shards, str(out), "6", "1", "2"],
+                   launch_env(), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_np1_equals_plain_pytorch_loop(feature_shards, tmp_path, accumulate):
-    # SGD with momentum and weight decay, gradient clipping, and (accumulate=2) backward_passes_per_step
-    out = tmp_path / "np1"
-    run_hvd(1, [os.path.join(MR, "scenarios.py"), "np1", feature_shards, out, 6, accumulate])
-    r = _ranks(out, 1)[0]
+def test_np1_equals_plain_pytorch_loop(np1_runs, accumulate):
+    """One rank: the trainer == a plain PyTorch loop (same seeds, batches, optimizers), SGD with momentum and
+    weight decay, gradient clipping, and (accumulate=2) backward_passes_per_step."""
+    r = _ranks(np1_runs / f"k{accumulate}", 1)[0]
     assert r["classifier_moved"] > 0
     assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
 
 
-def _train_cli(np_, shards, out, *sets, steps=None, backend="gloo", check=True, timeout=180):
-    args = ["-m", "hvd_partialfc.cli", "train", "--shards", shards, "--out", out]
-    if steps is not None:
-        args += ["--steps", str(steps)]
-    for s in sets:
-        args += ["--set", s]
-    return run_hvd(np_, args, backend=backend, check=check, timeout=timeout)
+def _cli_here(capsys, *args):
+    """``hvd-partialfc ARGS`` in this process (the console script is ``sys.exit(main())``): (code, out, err)."""
+    from hvd_partialfc.cli import main
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_cli_train_loss_falls_then_info_and_export(feature_shards, tmp_path):
-    run = str(tmp_path / "run")
-    _train_cli(2, feature_shards, run, "model.name=mlp", "data.batch_size=16", "train.log_every=5",
-               "head.loss=cosface", "head.scale=16", "head.margin=0.2", "train.epochs=12")
+def _train_args(shards, out, *sets, steps=None):
+    """``hvd-partialfc train``'s arguments."""
+    args = ["--shards", str(shards), "--out", str(out)] + (["--steps", str(steps)] if steps is not None else [])
+    return args + sum((["--set", s] for s in sets), [])
+
+
+# --- `hvd-partialfc train` runs under ONE launch (scenarios.py runs): each test inspects its own runs -----
+
+IMAGE = ["data.batch_size=8", "model.kwargs={width: 8}"]
+OPTIONS = [
+    ["optim.fp16_compression=true", "optim.backward_passes_per_step=2", "train.precision=bf16"],
+    ["train.precision=fp16", "optim.name=adamw", "optim.backbone_lr=0.003", "optim.classifier_lr=0.003",
+     "optim.clip_grad_norm=1.0", "optim.schedule=poly", "optim.warmup_steps=3", "train.loss_scale_growth=4",
+     "train.log_every=1"],
+]
+
+
+class Runs:
+    """The run folders and results of the ``hvd-partialfc train`` runs of one ``horovodrun -np 2 scenarios.py
+    runs`` launch (``proc``: the launch, or None where it timed out)."""
+
+    def __init__(self, base, proc):
+        self.base, self.proc = base, proc
+
+    def folder(self, name):
+        return str(self.base / name)
+
+    def results(self, name):
+        """Both ranks' ``{"code", "seconds", "log"}`` for run ``name``."""
+        paths = [self.base / "results" / f"{name}-rank-{r}" for r in range(2)]
+        if not all(os.path.exists(f"{p}.json") for p in paths):
+            why = "timed out" if self.proc is None else (
+                f"exited {self.proc.returncode}\n--- stdout\n{self.proc.stdout[-3000:]}\n--- stderr\n"
+                f"{self.proc.stderr[-5000:]}")
+            raise AssertionError(f"run {name!r} left no result: the launch {why}")
+        return [dict(json.load(open(f"{p}.json")), log=open(f"{p}.log").read()) for p in paths]
+
+    def finished(self, name):
+        """The folder of run ``name``, which exited 0 on both ranks."""
+        for r in self.results(name):
+            assert r["code"] == 0, r["log"][-4000:]
+        return self.folder(name)
+
+
+@pytest.fixture(scope="module")
+def runs(feature_shards, image_shards, tmp_path_factory):
+    """ONE ``horovodrun -np 2`` launch (gloo) running ``hvd-partialfc train`` for every test below, one run
+    after another (scenarios.py runs: the console script's code, one Horovod start-up). The runs that must
+    fail come last. What each run shows: its test."""
+    import h5py
+    base = tmp_path_factory.mktemp("runs")
+    uneven = build_shards(make_feature_npz(base / "u.npz", [10] * 10 + [30] * 10), base / "uneven-shards", 2)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
+    pairs = rng.integers(0, 40, size=(60, 2))
+    from data_tools.pair_sets import write_pairs_h5
+    write_pairs_h5(str(base / "held.h5"), images, pairs, np.arange(60) % 2 == 0)
+    mislabelled = build_shards(make_feature_npz(base / "b.npz", [12] * 8), base / "mislabelled-shards", 2)
+    with h5py.File(os.path.join(mislabelled, "shard-00001-of-00002.h5"), "r+") as f:
+        y = f["labels"][:]
+        y[5] = 1  # a class of rank 0 in rank 1's shard
+        f["labels"][:] = y
+    truncated = build_shards(make_feature_npz(base / "t.npz", [12] * 8), base / "truncated-shards", 2)
+    path = os.path.join(truncated, "shard-00001-of-00002.h5")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+
+    def run(name, shards, *sets, steps=None, expect_error=False):
+        return dict(name=name, args=_train_args(shards, base / name, *sets, steps=steps), expect_error=expect_error)
+    spec = {"results": str(base / "results"), "runs": [
+        run("cli", feature_shards, "model.name=mlp", "data.batch_size=16", "train.log_every=5", "head.loss=cosface",
+            "head.scale=16", "head.margin=0.2", "train.epochs=3"),
+        run("uneven", uneven, "model.name=mlp", "data.batch_size=10", "train.epochs=2.5"),
+        *(run(f"options{i}", image_shards, *IMAGE, "head.scale=16", "train.log_every=2", *o, steps=12)
+          for i, o in enumerate(OPTIONS)),
+        run("eval", image_shards, *IMAGE, "eval.every=5", f"eval.pairs=[{base / 'held.h5'}]", steps=12),
+        run("eval-missing", image_shards, *IMAGE, f"eval.pairs=[{base / 'missing.h5'}]", steps=3, expect_error=True),
+        run("mislabelled", mislabelled, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
+        run("truncated", truncated, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
+    ]}
+    with open(base / "spec.json", "w") as f:
+        json.dump(spec, f)
+    try:
+        proc = run_hvd(2, [os.path.join(MR, "scenarios.py"), "runs", base / "spec.json"], check=False, timeout=400)
+    except subprocess.TimeoutExpired:
+        proc = None   # the runs that ended before still have their results
+    return Runs(base, proc)
+
+
+def test_cli_train_loss_falls_then_info_and_export(runs, tmp_path, capsys):
+    """``hvd-partialfc train`` at np=2: an epoch count becomes epochs x steps per epoch, the loss halves;
+    ``info`` reports both ranks' slices and agreeing digests; ``export`` writes a backbone that loads with
+    plain torch (no Horovod imported, by export or by loading), and refuses a run whose ranks recorded
+    different digests."""
+    run = runs.finished("cli")
     metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
-    assert metrics[-1]["step"] == 12 * (24 * 20 // 16)  # epochs x steps per epoch
+    assert metrics[-1]["step"] == 3 * (24 * 20 // 16)  # epochs x steps per epoch
     assert metrics[-1]["loss"] < 0.5 * metrics[0]["loss"]
-    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
+    code, out, err = _cli_here(capsys, "info", run, "--json")
+    assert code == 0, err
+    info = json.loads(out)
     assert info["world_size"] == 2 and info["digests_agree"]
     assert [r["classifier_shape"] for r in info["ranks"]] == [[20, 128], [20, 128]]
     assert [(r["label_start"], r["label_end"]) for r in info["ranks"]] == [(0, 20), (20, 40)]
     out = tmp_path / "backbone.pt"
-    subprocess.run([CLI, "export", run, "--rank", "1", "--out", str(out)], check=True, capture_output=True)
-    # the exported file loads with plain torch (no Horovod in this process) and rebuilds the model
-    code = ("import torch, sys; d = torch.load(sys.argv[1], weights_only=True); "
+    # export, then load with plain torch and rebuild the model, in a process where Horovod is never imported
+    code = ("import sys, torch; from hvd_partialfc.cli import main; "
+            "assert main(['export', sys.argv[2], '--rank', '1', '--out', sys.argv[1]]) == 0; "
+            "d = torch.load(sys.argv[1], weights_only=True); "
             "from hvd_partialfc.tools.export import load_backbone; m, a = load_backbone(sys.argv[1]); "
             "assert 'horovod' not in sys.modules; print(a['name'], d['digest'][:8])")
-    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code, str(out), run], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split()[0] == "mlp"
+    assert r.stdout.split()[-2] == "mlp"
 
     # a run whose ranks recorded different digests: export refuses with a clear error
     bad = tmp_path / "bad"
@@ -116,80 +218,74 @@ def test_cli_train_loss_falls_then_info_and_export(feature_shards, tmp_path):
     meta = json.load(open(os.path.join(ck, "meta.json")))
     meta["digests"][1] = "0" * 64
     json.dump(meta, open(os.path.join(ck, "meta.json"), "w"))
-    r = subprocess.run([CLI, "export", str(bad), "--rank", "0", "--out", str(tmp_path / "x.pt")],
-                       capture_output=True, text=True)
-    assert r.returncode != 0 and "backbones differ" in r.stderr
+    code, _, err = _cli_here(capsys, "export", bad, "--rank", "0", "--out", tmp_path / "x.pt")
+    assert code != 0 and "backbones differ" in err
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_uneven_shards_same_steps_no_hang(tmp_path):
-    # rank 1 holds 3x the samples of rank 0: steps are agreed (min over ranks), and a fixed --steps
-    # longer than rank 0's epoch makes rank 0 cycle its data instead of stopping early.
-    shards = build_shards(make_feature_npz(tmp_path / "u.npz", [10] * 10 + [30] * 10), tmp_path / "s", 2)
-    run = str(tmp_path / "epochs")
-    _train_cli(2, shards, run, "model.name=mlp", "data.batch_size=10", "train.epochs=2", timeout=120)
-    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
-    assert info["step"] == 2 * (100 // 10)  # the smaller rank's epoch decides
-    run = str(tmp_path / "fixed")
-    _train_cli(2, shards, run, "model.name=mlp", "data.batch_size=10", steps=25, timeout=120)
-    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
-    assert info["step"] == 25 and info["digests_agree"]
+def test_uneven_shards_same_steps_no_hang(runs):
+    """Rank 1 holds 3x the samples of rank 0: the step count is agreed (min over ranks: 2.5 x rank 0's 10
+    steps per epoch = 25, where rank 1 alone would run 75), and rank 0 cycles its data past its epoch (and
+    stops mid-epoch) instead of stopping early; no rank hangs, the backbones agree."""
+    from hvd_partialfc.tools.export import run_summary
+    info = run_summary(runs.finished("uneven"))
+    assert info["step"] == int(2.5 * (100 // 10)) and info["digests_agree"]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_label_outside_slice_fails_on_every_rank(tmp_path, backend):
+def _label_outside_slice_reported(codes, text):
+    assert all(c != 0 for c in codes)
+    assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
+    assert "shard-00001-of-00002.h5 holds label 1" in text and "rank 1:" in text
+
+
+def test_label_outside_slice_fails_on_every_rank(runs):
+    """A label of rank 0's slice in rank 1's shard: every rank stops at start-up, naming the shard (gloo)."""
+    r0, r1 = runs.results("mislabelled")
+    _label_outside_slice_reported([r0["code"], r1["code"]], r0["log"] + r1["log"])
+
+
+def test_label_outside_slice_fails_on_every_rank_mpi(tmp_path):
+    """The same under MPI, as a launch of its own (``horovodrun --mpi``)."""
     import h5py
     shards = build_shards(make_feature_npz(tmp_path / "b.npz", [12] * 8), tmp_path / "s", 2)
     with h5py.File(os.path.join(shards, "shard-00001-of-00002.h5"), "r+") as f:
         y = f["labels"][:]
         y[5] = 1  # a class of rank 0 in rank 1's shard
         f["labels"][:] = y
-    proc = _train_cli(2, shards, str(tmp_path / "run"), "model.name=mlp", "data.batch_size=8", steps=5,
-                      backend=backend, check=False, timeout=90)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
-    assert "shard-00001-of-00002.h5 holds label 1" in text and "rank 1:" in text
+    args = _train_args(shards, tmp_path / "run", "model.name=mlp", "data.batch_size=8", steps=5)
+    proc = run_hvd(2, ["-m", "hvd_partialfc.cli", "train", *args], backend="mpi", check=False, timeout=90)
+    _label_outside_slice_reported([proc.returncode], proc.stdout + proc.stderr)
 
 
-def test_truncated_shard_on_one_rank_fails_on_every_rank(tmp_path):
-    # h5py alone says "truncated file: eof = ..." without a file name; every rank must name the file, the
-    # rank that holds it and the command that checks the set, and exit at start-up.
-    shards = build_shards(make_feature_npz(tmp_path / "t.npz", [12] * 8), tmp_path / "s", 2)
+def test_truncated_shard_on_one_rank_fails_on_every_rank(runs):
+    """h5py alone says "truncated file: eof = ..." without a file name; every rank must name the file, the
+    rank that holds it and the command that checks the set (no traceback), and exit at start-up."""
+    r0, r1 = runs.results("truncated")
+    shards = os.path.join(runs.base, "truncated-shards")
     path = os.path.join(shards, "shard-00001-of-00002.h5")
-    data = open(path, "rb").read()
-    open(path, "wb").write(data[:len(data) // 2])
-    t0 = time.monotonic()
-    proc = _train_cli(2, shards, str(tmp_path / "run"), "model.name=mlp", "data.batch_size=8", steps=5,
-                      check=False, timeout=90)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and time.monotonic() - t0 < 60
-    assert "[rank 0] error" in text and "[rank 1] error" in text   # every rank reports, none waits
+    text = r0["log"] + r1["log"]
+    assert r0["code"] != 0 and r1["code"] != 0 and max(r0["seconds"], r1["seconds"]) < 60
+    assert "[rank 0] error" in r0["log"] and "[rank 1] error" in r1["log"]   # every rank reports, none waits
     assert f"rank 1: {path}: cannot open shard file (h5py: " in text
     assert "the file is truncated or not HDF5; copy the set again" in text
     assert f"`hvd-partialfc-shards inspect {shards}`" in text
-    ranks_output = [line for line in text.splitlines() if line.startswith(("[0]", "[1]"))]
-    assert not any("Traceback" in line for line in ranks_output)   # (horovodrun itself prints one)
-    assert not os.path.exists(os.path.join(tmp_path, "run", "checkpoints"))
+    assert "Traceback" not in text
+    assert not os.path.exists(os.path.join(runs.folder("truncated"), "checkpoints"))
 
 
-@pytest.mark.parametrize("options", [
-    ["optim.fp16_compression=true", "optim.backward_passes_per_step=2", "train.precision=bf16"],
-    ["train.precision=fp16", "optim.name=adamw", "optim.backbone_lr=0.003", "optim.classifier_lr=0.003",
-     "optim.clip_grad_norm=1.0", "optim.schedule=poly", "optim.warmup_steps=3", "train.loss_scale_growth=4",
-     "train.log_every=1"],
-])
-def test_options_train_and_stay_identical(image_shards, tmp_path, options):
-    run = str(tmp_path / "run")
-    _train_cli(2, image_shards, run, "data.batch_size=8", "model.kwargs={width: 8}", "head.scale=16",
-               "train.log_every=2", *options, steps=12)
-    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
+@pytest.mark.parametrize("which", range(len(OPTIONS)), ids=["options0", "options1"])
+def test_options_train_and_stay_identical(runs, which):
+    """Each option set trains 12 steps under horovodrun (loss finite and falling, backbones identical), and
+    its options were applied, not only accepted: the lr follows the configured schedule, fp16 keeps a loss
+    scale (halved at a skipped step, grown after ``train.loss_scale_growth`` finite ones), AdamW its moments."""
+    from hvd_partialfc.tools.export import run_summary
+    options = OPTIONS[which]
+    run = runs.finished(f"options{which}")
+    info = run_summary(run)
     assert info["step"] == 12 and info["digests_agree"]
     metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
     assert all(np.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    # the options were applied, not only accepted: the lr follows the configured schedule, fp16 keeps a
-    # loss scale, AdamW keeps its moments
     from hvd_partialfc.config import load_config
     from hvd_partialfc.run.step import lr_factor
     o = load_config(None, ["data.shards=x", *options]).optim
@@ -212,24 +308,17 @@ def test_options_train_and_stay_identical(image_shards, tmp_path, options):
     assert ("exp_avg" in next(iter(state.values()))) == ("optim.name=adamw" in options)
 
 
-def test_evaluation_during_training_np2(image_shards, tmp_path):
-    # rank 0 evaluates every 5 steps and at the end, after all ranks averaged BatchNorm buffers
+def test_evaluation_during_training_np2(runs):
+    """Rank 0 evaluates every 5 steps and at the end, after all ranks averaged their BatchNorm buffers; a
+    pair set that does not exist is an agreed error before training, on every rank."""
     from hvd_partialfc.verification.verify_pairs import evaluate_backbone
-    from hvd_partialfc.tools.export import load_backbone
-    from data_tools.pair_sets import write_pairs_h5
+    from hvd_partialfc.tools.export import load_backbone, run_summary
     from hvd_partialfc.data.pair_files import read_pairs
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
-    pairs = rng.integers(0, 40, size=(60, 2))
-    write_pairs_h5(str(tmp_path / "held.h5"), images, pairs, np.arange(60) % 2 == 0)
-    run = str(tmp_path / "run")
-    _train_cli(2, image_shards, run, "data.batch_size=8", "model.kwargs={width: 8}", "eval.every=5",
-               f"eval.pairs=[{tmp_path / 'held.h5'}]", steps=12, timeout=120)
+    run = runs.finished("eval")
     evals = read_json_lines(os.path.join(run, "eval.jsonl"))
     assert [e["step"] for e in evals] == [5, 10, 12] and all(e["set"] == "held" for e in evals)
     assert all(0.0 <= e["auc"] <= 1.0 for e in evals)
-    info = json.loads(subprocess.run([CLI, "info", run, "--json"], capture_output=True, text=True, check=True).stdout)
-    assert info["digests_agree"]
+    assert run_summary(run)["digests_agree"]
     # the final evaluation saw the averaged statistics: it scores as the final checkpoint's backbone (whose
     # BatchNorm buffers are the pooled ones, checked in the core scenario) does offline; rank 0's own
     # statistics would move every score, hence the best threshold
@@ -238,13 +327,13 @@ def test_evaluation_during_training_np2(image_shards, tmp_path):
     threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host): the convolutions round
     torch.set_num_threads(rank_threads(2))  # differently with another, and a score's round-off moved a fold's
     try:                                    # threshold
-        ref = evaluate_backbone(model, read_pairs(str(tmp_path / "held.h5")), roc=False)
+        ref = evaluate_backbone(model, read_pairs(str(runs.base / "held.h5")), roc=False)
     finally:
         torch.set_num_threads(threads)
     assert evals[-1]["best_threshold"] == pytest.approx(ref["best_threshold"], abs=1e-5)
     assert evals[-1]["auc"] == pytest.approx(ref["auc"], abs=1e-9)
     assert evals[-1]["acc"] == pytest.approx(ref["acc"], abs=1e-9)
-    # a pair set that does not exist: an agreed error before training, on every rank
-    proc = _train_cli(2, image_shards, str(tmp_path / "bad"), "data.batch_size=8", "model.kwargs={width: 8}",
-                      f"eval.pairs=[{tmp_path / 'missing.h5'}]", steps=3, check=False, timeout=90)
-    assert proc.returncode != 0 and "missing.h5" in proc.stdout + proc.stderr
+    # a pair set that does not exist: an agreed error before training, on every rank (none trained)
+    for rank, r in enumerate(runs.results("eval-missing")):
+        assert r["code"] != 0 and f"[rank {rank}] error" in r["log"] and "missing.h5" in r["log"], r["log"]
+    assert not os.path.exists(os.path.join(runs.folder("eval-missing"), "checkpoints"))

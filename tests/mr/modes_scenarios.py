@@ -5,6 +5,8 @@ Each writes ``OUT/rank-<r>.json``; ``tests/test_modes.py`` asserts on them.
     python modes_scenarios.py gather OUT                      # allgather_with_grad's backward, even and uneven rows
     python modes_scenarios.py exact  SHARDS OUT MODE LOSS     # one train_step == full softmax on the union batch
     python modes_scenarios.py np1    SHARDS OUT STEPS         # local == global at np=1
+    python modes_scenarios.py np2    SHARDS OUT MODE:LOSS...  # gather (OUT/gather), then exact for each case
+                                                              # (OUT/exact-MODE-LOSS): one Horovod start-up
 """
 from __future__ import annotations
 
@@ -125,11 +127,26 @@ def scenario_np1(shards, out, steps):
     _write(out, comm.rank, rec)
 
 
+def scenario_np2(shards, out, cases):
+    """``gather``, then ``exact`` for each ``MODE:LOSS`` case, one after another in this launch (each case
+    builds its own trainer from the same seeds, as a launch of its own would)."""
+    folder = os.path.join(out, "gather")
+    os.makedirs(folder, exist_ok=True)
+    scenario_gather(folder)
+    for case in cases:
+        mode, loss = case.split(":")
+        folder = os.path.join(out, f"exact-{mode}-{loss}")
+        os.makedirs(folder, exist_ok=True)
+        scenario_exact(shards, folder, mode, loss)
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     out = args[0] if name == "gather" else args[1]
     os.makedirs(out, exist_ok=True)
-    if name == "gather":
+    if name == "np2":
+        scenario_np2(args[0], args[1], args[2:])
+    elif name == "gather":
         scenario_gather(out)
     elif name == "exact":
         scenario_exact(args[0], args[1], args[2], args[3])

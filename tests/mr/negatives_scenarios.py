@@ -5,7 +5,9 @@ the head's remote buffer for its values: the remote columns' rows come from thei
 ``allgather_object``), so the way the head stores and scores them is what is under test.
 
     python negatives_scenarios.py logits OUT                      # remote logits == their owner's, per loss
-    python negatives_scenarios.py step   SHARDS OUT STEPS SHARE LOSS   # exchange, update, uneven slices
+    python negatives_scenarios.py step   SHARDS OUT STEPS SHARE LOSS POOL   # exchange, update, uneven slices
+    python negatives_scenarios.py all    SHARDS OUT STEPS SHARE:LOSS:POOL...  # logits (OUT/logits), then step
+                                                          # for each case (OUT/step-SHARE-LOSS-POOL): one launch
 """
 from __future__ import annotations
 
@@ -185,11 +187,25 @@ def _offline_update_errors(trainer, bb, w0, p0, raw, batch):
                 bare.weight.grad / comm.size + o.classifier_weight_decay * w0))).abs().max())}
 
 
+def scenario_all(shards, out, steps, cases):
+    """``logits``, then ``step`` for each ``SHARE:LOSS:POOL`` case, one after another in this launch (each
+    case builds its own trainer from the same seeds, as a launch of its own would)."""
+    os.makedirs(os.path.join(out, "logits"), exist_ok=True)
+    scenario_logits(os.path.join(out, "logits"))
+    for case in cases:
+        share, loss, pool = case.split(":")
+        folder = os.path.join(out, f"step-{share}-{loss}-{pool}")
+        os.makedirs(folder, exist_ok=True)
+        scenario_step(shards, folder, steps, int(share), loss, int(pool))
+
+
 if __name__ == "__main__":
     name, args = sys.argv[1], sys.argv[2:]
     out = args[0] if name == "logits" else args[1]
     os.makedirs(out, exist_ok=True)
-    if name == "logits":
+    if name == "all":
+        scenario_all(args[0], args[1], int(args[2]), args[3:])
+    elif name == "logits":
         scenario_logits(out)
     elif name == "step":
         scenario_step(args[0], args[1], int(args[2]), int(args[3]), args[4], int(args[5]))

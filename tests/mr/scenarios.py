@@ -4,7 +4,9 @@ Each scenario writes ``OUT/rank-<r>.json`` with what it observed; the pytest sid
 
     python scenarios.py core  SHARDS OUT STEPS      # identical starts, averaged update, no classifier leakage,
                                                     # pooled BatchNorm statistics
-    python scenarios.py np1   SHARDS OUT STEPS      # trainer == a plain single-process PyTorch loop
+    python scenarios.py np1   SHARDS OUT STEPS K... # trainer == a plain single-process PyTorch loop, for each
+                                                    # backward_passes_per_step K (OUT/k<K>/rank-0.json)
+    python scenarios.py runs  SPEC.json             # several trainings in one launch (see scenario_runs)
 """
 from __future__ import annotations
 
@@ -218,6 +220,42 @@ def scenario_np1(shards, out, steps, k=1):
                    "classifier_moved": moved}, f)
 
 
+def scenario_runs(spec_path):
+    """Several ``hvd-partialfc train`` runs in one launch, one after another: each is ``cli.main(["train",
+    *args])``, the console script's own code (arguments, config, ``start_trainer``, ``fit``, the errors it
+    reports), with one Horovod start-up for them all. The one difference: Horovod is not shut down after a
+    run (``Comm.shutdown`` does nothing here), so the next run can use it.
+
+    SPEC.json: ``{"results": DIR, "runs": [{"name": ..., "args": [...], "expect_error": false}, ...]}``.
+    Each run writes ``DIR/<name>-rank-<r>.json`` (``{"code": exit code, "seconds": wall time}``) and
+    ``DIR/<name>-rank-<r>.log`` (what the run printed on this rank). A run that exits non-zero without
+    ``expect_error`` ends the process at once with its code, so the launcher stops the other rank as it stops
+    a failed ``train``: nothing waits in a collective."""
+    import contextlib
+    import time
+    from hvd_partialfc import cli
+    with open(spec_path) as f:
+        spec = json.load(f)
+    comm_lib.Comm.shutdown = lambda self: None
+    rank = comm_lib.init().rank
+    os.makedirs(spec["results"], exist_ok=True)
+    for run in spec["runs"]:
+        base = os.path.join(spec["results"], f"{run['name']}-rank-{rank}")
+        t0 = time.monotonic()
+        with open(base + ".log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                code = cli.main(["train", *map(str, run["args"])])
+            except BaseException:  # noqa: BLE001 (what the console script would print on its way out)
+                import traceback
+                traceback.print_exc()
+                code = 1
+        with open(base + ".json", "w") as f:
+            json.dump({"code": code, "seconds": time.monotonic() - t0}, f)
+        if code != 0 and not run.get("expect_error"):
+            print(f"[rank {rank}] run {run['name']} exited {code}; see {base}.log", file=sys.stderr, flush=True)
+            os._exit(code)
+
+
 def scenario_nonfinite(shards, out, steps):
     """A NaN sample on rank 1 at step 2 with on_nonfinite=skip: no rank's parameters change in that step."""
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
@@ -239,7 +277,15 @@ def scenario_nonfinite(shards, out, steps):
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "runs":
+        scenario_runs(sys.argv[2])
+        sys.exit(0)
     name, shards, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     extra = [int(a) for a in sys.argv[5:]]
+    if name == "np1":   # one process (one Horovod start-up) for every K asked for
+        for k in extra or [1]:
+            os.makedirs(os.path.join(out, f"k{k}"), exist_ok=True)
+            scenario_np1(shards, os.path.join(out, f"k{k}"), steps, k)
+        sys.exit(0)
     os.makedirs(out, exist_ok=True)
-    {"core": scenario_core, "np1": scenario_np1, "nonfinite": scenario_nonfinite}[name](shards, out, steps, *extra)
+    {"core": scenario_core, "nonfinite": scenario_nonfinite}[name](shards, out, steps, *extra)
