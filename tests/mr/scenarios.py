@@ -256,26 +256,6 @@ def scenario_runs(spec_path):
             os._exit(code)
 
 
-def scenario_nonfinite(shards, out, steps):
-    """A NaN sample on rank 1 at step 2 with on_nonfinite=skip: no rank's parameters change in that step."""
-    cfg = load_config(None, [f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "data.batch_size=8",
-                             "model.name=mlp", "train.on_nonfinite=skip", "optim.schedule=constant"])
-    comm = comm_lib.init()
-    trainer = start_trainer(cfg, comm)
-    batches = iter(trainer.loader)
-    rec = {"rank": comm.rank, "backbone": [], "classifier": []}
-    for step in range(steps):
-        batch = next(batches)
-        if step == 2 and comm.rank == 1:
-            batch[0][0, 0] = float("nan")  # one bad sample on one rank only
-        trainer.train_step(step, iter([batch]))
-        rec["backbone"].append(param_digest(trainer.parts.backbone))
-        rec["classifier"].append(param_digest(trainer.parts.head))
-    rec["skipped_steps"] = trainer.parts.counters.skipped_steps
-    with open(os.path.join(out, f"rank-{comm.rank}.json"), "w") as f:
-        json.dump(rec, f)
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "runs":
         scenario_runs(sys.argv[2])
@@ -288,4 +268,4 @@ if __name__ == "__main__":
             scenario_np1(shards, os.path.join(out, f"k{k}"), steps, k)
         sys.exit(0)
     os.makedirs(out, exist_ok=True)
-    {"core": scenario_core, "nonfinite": scenario_nonfinite}[name](shards, out, steps, *extra)
+    {"core": scenario_core}[name](shards, out, steps, *extra)
