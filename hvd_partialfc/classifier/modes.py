@@ -18,7 +18,6 @@ file holds all C rows; else each holds its slice) and its terms in the memory an
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -86,9 +85,9 @@ class ClassifierMode:
         return 1.0
 
     # --- the estimator's terms (estimate.py) -----------------------------------------------------------
-    def estimate_width(self, classes: int, world_size: int) -> int:
-        """Classifier rows a rank holds."""
-        return math.ceil(classes / world_size)
+    def estimate_width(self, layout) -> int:
+        """Classifier rows the widest rank holds on ``layout`` (``data.layout.RankLayout``)."""
+        return max(layout.widths)
 
     def estimate_logit_rows(self, batch: int, world_size: int) -> int:
         """Rows of the logits a rank computes per step."""
@@ -199,8 +198,8 @@ class ReplicatedMode(ClassifierMode):
     def classifier_optimizer(self, head, cfg):
         return None
 
-    def estimate_width(self, classes, world_size):
-        return classes
+    def estimate_width(self, layout):
+        return layout.num_classes
 
     def estimate_terms(self, s):
         return {}, {"classifier gradient": s.classes * s.dim * (2 if s.fp16_compression else 4)}

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from ..classifier.modes import get_mode, list_modes
+from ..data.layout import RankLayout
 from ..classifier.negatives import negatives_share as negatives_share_rows
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -92,7 +93,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
     e = DTYPES[dtype]
-    width = m.estimate_width(classes, world_size)
+    width = m.estimate_width(RankLayout.even(classes, world_size))   # the widest rank's slice
     rows = m.estimate_logit_rows(batch, world_size)
     sampled = sample_rate < 1.0 and m.samples
     own = max(1, int(width * sample_rate)) if sampled else width     # this rank's columns scored per step
