@@ -243,7 +243,7 @@ def collective_bytes(args, c: Cell, bb_params: int, dim: int) -> Dict[str, float
     bytes per rank hands in s and gets back N x s ((N + 1) s). From `estimate.estimate`'s components, which
     count bytes handed in only: the negatives' centres are an all-gather of share x D x 4 every K steps;
     ``global``'s features and labels are all-gathers, its feature gradient and softmax statistics
-    allreduces. The share is what a real run shares (``modes.negatives_share``: negatives_share or W, capped
+    allreduces. The share is what a real run shares (``negatives.negatives_share``: negatives_share or W, capped
     at ceil(negatives_pool / N)), W = ceil(C / N)."""
     from hvd_partialfc.config import load_config
     from hvd_partialfc.tools.estimate import estimate

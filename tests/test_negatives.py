@@ -75,7 +75,7 @@ def test_negatives_config_is_checked():
     # on by default in local mode (docs/accuracy.md picks K and the share); the other modes do not use it
     cfg = load_config(None, ["data.shards=/x"])
     assert (cfg.head.negatives_every, cfg.head.negatives_share, cfg.head.negatives_pool) == (50, 1024, 8192)
-    from hvd_partialfc.classifier.modes import negatives_share
+    from hvd_partialfc.classifier.negatives import negatives_share
     # the share is capped at ceil(pool / N): 1,024 a rank up to N=8, then the pool divided (what a rank
     # receives stays ~8,192 rows), never more than the slice; pool 0: no cap; share 0: the whole slice
     assert [negatives_share(3095, n, 1024, 8192) for n in (2, 8, 64, 256)] == [1024, 1024, 128, 32]

@@ -24,7 +24,7 @@ import torch
 
 from .margins import LocalClassifier
 from .heads import GlobalSoftmaxHead, LocalHead, ReplicatedHead
-from .negatives import CrossShardNegativesHead, negatives_share
+from .negatives import CrossShardNegativesHead
 from .optimizers import classifier_group, make_optimizer
 
 _MODES: Dict[str, "ClassifierMode"] = {}
@@ -204,5 +204,3 @@ class ReplicatedMode(ClassifierMode):
     def estimate_terms(self, s):
         return {}, {"classifier gradient": s.classes * s.dim * (2 if s.fp16_compression else 4)}
 
-
-__all__ = ["ClassifierMode", "register_mode", "get_mode", "list_modes", "negatives_share"]

@@ -82,7 +82,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
 
     ``negatives_every`` = K > 0 (``local`` only): cross-shard negatives; the other ranks' shared centres
     ((N - 1) x share rows, share = ``negatives_share`` or the whole slice, at most ceil(``negatives_pool`` / N)
-    when the pool is > 0: ``modes.negatives_share``) are held as a buffer and are extra logit columns, and the
+    when the pool is > 0: ``negatives.negatives_share``) are held as a buffer and are extra logit columns, and the
     all-gather of this rank's share is amortised over K steps.
     """
     from types import SimpleNamespace
