@@ -218,3 +218,18 @@ def test_streaming_build_over_an_existing_set_keeps_it_on_a_crash(tmp_path, monk
     assert os.path.isdir(resumable_dir(out)) and not os.path.exists(out + ".old")
     build_streaming("recordio", src, opts(num_shards=3, overwrite=True))
     assert readable(out, 6) and read_manifest(out).num_shards == 3 and not os.path.exists(resumable_dir(out))
+
+
+def test_checkpointer_recovers_a_checkpoint_left_aside_by_a_crash(tmp_path):
+    """A crash between commit_folder's two renames leaves ``step-N.old`` and no ``step-N``: the next start
+    (``Checkpointer.prepare``) moves it back, and ``latest`` names a complete checkpoint again."""
+    from hvd_partialfc.engine.local import LocalComm
+    from hvd_partialfc.run.checkpoint import Checkpointer
+    from hvd_partialfc.run.checkpoint_files import find_resume
+    base = tmp_path / "run" / "checkpoints"
+    (base / "step-00000004.old").mkdir(parents=True)
+    (base / "step-00000004.old" / "meta.json").write_text("{}")
+    (base / "latest").write_text("step-00000004\n")
+    Checkpointer(str(tmp_path / "run"), 2, 2, LocalComm(), {}).prepare(4, log=lambda m: None)
+    assert sorted(os.listdir(base)) == ["latest", "step-00000004"]
+    assert find_resume(str(tmp_path / "run")).endswith("step-00000004")
