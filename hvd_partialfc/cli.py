@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from typing import List, Optional
@@ -54,18 +55,29 @@ def _expected_errors():
 
 def _train(args) -> int:
     cfg = _train_config(args)
-    from .engine import horovod as comm_lib
+    from .engine.heartbeat import Heartbeat
+    from .engine.select import start_engine
     from .run.startup import start_trainer
-    comm = comm_lib.init()
+    from .config import ConfigError
+    try:
+        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device)
+    except ConfigError as e:   # before any work: the engine does not fit the launcher, or is not installed
+        print(f"hvd-partialfc train: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
+        if heartbeat:
+            heartbeat.stop()
         if not isinstance(e, _expected_errors()):
             traceback.print_exc()
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
+    if heartbeat:
+        heartbeat.stop()
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
@@ -206,7 +218,7 @@ def _train_arguments(t) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="train under horovodrun / mpirun (or alone, as one rank)")
+    t = sub.add_parser("train", help="train under torchrun, horovodrun or mpirun (or alone, as one rank; train.engine, docs/engines.md)")
     _train_arguments(t)
     t.set_defaults(fn=_train)
     m = sub.add_parser("simulate", help="train as N virtual ranks in one process, with a real N-rank run's "

@@ -106,6 +106,10 @@ class TrainConfig:
     # skip, or one rank's non-finite classifier gradient); 0: never stop
     max_consecutive_skips: int = 50
     tensorboard: bool = False   # also write metrics.jsonl's scalars as TensorBoard events in OUT/tensorboard
+    engine: str = "auto"        # auto (torch under torchrun, else horovod) | horovod | torch (docs/engines.md)
+    # a rank that hears nothing from its ring neighbour for this many seconds (a cut link, a lost node)
+    # ends the job naming it, instead of waiting in a collective for Gloo's 30 minutes; 0: off
+    heartbeat_timeout: float = 20.0
 
 
 @dataclass
@@ -140,6 +144,7 @@ class Config:
         choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
                    ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
                    ("train", "on_nonfinite"): ("stop", "skip"),
+                   ("train", "engine"): ("auto", "horovod", "torch"),
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("optim", "classifier_grad_mean"): ("global", "local")}
         for (sec, key), allowed in choices.items():
@@ -162,6 +167,8 @@ class Config:
                               "forward would repeat every layer's collective; choose one")
         if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
+        if self.train.heartbeat_timeout < 0:
+            raise ConfigError("train.heartbeat_timeout must be >= 0 (0: off)")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
         return self

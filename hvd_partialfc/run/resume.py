@@ -21,7 +21,8 @@ from ..seeds import RESHARD_RESEED, derive_seed
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
                     "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
-                    "model.checkpoint_activations", "train.tensorboard")
+                    "model.checkpoint_activations", "train.tensorboard", "train.engine",
+                    "train.heartbeat_timeout")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")

@@ -1,0 +1,70 @@
+"""Which engine a training process uses (``train.engine``): ``auto``, ``horovod`` or ``torch``. Not a collective.
+
+``auto`` follows the launcher, read from the environment it sets:
+
+=================  =======================================================================  =========
+launcher           variables                                                                 engine
+=================  =======================================================================  =========
+torchrun           ``TORCHELASTIC_RUN_ID`` (any ``TORCHELASTIC_*``), or ``RANK``,            torch
+                   ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` together
+horovodrun         ``HOROVOD_RANK`` / ``HOROVOD_SIZE`` (its Gloo mode)                       horovod
+mpirun, srun+PMI   ``OMPI_COMM_WORLD_RANK``, ``PMI_RANK``, ``PMIX_RANK``                     horovod
+none (one process) nothing of the above                                                     horovod if installed, else torch
+=================  =======================================================================  =========
+
+An explicit choice that does not fit the launcher (``torch`` under horovodrun/mpirun, ``horovod`` under
+torchrun) is a ``ConfigError`` before any work: each engine would start a world of its own and train
+alone. Alone, both engines run a world of one. The key is resume-free: checkpoints are the same files.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Mapping
+
+from ..config import ConfigError
+
+ENGINES = ("auto", "horovod", "torch")
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+_MPI = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def detect_launcher(env: Mapping[str, str]) -> str:
+    """``torchrun``, ``horovodrun``, ``mpirun`` or ``alone``, from a process's environment."""
+    if any(k.startswith("TORCHELASTIC_") for k in env) or all(k in env for k in _TORCHRUN):
+        return "torchrun"
+    if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
+        return "horovodrun"
+    if any(k in env for k in _MPI):
+        return "mpirun"
+    return "alone"
+
+
+def horovod_installed() -> bool:
+    return importlib.util.find_spec("horovod") is not None
+
+
+def choose_engine(want: str, env: Mapping[str, str]) -> str:
+    """The engine (``horovod`` or ``torch``) for ``train.engine=want`` under the launcher of ``env``."""
+    if want not in ENGINES:
+        raise ConfigError(f"train.engine must be one of {', '.join(ENGINES)} (got {want!r})")
+    launcher = detect_launcher(env)
+    fits = {"torchrun": "torch", "horovodrun": "horovod", "mpirun": "horovod"}.get(launcher)
+    if want == "auto":
+        want = fits or ("horovod" if horovod_installed() else "torch")
+    elif fits and want != fits:
+        raise ConfigError(f"train.engine={want} does not fit the launcher ({launcher} starts {fits} "
+                          f"ranks): use train.engine={fits} or auto, or launch with "
+                          f"{'torchrun' if want == 'torch' else 'horovodrun / mpirun'}")
+    if want == "horovod" and not horovod_installed():
+        raise ConfigError("train.engine=horovod: Horovod is not installed (pip install .[horovod], or "
+                          "launch/install.sh without --no-horovod); the torch engine needs none (torchrun)")
+    return want
+
+
+def start_engine(want: str, env: Mapping[str, str], device: str = "auto"):
+    """Choose (``choose_engine``) and start the engine; its ``Comm``. A collective across the launched ranks."""
+    if choose_engine(want, env) == "torch":
+        from . import torchdist
+        return torchdist.init(device)
+    from . import horovod
+    return horovod.init()

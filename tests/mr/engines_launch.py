@@ -1,0 +1,80 @@
+"""tests/test_engines.py's work under ONE launch of either launcher (``horovodrun`` or ``torchrun``): the
+engine is started once (``train.engine=auto`` picks it from the launcher), then each item runs in its own
+folder ``OUT/<name>``:
+
+* ``{"train": NAME, "args": [...], "expect_error": bool}``: ``hvd-partialfc train ARGS`` (``cli.main``). It
+  writes ``OUT/NAME/rank-<r>.log`` (what it printed) and ``rank-<r>.result.json`` (exit code, wall time);
+* ``{"scenario": "mismatch"}``: rank 1 calls a collective under another name than rank 0's; with
+  ``HVD_PARTIALFC_CHECK_COLLECTIVES=1`` every rank must raise RankFailure naming both (torch engine only:
+  Horovod matches by name and would wait). Writes ``rank-<r>.log``.
+
+    python engines_launch.py SPEC.json      # SPEC: {"out": ..., "items": [...]}
+
+An item that ends other than expected ends the process at once (non-zero), so later items leave nothing;
+one that ends as expected leaves ``OUT/NAME/done-rank-<r>``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from hvd_partialfc import cli  # noqa: E402
+from hvd_partialfc.engine.base import RankFailure  # noqa: E402
+from hvd_partialfc.engine.select import start_engine  # noqa: E402
+
+
+def _train(args, out, rank):
+    t0 = time.monotonic()
+    with open(os.path.join(out, f"rank-{rank}.log"), "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            code = cli.main(["train", *args])
+        except BaseException:  # noqa: BLE001 (what the console script would print on its way out)
+            traceback.print_exc()
+            code = 1
+    with open(os.path.join(out, f"rank-{rank}.result.json"), "w") as f:
+        json.dump({"code": code, "seconds": time.monotonic() - t0}, f)
+    return code
+
+
+def _mismatch(comm, out):
+    """Rank 1 takes another code path: its collective's name differs from rank 0's."""
+    with open(os.path.join(out, f"rank-{comm.rank}.log"), "w") as log:
+        try:
+            comm.allreduce_scalar(1.0, "sum", name="path.a" if comm.rank == 0 else "path.b")
+            log.write("no error\n")
+            return False
+        except RankFailure as e:
+            log.write(f"RankFailure: {e}\n")
+            return True
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    comm = start_engine("auto", os.environ)
+    type(comm).shutdown = lambda self: None          # the next item uses the same engine
+    for item in spec["items"]:
+        name = item.get("scenario") or item["train"]
+        out = os.path.join(spec["out"], name)
+        os.makedirs(out, exist_ok=True)
+        try:
+            if "scenario" in item:
+                if not _mismatch(comm, out):
+                    raise RuntimeError("the collective names differed and nothing was raised")
+            elif (_train(item["args"], out, comm.rank) != 0) != bool(item.get("expect_error")):
+                raise RuntimeError(f"train exited other than expected (see {out}/rank-{comm.rank}.log)")
+        except Exception as e:  # noqa: BLE001
+            print(f"[rank {comm.rank}] {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
+        open(os.path.join(out, f"done-rank-{comm.rank}"), "w").close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,132 @@
+"""The two engines give the same numbers: ``horovodrun -np 2`` (Horovod) and ``torchrun --nproc-per-node 2``
+(torch.distributed) train bitwise-identical backbones, classifiers, optimizer states and random streams,
+and a checkpoint written under one resumes under the other, bitwise. Plus what only the torch engine has:
+choosing the engine from the launcher, and the debug check of collective names.
+
+The shared set (one launch per launcher, ``tests/mr/engines_launch.py``): 50 steps of each classifier mode
+(``local`` with cross-shard negatives, sampled ``local``, sampled ``global``, ``replicated``) and of a mixed
+run (fp16 autocast with loss scaling, fp16 gradient compression, sync BatchNorm, two backward passes a step,
+clipping, AdamW, flip augmentation), digested with tests/pins.py's own hash (not the package's).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from conftest import HOROVODRUN, MR, ROOT, launch_env, run_job
+import pins
+
+pytestmark = pytest.mark.multirank
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+STEPS, HALF = 50, 25
+CASES = {name: pins.CASES[name] for name in ("local_negatives", "local_sampled", "global_sampled", "replicated")}
+CASES["mixed_fp16_compression"] = {"data": "images", "sets": pins.CASES["mixed"]["sets"] + ["optim.fp16_compression=true"]}
+
+
+def launcher(name: str, np_: int = 2):
+    """The launch command of ``name`` (horovodrun with Gloo, or torchrun on this host) for ``np_`` ranks."""
+    if name == "horovodrun":
+        return [HOROVODRUN, "-np", str(np_), "--gloo", sys.executable]
+    return [TORCHRUN, "--nproc-per-node", str(np_), "--standalone"]
+
+
+def engine_env(fault=None):
+    """``launch_env`` with the collective-name check on (as every torch-engine test runs)."""
+    e = launch_env(fault)
+    e["HVD_PARTIALFC_CHECK_COLLECTIVES"] = "1"
+    return e
+
+
+def train_args(case, out, steps=STEPS, resume=""):
+    args = ["--shards", os.path.join(pins.FIXTURES, "data", case["data"]), "--out", str(out), "--steps", str(steps)]
+    for s in case["sets"] + [f"checkpoint.every={HALF}", "checkpoint.keep=3"]:
+        args += ["--set", s]
+    return args + (["--resume", str(resume)] if resume else [])
+
+
+def launch_items(which, out, items, timeout=400):
+    spec = out / "spec.json"
+    out.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"out": str(out), "items": items}))
+    t0 = time.time()
+    p = run_job(launcher(which) + [os.path.join(MR, "engines_launch.py"), str(spec)], engine_env(), timeout)
+    assert p.returncode == 0, f"{which} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return time.time() - t0
+
+
+def ckpt(out, name, step=STEPS):
+    return out / name / "run" / "checkpoints" / f"step-{step:08d}"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Both launches of the shared set, then the resumes across engines (Horovod -> torch in the torch
+    launch, torch -> Horovod in a third, short one)."""
+    base = tmp_path_factory.mktemp("engines")
+    hvd, tor, back = base / "horovod", base / "torch", base / "back"
+    items = [{"train": n, "args": train_args(c, hvd / n / "run")} for n, c in CASES.items()]
+    seconds = {"horovodrun": launch_items("horovodrun", hvd, items)}
+    items = [{"train": n, "args": train_args(c, tor / n / "run")} for n, c in CASES.items()]
+    items.append({"train": "from_horovod", "args": train_args(
+        CASES["local_negatives"], tor / "from_horovod" / "run", resume=ckpt(hvd, "local_negatives", HALF))})
+    items.append({"scenario": "mismatch"})
+    seconds["torchrun"] = launch_items("torchrun", tor, items)
+    launch_items("horovodrun", back, [{"train": "from_torch", "args": train_args(
+        CASES["mixed_fp16_compression"], back / "from_torch" / "run", resume=ckpt(tor, "mixed_fp16_compression", HALF))}])
+    print(f"shared set: horovodrun {seconds['horovodrun']:.1f} s, torchrun {seconds['torchrun']:.1f} s")
+    return hvd, tor, back
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_both_engines_give_the_same_bits(shared, case):
+    hvd, tor, _ = shared
+    for step in (HALF, STEPS):
+        a, b = pins.checkpoint_digests(str(ckpt(hvd, case, step))), pins.checkpoint_digests(str(ckpt(tor, case, step)))
+        assert set(a) == set(b) and len(a) == 8
+        assert a == b, {k: (a[k][:12], b[k][:12]) for k in a if a[k] != b[k]}
+
+
+def test_checkpoints_resume_across_engines_bitwise(shared):
+    hvd, tor, back = shared
+    for resumed, whole in ((ckpt(tor, "from_horovod"), ckpt(hvd, "local_negatives")),
+                           (ckpt(back, "from_torch"), ckpt(tor, "mixed_fp16_compression"))):
+        assert pins.checkpoint_digests(str(resumed)) == pins.checkpoint_digests(str(whole))
+    log = (tor / "from_horovod" / "rank-0.log").read_text()
+    assert f"at step {HALF}" in log
+
+
+def test_collectives_that_differ_across_ranks_fail_loudly(shared):
+    _, tor, _ = shared
+    for r in range(2):
+        text = (tor / "mismatch" / f"rank-{r}.log").read_text()
+        assert "RankFailure: collective #" in text and "rank 0: scalar.path.a, rank 1: scalar.path.b" in text
+
+
+def test_engine_follows_the_launcher_and_refuses_a_mismatch():
+    from hvd_partialfc.config import ConfigError
+    from hvd_partialfc.engine.select import choose_engine, detect_launcher
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "x"}
+    assert detect_launcher(torchrun) == "torchrun" and choose_engine("auto", torchrun) == "torch"
+    assert choose_engine("auto", {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}) == "horovod"
+    assert choose_engine("auto", {"OMPI_COMM_WORLD_RANK": "0"}) == "horovod"
+    assert choose_engine("auto", {}) == "horovod"              # alone, Horovod installed here
+    assert choose_engine("torch", {}) == "torch"                # alone: a world of one under either engine
+    with pytest.raises(ConfigError, match="does not fit the launcher"):
+        choose_engine("horovod", torchrun)
+    with pytest.raises(ConfigError, match="does not fit the launcher"):
+        choose_engine("torch", {"OMPI_COMM_WORLD_RANK": "0"})
+
+
+def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(tmp_path):
+    """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work (the
+    traceback left is torchrun's own, reporting failed workers)."""
+    args = train_args(CASES["local_negatives"], tmp_path / "run") + ["--set", "train.engine=horovod"]
+    p = run_job(launcher("torchrun") + ["-m", "hvd_partialfc.cli", "train", *args], engine_env(), 120)
+    assert p.returncode != 0
+    assert p.stderr.count("hvd-partialfc train: error: train.engine=horovod does not fit the launcher") == 2
+    assert 'hvd_partialfc/' not in "".join(l for l in p.stderr.splitlines() if 'File "' in l)  # no traceback of ours
+    assert not (tmp_path / "run").exists()
