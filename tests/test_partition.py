@@ -56,8 +56,12 @@ def test_group_slices_blocks_of_shards():
     ranks = group_slices(shards, 2)
     check_partition(ranks, 100)
     assert ranks[0] == LabelSlice(0, 0, shards[3].end)
-    with pytest.raises(ValueError, match="not a multiple of the world size 3"):
+    # 8 shards on 3 ranks: blocks balanced by samples, so the counts are needed; 9 ranks: more than shards
+    with pytest.raises(ValueError, match="sample counts, which were not given"):
         group_slices(shards, 3)
+    check_partition(group_slices(shards, 3, [1] * 8), 100)
+    with pytest.raises(ValueError, match="maximum world size is 8"):
+        group_slices(shards, 9, [1] * 8)
 
 
 def test_check_partition_rejects_gaps_and_overlaps():

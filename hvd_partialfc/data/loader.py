@@ -41,11 +41,15 @@ class RankShardDataset:
 
     def __init__(self, shard_dir: str, rank: int, world_size: int, manifest: Optional[Manifest] = None,
                  layout=None):
-        """``layout``: the run's ``layout.RankLayout`` (computed from ``manifest`` and ``world_size`` if not given)."""
+        """``layout``: the run's ``layout.RankLayout`` (computed from ``manifest`` and ``world_size`` if not
+        given); the shards and the slice are rank ``rank``'s in it, so blocks of unequal size need nothing
+        here. A layout of another world size is refused (it would read another rank's shards)."""
         self.shard_dir = shard_dir
         self.manifest = manifest or read_manifest(shard_dir)
         self.rank = rank
         layout = layout or rank_layout(self.manifest, world_size)
+        if layout.world_size != world_size or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} of {world_size}: the layout is for {layout.world_size} ranks")
         indices, self.label_slice = layout.shard_blocks[rank], layout.slices[rank]
         self.files = [os.path.join(shard_dir, self.manifest.shards[i].file) for i in indices]
         self.kind = self.manifest.kind

@@ -7,8 +7,9 @@ cover ``[0, num_classes)``. (The range math of InsightFace's ``partial_fc_v2`` p
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -78,26 +79,109 @@ def imbalance(sizes: Sequence[int]) -> float:
     return max(sizes) / mean if mean else float("inf")
 
 
-def group_slices(shard_slices: Sequence[LabelSlice], world_size: int) -> List[LabelSlice]:
-    """Merge consecutive shard slices into one slice per rank: rank r takes shards [r*k, (r+1)*k).
+def group_slices(shard_slices: Sequence[LabelSlice], world_size: int,
+                 shard_samples: Optional[Sequence[int]] = None) -> List[LabelSlice]:
+    """One slice per rank: the shards of each block of ``block_bounds`` merged (``merge_blocks``)."""
+    return merge_blocks(shard_slices, block_bounds(len(shard_slices), world_size, shard_samples))
 
-    A shard set of S shards runs on N ranks when S is a multiple of N; each rank's block of shards is
-    still one contiguous label range because the shards themselves are.
-    """
-    num_shards = len(shard_slices)
-    if world_size < 1 or num_shards % world_size:
-        raise ValueError(
-            f"the shard set has {num_shards} shards, which is not a multiple of the world size {world_size}; "
-            f"run on a divisor of {num_shards} ranks or rebuild the shards with --num-shards a multiple of {world_size}")
-    per_rank = num_shards // world_size
+
+def merge_blocks(shard_slices: Sequence[LabelSlice], bounds: Sequence[int]) -> List[LabelSlice]:
+    """Slice r: shards [bounds[r], bounds[r+1]) merged. Each block is still one contiguous label range
+    because the shards themselves are (checked: ValueError naming the two shards otherwise)."""
     out = []
-    for r in range(world_size):
-        block = shard_slices[r * per_rank:(r + 1) * per_rank]
+    for r in range(len(bounds) - 1):
+        block = shard_slices[bounds[r]:bounds[r + 1]]
         for a, b in zip(block, block[1:]):
             if a.end != b.start:
                 raise ValueError(f"shards {a.index} and {b.index} are not contiguous ({a.end} != {b.start})")
         out.append(LabelSlice(r, block[0].start, block[-1].end))
     return out
+
+
+def block_bounds(num_shards: int, world_size: int, shard_samples: Optional[Sequence[int]] = None) -> List[int]:
+    """Where each rank's block of consecutive shards starts: rank r reads shards [bounds[r], bounds[r+1]).
+
+    * N divides S: k = S / N shards a rank, whatever the sample counts. These are the blocks of every run
+      before uneven blocks existed, so their checkpoints resume, same size, bit for bit.
+    * Otherwise (an elastic restart: 64 shards on 24 ranks): blocks of >= 1 shards balanced by samples
+      (``shard_samples``, required then), see ``_balanced_bounds``.
+    * N > S: ValueError. A shard is never split between ranks: it holds a contiguous label range whose
+      rows one rank owns, and the loader reads whole shards.
+    """
+    if world_size < 1:
+        raise ValueError(f"the world size must be >= 1, got {world_size}")
+    if world_size > num_shards:
+        raise ValueError(
+            f"the shard set has {num_shards} shards, so the maximum world size is {num_shards}, not {world_size}: "
+            f"every rank reads at least one whole shard (a shard's labels belong to one rank); run on at most "
+            f"{num_shards} ranks or rebuild the shards with --num-shards >= {world_size}")
+    if num_shards % world_size == 0:
+        k = num_shards // world_size
+        return [r * k for r in range(world_size + 1)]
+    if shard_samples is None:
+        raise ValueError(f"{num_shards} shards on {world_size} ranks (not a divisor) are balanced by the "
+                         f"shards' sample counts, which were not given")
+    if len(shard_samples) != num_shards or any(c < 0 for c in shard_samples):
+        raise ValueError(f"need {num_shards} non-negative shard sample counts, got {list(shard_samples)}")
+    return _balanced_bounds(list(shard_samples), world_size)
+
+
+def _balanced_bounds(sizes: List[int], parts: int) -> List[int]:
+    """Contiguous blocks (>= 1 shard each) whose largest sample count is the least possible (M*).
+
+    M* is found by binary search: a cap M is feasible iff a greedy left-to-right packing needs <= ``parts``
+    blocks (more blocks can always be had by splitting, as parts <= len(sizes)). Many partitions reach M*;
+    the rule picks one that also spreads the slack: boundary j goes, among the positions that keep every
+    block <= M* and leave each later rank a shard, to the one whose prefix sum is nearest to j/N of the
+    total (exact integer comparison; a tie goes to the lower index). So 64 equal shards on 24 ranks give
+    blocks of 3 and 2 shards interleaved, not twenty 3s and four 1s. O(S log(total)), deterministic.
+    """
+    prefix = [0]
+    for c in sizes:
+        prefix.append(prefix[-1] + c)
+    total, n = prefix[-1], len(sizes)
+    lo, hi = max(sizes), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _greedy_blocks(sizes, mid) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    cap = lo
+    # earliest[m]: the leftmost start from which the rest fits in m blocks <= cap (greedy from the right)
+    earliest, end = [n], n
+    while end > 0 and len(earliest) <= parts:
+        start = end - 1
+        while start > 0 and prefix[end] - prefix[start - 1] <= cap:
+            start -= 1
+        earliest.append(start)
+        end = start
+    earliest += [0] * (parts + 1 - len(earliest))
+    bounds = [0]
+    for j in range(1, parts):
+        left = parts - j                          # blocks still to place after boundary j
+        a = max(bounds[-1] + 1, earliest[left])
+        b = min(bisect.bisect_right(prefix, prefix[bounds[-1]] + cap) - 1, n - left)
+        bounds.append(_nearest(prefix, a, b, j * total, parts))
+    bounds.append(n)
+    return bounds
+
+
+def _greedy_blocks(sizes: Sequence[int], cap: int) -> int:
+    """Blocks a greedy left-to-right packing with at most ``cap`` samples a block needs."""
+    blocks, run = 1, 0
+    for c in sizes:
+        if run + c > cap:
+            blocks, run = blocks + 1, 0
+        run += c
+    return blocks
+
+
+def _nearest(prefix: Sequence[int], a: int, b: int, num: int, den: int) -> int:
+    """The index i in [a, b] whose prefix[i] is nearest to num / den; a tie goes to the lower index."""
+    i = bisect.bisect_left(prefix, -(-num // den), a, b + 1)   # first prefix >= num / den (integers)
+    best = min((k for k in (i - 1, i) if a <= k <= b), key=lambda k: (abs(den * prefix[k] - num), k))
+    return bisect.bisect_left(prefix, prefix[best], a, best + 1)   # the lowest index with that prefix
 
 
 def check_partition(slices: Sequence[LabelSlice], num_classes: int) -> None:

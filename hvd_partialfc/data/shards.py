@@ -259,7 +259,8 @@ def read_shard_labels(path: str, rank: Optional[int] = None) -> np.ndarray:
 
 
 def rank_layout(manifest: Manifest, world_size: int):
-    """The shard set's ``layout.RankLayout`` on ``world_size`` ranks; ShardError when it does not fit."""
+    """The shard set's ``layout.RankLayout`` on ``world_size`` ranks (any 1 <= N <= S; uneven blocks are
+    balanced by the manifest's per-shard ``num_samples``); ShardError when it does not fit."""
     try:
         return RankLayout.from_manifest(manifest, world_size)
     except ValueError as e:

@@ -216,9 +216,10 @@ def load(path: str, state: TrainingState) -> Dict[str, Any]:
     """Restore the backbone, this rank's classifier rows, the optimizer states, RNG and counters from the
     checkpoint folder ``path``; returns its meta.json. Not a collective.
 
-    Same world size: each rank reads its own file (bitwise resume). Another world size (re-sharding, when
-    the shard count allows it): each rank cuts its new slice's rows and their optimizer state out of the
-    old files; RNG streams cannot be mapped and are re-seeded by the caller (``rng`` is then None).
+    Same world size: each rank reads its own file (bitwise resume). Another world size (re-sharding, any
+    N up to the shard count, blocks of unequal size included): each rank cuts its new slice's rows and their
+    optimizer state out of the old files, wherever the old and new boundaries fall; RNG streams cannot be
+    mapped and are re-seeded by the caller (``rng`` is then None).
     """
     meta = read_meta(path)
     if len(set(meta["digests"])) != 1:
@@ -228,7 +229,10 @@ def load(path: str, state: TrainingState) -> Dict[str, Any]:
     state.backbone.load_state_dict(bb["state_dict"])
     state.backbone_opt.load_state_dict(bb["optimizer"])
     start, end = state.label_slice
-    same_size = meta["world_size"] == state.world_size
+    # the same slices, not only the same size: at a world size that does not divide the shard count, a
+    # shard set with other sample counts (checkpoint.allow_other_data) balances other blocks
+    same_size = meta["world_size"] == state.world_size and \
+        [list(s) for s in meta["slices"]] == [list(s) for s in state.slices]
     if same_size:
         name = os.path.join(path, classifier_file(state.rank, state.world_size))
         mine = load_file(name, "classifier checkpoint")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -56,22 +56,57 @@ def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end:
             "optimizer": {"state": {0: state} if state else {}, "param_groups": groups or []}}
 
 
-def reshard_checkpoint(src: str, out: str, world_size: int) -> str:
+def reshard_slices(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_dir: Optional[str] = None):
+    """The label slices of ``world_size`` ranks on the checkpoint's shard set: the slices the resumed run
+    computes (``RankLayout.from_shards``), so its ranks find their own rows in the re-sharded files.
+
+    A divisor of the shard count needs no sample counts (equal blocks). Any other world size balances
+    blocks by samples: meta.json records them since 2026-12-03 (``shard_samples``); for older checkpoints
+    they come from the shard set's manifest (``shard_dir``, else the run's ``data.shards``), taken when its
+    shards' label ranges are the checkpoint's (as resume requires).
+    """
+    from ..data.layout import RankLayout
+    from ..data.partition import LabelSlice
+    shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
+    counts = None
+    if 1 <= world_size <= len(shard_slices) and len(shard_slices) % world_size:
+        counts = meta.get("shard_samples") or _shard_samples(
+            ckpt_dir, meta, world_size, shard_dir or meta.get("config", {}).get("data", {}).get("shards"))
+    try:
+        return RankLayout.from_shards(shard_slices, world_size, counts).slices
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt_dir}: cannot re-shard to {world_size} ranks: {e}") from None
+
+
+def _shard_samples(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_dir: Optional[str]) -> List[int]:
+    """Every shard's sample count, from the manifest of ``shard_dir`` when it is the checkpoint's shard set."""
+    from ..data.shards import ShardError, read_manifest
+    why = f"{len(meta['shard_slices'])} shards on {world_size} ranks (not a divisor) are balanced by their " \
+          f"sample counts, which {ckpt_dir}/meta.json does not record"
+    try:
+        manifest = read_manifest(shard_dir) if shard_dir else None
+    except ShardError as e:
+        raise CheckpointError(f"{why}; the run's shard set cannot be read: {e}") from None
+    if manifest is None:
+        raise CheckpointError(f"{why}, and no shard set was given")
+    if [[s.start, s.end] for s in manifest.shard_slices()] != [list(s) for s in meta["shard_slices"]]:
+        raise CheckpointError(f"{why}; {shard_dir} has other shards' label ranges than the checkpoint")
+    return [s.num_samples for s in manifest.shards]
+
+
+def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[str] = None) -> str:
     """Write a copy of checkpoint ``src`` for ``world_size`` ranks (``hvd-partialfc reshard``).
 
     The backbone is copied; classifier rows and their optimizer state are redistributed to the label
-    slices that the shard set gives ``world_size`` ranks (from the shard ranges recorded in meta.json);
-    in ``replicated`` mode every rank's file holds the full classifier (its optimizer state is the
-    backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded from
-    the run's seed, its rank and the step).
+    slices that the shard set gives ``world_size`` ranks (``reshard_slices``: any world size up to the
+    shard count); in ``replicated`` mode every rank's file holds the full classifier (its optimizer state
+    is the backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded
+    from the run's seed, its rank and the step).
     """
-    from ..data.layout import RankLayout
     from ..classifier.modes import get_mode
-    from ..data.partition import LabelSlice
     src = resolve_checkpoint(src)
     meta = read_meta(src)
-    shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
-    slices = RankLayout.from_shards(shard_slices, world_size).slices
+    slices = reshard_slices(src, meta, world_size, shard_dir)
     replicated = meta.get("replicated") or get_mode(meta.get("config", {}).get("head", {}).get("mode", "local")).replicated_rows
     if os.path.exists(out):
         raise FileExistsError(f"{out} already exists")

@@ -125,6 +125,7 @@ def start_trainer(cfg, comm) -> Trainer:
     m = data.manifest
     run_info = {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
                 "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
+                "shard_samples": [s.num_samples for s in m.shards],   # re-sharding balances blocks by them
                 "manifest_sha256": data.identity.manifest_sha256, "data_sha256": data.identity.data_sha256,
                 "config": cfg.to_dict()}
     checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
