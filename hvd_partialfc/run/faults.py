@@ -5,6 +5,8 @@ ranks). STEP counts completed optimizer steps. Kinds:
 
 * ``raise``            raise an exception before step STEP+1 (a crash in Python code on that rank);
 * ``kill``             SIGKILL the rank's own process before step STEP+1 (a lost node, an OOM kill);
+* ``stall``            the main thread sleeps ``HVD_PARTIALFC_STALL_SECONDS`` (default 30) before step STEP+1
+                       (a long evaluation or checkpoint write: the other ranks wait in a collective);
 * ``pause-after-ckpt`` sleep forever right after the checkpoint of step STEP is complete;
 * ``pause-in-ckpt``    sleep forever in the middle of writing the checkpoint of step STEP (rank files
                        written, ``meta.json`` not yet, ``latest`` not moved): a kill then must leave the
@@ -20,7 +22,7 @@ import time
 from typing import List, Optional, Tuple
 
 ENV = "HVD_PARTIALFC_FAULT"
-KINDS = ("raise", "kill", "pause-after-ckpt", "pause-in-ckpt")
+KINDS = ("raise", "kill", "stall", "pause-after-ckpt", "pause-in-ckpt")
 
 
 class InjectedFault(RuntimeError):
@@ -51,6 +53,8 @@ def before_step(step: int, rank: int) -> None:
         raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
     if active("kill", step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+    if active("stall", step, rank):
+        time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
 
 
 def pause(kind: str, step: int, rank: int) -> None:
