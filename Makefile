@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 # Re-run the installer when its inputs change; it skips what is already there.
 $(STAMP): launch/install.sh setup.cfg pyproject.toml
-	bash launch/install.sh
+	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash launch/install.sh
 	touch $(STAMP)
 
 install: $(STAMP)

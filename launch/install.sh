@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything hvd_partialfc needs, on a fresh Debian machine or a CI clone.
 #
-#   launch/install.sh            # Debian MPI packages, .venv, torch, deps, Horovod, the package (editable)
-#   launch/install.sh --fonts    # also the Debian CJK font packages used by the `fonts` data set
+#   launch/install.sh               # both engines: Debian Open MPI + cmake (for the Horovod build), .venv, torch,
+#                                   # deps, Horovod (built once, cached), the package (editable)
+#   launch/install.sh --no-horovod  # the torch.distributed engine only (torchrun): .venv, torch, deps, the package
+#                                   # (editable); no Open MPI/cmake packages, no Horovod build. The torch engine
+#                                   # needs no Horovod. An already installed Horovod is left in place.
+#   launch/install.sh --fonts       # also the Debian CJK font packages used by the `fonts` data set (combines
+#                                   # with --no-horovod)
+#
+# The venv is $HVD_PARTIALFC_VENV (default .venv in the repository root, the Makefile's VENV).
 #
 # Why Horovod is built by hand: Horovod 0.28.1 (its last release) sets CMAKE_CXX_STANDARD 14 in its root and
 # horovod/torch CMakeLists.txt, and torch >= 2.1 headers need C++17. We fetch the sdist, patch 14 -> 17, and
@@ -21,10 +28,12 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
 WITH_FONTS=0
+WITH_HOROVOD=1
 for arg in "$@"; do
   case "$arg" in
     --fonts) WITH_FONTS=1 ;;
-    *) echo "install.sh: unknown option $arg (known: --fonts)" >&2; exit 2 ;;
+    --no-horovod) WITH_HOROVOD=0 ;;
+    *) echo "install.sh: unknown option $arg (known: --fonts, --no-horovod)" >&2; exit 2 ;;
   esac
 done
 
@@ -61,10 +70,13 @@ apt_install() {
 }
 
 if command -v apt-get >/dev/null; then
-  apt_install openmpi-bin libopenmpi-dev cmake
-  [ "$WITH_FONTS" = 1 ] && apt_install $FONT_PACKAGES
-else
+  # Open MPI and cmake serve only Horovod: its build (cmake, mpicc) and its MPI controller (mpirun).
+  if [ "$WITH_HOROVOD" = 1 ]; then apt_install openmpi-bin libopenmpi-dev cmake; fi
+  if [ "$WITH_FONTS" = 1 ]; then apt_install $FONT_PACKAGES; fi
+elif [ "$WITH_HOROVOD" = 1 ]; then
   log "no apt-get: install MPI (optional), cmake >= 3.13 and the fonts yourself"
+else
+  log "no apt-get: install the fonts yourself"
 fi
 
 # --- venv and Python packages -------------------------------------------------------------------
@@ -74,16 +86,17 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 PIP="$PY -m pip --disable-pip-version-check -q"
+# Each group below is checked on its own; whatever is missing is installed by ONE pip call at the end of
+# this section (one resolve and one pip start-up instead of four).
+PIP_PKGS=()
 if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  log "pip install torch==$TORCH_VERSION"
-  $PIP install "torch==$TORCH_VERSION"
+  PIP_PKGS+=("torch==$TORCH_VERSION")
 fi
 if ! "$PY" -c "import numpy, h5py, PIL, tqdm, yaml, pytest, fontTools, matplotlib, cloudpickle, psutil" 2>/dev/null; then
-  log "pip install numpy h5py Pillow tqdm PyYAML pytest fonttools matplotlib"
   # cloudpickle and psutil are horovodrun's own run-time needs; we list them so the Horovod wheel
   # can be installed without touching the index again (--no-deps below).
-  $PIP install numpy h5py Pillow tqdm PyYAML pytest pytest-timeout fonttools matplotlib \
-    cloudpickle psutil pyyaml packaging
+  PIP_PKGS+=(numpy h5py Pillow tqdm PyYAML pytest pytest-timeout fonttools matplotlib \
+    cloudpickle psutil pyyaml packaging)
 fi
 
 # ONNX export (`hvd-partialfc export --onnx`, docs/faces.md) and its tests: torch's exporter needs onnx and
@@ -92,19 +105,24 @@ fi
 ONNX_PACKAGES="onnx==1.23.1 onnxscript==0.7.2 onnx-ir==1.1.0 onnxruntime==1.30.0 protobuf==7.36.2 \
 ml_dtypes==0.6.0 flatbuffers==25.12.19"
 if ! "$PY" -c "import onnx, onnxscript, onnxruntime, sys; sys.exit((onnx.__version__, onnxruntime.__version__, onnxscript.__version__) != ('1.23.1', '1.30.0', '0.7.2'))" 2>/dev/null; then
-  log "pip install $ONNX_PACKAGES"
-  $PIP install $ONNX_PACKAGES
+  PIP_PKGS+=($ONNX_PACKAGES)
 fi
 
 # TensorBoard (train.tensorboard; also the extra `hvd_partialfc[tensorboard]`): optional for users, installed
 # here so its tests run. absl-py is the one dependency the event writer and reader import beyond ours.
 TENSORBOARD_VERSION="2.21.0"
 if ! "$PY" -c "import tensorboard, sys; sys.exit(tensorboard.__version__ != '$TENSORBOARD_VERSION')" 2>/dev/null; then
-  log "pip install tensorboard==$TENSORBOARD_VERSION"
-  $PIP install "tensorboard==$TENSORBOARD_VERSION" "absl-py==2.5.1"
+  PIP_PKGS+=("tensorboard==$TENSORBOARD_VERSION" "absl-py==2.5.1")
 fi
 
-# --- Horovod ---------------------------------------------------------------------------------------
+# --no-compile: byte-compiling every installed module (torch alone has thousands) was half of a fresh install's
+# CPU time; Python writes each module's .pyc at its first import instead, so only what is used is compiled.
+if [ ${#PIP_PKGS[@]} -gt 0 ]; then
+  log "pip install ${PIP_PKGS[*]}"
+  $PIP install --no-compile "${PIP_PKGS[@]}"
+fi
+
+# --- Horovod (skipped with --no-horovod) -----------------------------------------------------------
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
 
 horovod_ok() {
@@ -117,7 +135,9 @@ horovod_ok() {
   "$PY" -c "import horovod.torch" 2>/dev/null || return 1
 }
 
-if horovod_ok; then
+if [ "$WITH_HOROVOD" = 0 ]; then
+  log "--no-horovod: Horovod not built (the torch.distributed engine, torchrun, needs none)"
+elif horovod_ok; then
   log "Horovod $HOROVOD_VERSION already built with PyTorch/Gloo$( [ $HAVE_MPI = 1 ] && echo /MPI)"
 else
   # The wheel's cache key: torch version, Python, MPI or not, and every HOROVOD_* build variable.
@@ -159,4 +179,11 @@ if [ -f "$ROOT/setup.cfg" ] && ! { [ -x "$VENV/bin/hvd-partialfc" ] && [ -x "$VE
   log "pip install -e ."
   $PIP install --no-deps --no-build-isolation -e "$ROOT"
 fi
-log "ready: $VENV ($("$PY" -c 'import torch;print("torch", torch.__version__)'), $("$VENV/bin/horovodrun" --version 2>/dev/null | tail -1))"
+if [ "$WITH_HOROVOD" = 1 ]; then
+  HVD_INFO="$("$VENV/bin/horovodrun" --version 2>/dev/null | tail -1 || true)"
+elif [ -x "$VENV/bin/horovodrun" ]; then
+  HVD_INFO="--no-horovod: the Horovod already there left as it is"
+else
+  HVD_INFO="no Horovod: torch engine only"
+fi
+log "ready: $VENV ($("$PY" -c 'import torch;print("torch", torch.__version__)'), $HVD_INFO)"
