@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from datetime import timedelta
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -276,6 +277,22 @@ def _plan_buckets(params: List[torch.Tensor], cap_bytes: int) -> List[List[torch
     return buckets
 
 
+def _attempt_store(size: int):
+    """The torchrun agent's store, with keys of this restart attempt only.
+
+    torchrun's c10d rendezvous shares one TCPStore (hosted by the agent) across restarts, and
+    ``init_process_group`` writes its ranks' addresses under the same keys at every attempt: a restarted
+    group can read the previous attempt's addresses and connect to dead ports (measured here: one restart
+    in three failed with "Connection refused" or hung in Gloo's connectFullMesh; PyTorch issue 135712).
+    ``TORCHELASTIC_RESTART_COUNT`` separates the attempts. It is counted per agent, so when a node may
+    *join* a running job, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun instead (each round
+    then gets a new store; docs/engines.md).
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
+                          timeout=timedelta(minutes=30))
+    return dist.PrefixStore(f"hvd_partialfc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 def init(device: str = "auto") -> TorchComm:
     """Join the torch.distributed group: under torchrun from its environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), alone as a group of one.
@@ -291,6 +308,8 @@ def init(device: str = "auto") -> TorchComm:
     if not dist.is_initialized():
         if alone:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(size), rank=rank, world_size=size)
         else:
             dist.init_process_group(backend, rank=rank, world_size=size)
     where = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -12,6 +12,9 @@ ranks). STEP counts completed optimizer steps. Kinds:
                        written, ``meta.json`` not yet, ``latest`` not moved): a kill then must leave the
                        previous checkpoint valid.
 
+Faults fire in the first attempt of an elastic job only (``restart_count() == 0``): the restarted group,
+resumed from a checkpoint before STEP, must not meet the same fault again.
+
 Unset (the normal case), every check is one dictionary lookup.
 """
 from __future__ import annotations
@@ -40,9 +43,15 @@ def _parse(text: str) -> List[Tuple[str, int, Optional[int]]]:
     return out
 
 
+def restart_count() -> int:
+    """Which attempt of an elastic job this process belongs to: torchrun's ``TORCHELASTIC_RESTART_COUNT``,
+    or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.sh); 0 outside them."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("HVD_PARTIALFC_RESTART_COUNT") or 0)
+
+
 def active(kind: str, step: int, rank: int) -> bool:
     text = os.environ.get(ENV)
-    if not text:
+    if not text or restart_count() > 0:    # faults are injected in the first attempt only (see the docstring)
         return False
     return any(k == kind and s == step and (r is None or r == rank) for k, s, r in _parse(text))
 

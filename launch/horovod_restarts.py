@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Restart a ``horovodrun`` training job from its checkpoints when a rank or a host is lost, on the hosts
+that are left: the Horovod counterpart of ``torchrun --max-restarts``, for elastic runs (docs/engines.md).
+
+    launch/horovod_restarts.py --max-restarts 3 --discovery ./hosts.sh [--max-np 64] \\
+        [--horovodrun-args="--gloo --network-interface eth0"] -- hvd-partialfc train --config run.yaml
+
+``--discovery`` names a script that prints the usable hosts, one ``host:slots`` a line (the format of
+Horovod elastic's ``--host-discovery-script``); without it every attempt runs ``--np`` ranks on this host.
+Each attempt runs ``horovodrun -np N -H h1:s1,h2:s2 ... CMD --set checkpoint.resume=auto`` with N the
+slots found (at most ``--max-np``: a run needs N <= its shard count), and ``HVD_PARTIALFC_RESTART_COUNT``
+set to the attempt. Exit 0 ends it; 75 (preempted: every rank checkpointed on a stop signal) ends it with
+75, for the scheduler to requeue; any other exit starts the next attempt, until ``--max-restarts``.
+
+Why not Horovod elastic (``hvd.elastic.run``): it keeps the training state in memory, commits it, and after
+a change of hosts re-broadcasts rank 0's copy. Here the state that matters is sharded: a lost rank's
+classifier slice exists only in the last checkpoint on disk, and a new world size changes every rank's
+slice, its loader (which shards it reads) and its classifier optimizer state. All of it must be rebuilt
+from the checkpoint, which is what a restart does; elastic's in-memory commit would save the process
+start-up (seconds) and nothing of the steps since the last checkpoint, while each commit would need the
+classifier written to disk to be of use. What a lost host costs is the same with torchrun: the steps since
+the last checkpoint (``checkpoint.every`` / ``checkpoint.every_minutes``) plus a start-up.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from typing import List, Tuple
+
+EXIT_PREEMPTED = 75
+
+
+def discover(script: str) -> List[Tuple[str, int]]:
+    """``host:slots`` lines printed by ``script`` (a host without ``:slots`` has one slot)."""
+    out = subprocess.run([script], capture_output=True, text=True, check=True).stdout
+    hosts = []
+    for line in filter(None, (x.strip() for x in out.splitlines())):
+        host, _, slots = line.partition(":")
+        hosts.append((host, int(slots or 1)))
+    return hosts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--discovery", help="script printing host:slots lines (default: --np on localhost)")
+    p.add_argument("--np", type=int, default=1, help="ranks on localhost when there is no --discovery")
+    p.add_argument("--max-np", type=int, default=0, help="at most this many ranks (0: every slot)")
+    p.add_argument("--horovodrun", default="horovodrun")
+    p.add_argument("--horovodrun-args", default="", help="more horovodrun arguments, one string")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the training command")
+    a = p.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        p.error("no training command (after --)")
+    rc = 1
+    for attempt in range(a.max_restarts + 1):
+        hosts = discover(a.discovery) if a.discovery else [("localhost", a.np)]
+        np_ = sum(s for _, s in hosts)
+        if a.max_np:
+            np_ = min(np_, a.max_np)
+        if np_ < 1:
+            print(f"[horovod_restarts] attempt {attempt}: no hosts left", file=sys.stderr, flush=True)
+            return rc
+        spec = ",".join(f"{h}:{s}" for h, s in hosts)
+        argv_ = [a.horovodrun, "-np", str(np_), "-H", spec, *shlex.split(a.horovodrun_args), *cmd,
+                 "--set", "checkpoint.resume=auto"]
+        print(f"[horovod_restarts] attempt {attempt}: {np_} ranks on {spec}", file=sys.stderr, flush=True)
+        t0 = time.time()
+        rc = subprocess.call(argv_, env=dict(os.environ, HVD_PARTIALFC_RESTART_COUNT=str(attempt)))
+        if rc in (0, EXIT_PREEMPTED):
+            return rc
+        print(f"[horovod_restarts] attempt {attempt} exited {rc} after {time.time() - t0:.1f} s; "
+              f"{'restarting from the last checkpoint' if attempt < a.max_restarts else 'no restarts left'}",
+              file=sys.stderr, flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
