@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
+TORCHRUN = os.path.join(BIN, "torchrun")
 MR = os.path.join(ROOT, "tests", "mr")
 
 
@@ -57,11 +58,19 @@ def image_shards(tmp_path_factory):
     return build_shards(make_image_npz(d / "i.npz", 12, 16), d / "shards", 2)
 
 
+def launch_cmd(launcher, np_):
+    """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
+    this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""
+    if launcher == "torchrun":
+        return [TORCHRUN, "--nproc-per-node", str(np_), "--standalone"]
+    return [HOROVODRUN, "-np", str(np_), f"--{launcher if launcher in ('gloo', 'mpi') else 'gloo'}", sys.executable]
+
+
 def launch_env(fault=None):
-    """The environment of a launched job: this checkout first on the path, Open MPI as root allowed, and
-    ``HVD_PARTIALFC_FAULT`` set to ``fault`` (or unset)."""
+    """The environment of a launched job: this checkout first on the path, Open MPI as root allowed, the
+    torch engine's check of collective names on, and ``HVD_PARTIALFC_FAULT`` set to ``fault`` (or unset)."""
     e = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
-             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", HVD_PARTIALFC_CHECK_COLLECTIVES="1")
     e.pop("HVD_PARTIALFC_FAULT", None)
     if fault:
         e["HVD_PARTIALFC_FAULT"] = fault

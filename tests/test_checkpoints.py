@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd
+from conftest import MR, ROOT, build_shards, launch_cmd, launch_env, make_feature_npz, read_json_lines, run_hvd
 
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
 
@@ -333,15 +333,16 @@ def test_ranks_resolving_different_checkpoints_stop(np2):
 # --- 12. preemption: a signal to one rank -> every rank checkpoints and exits 75 --------------------------
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, sig):
-    """A stop signal to ONE rank of a real launch: every rank agrees, checkpoints and exits 75; time-based
-    checkpoints appear meanwhile (each written once); the stop's checkpoint resumes (here under ``simulate
-    --ranks 2``: the checkpoint's files, not Horovod, are what is under test there)."""
+@pytest.mark.parametrize("launcher", ["gloo", "torchrun"])
+def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, launcher, sig=signal.SIGTERM):
+    """A stop signal to ONE rank of a real launch (horovodrun, torchrun): every rank agrees, checkpoints and
+    exits 75; time-based checkpoints appear meanwhile (each written once); the stop's checkpoint resumes (here
+    under ``simulate --ranks 2``: the checkpoint's files, not the engine, are what is under test there)."""
     run = tmp_path / "run"
     sets = ["checkpoint.every_minutes=0.01", "checkpoint.keep=1000"]
-    cmd = [HOROVODRUN, "-np", "2", "--gloo", sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", shards2,
-           "--out", str(run), "--steps", "100000"] + sum((["--set", s] for s in sets + BASE), [])
+    cmd = launch_cmd(launcher, 2) + ["-m", "hvd_partialfc.cli", "train", "--shards", shards2,
+                                     "--out", str(run), "--steps", "100000"] + sum((["--set", s] for s in sets + BASE), [])
+    rank_var = "RANK" if launcher == "torchrun" else "HOROVOD_RANK"
     proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 90
@@ -349,7 +350,7 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, sig
             assert proc.poll() is None and time.time() < deadline, "no time-based checkpoints"
             time.sleep(0.2)
         ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get("HOROVOD_RANK") == "1"]
+                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get(rank_var) == "1"]
         assert len(ranks) == 1
         ranks[0].send_signal(sig)
         out, _ = proc.communicate(timeout=60)

@@ -12,33 +12,23 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import pytest
 
-from conftest import HOROVODRUN, MR, ROOT, launch_env, run_job
+from conftest import MR, launch_cmd, launch_env, run_job
 import pins
 
 pytestmark = pytest.mark.multirank
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 STEPS, HALF = 50, 25
 CASES = {name: pins.CASES[name] for name in ("local_negatives", "local_sampled", "global_sampled", "replicated")}
 CASES["mixed_fp16_compression"] = {"data": "images", "sets": pins.CASES["mixed"]["sets"] + ["optim.fp16_compression=true"]}
+LAUNCHERS = {"horovodrun": "gloo", "torchrun": "torchrun"}
 
 
 def launcher(name: str, np_: int = 2):
     """The launch command of ``name`` (horovodrun with Gloo, or torchrun on this host) for ``np_`` ranks."""
-    if name == "horovodrun":
-        return [HOROVODRUN, "-np", str(np_), "--gloo", sys.executable]
-    return [TORCHRUN, "--nproc-per-node", str(np_), "--standalone"]
-
-
-def engine_env(fault=None):
-    """``launch_env`` with the collective-name check on (as every torch-engine test runs)."""
-    e = launch_env(fault)
-    e["HVD_PARTIALFC_CHECK_COLLECTIVES"] = "1"
-    return e
+    return launch_cmd(LAUNCHERS[name], np_)
 
 
 def train_args(case, out, steps=STEPS, resume=""):
@@ -53,7 +43,7 @@ def launch_items(which, out, items, timeout=400):
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"out": str(out), "items": items}))
     t0 = time.time()
-    p = run_job(launcher(which) + [os.path.join(MR, "engines_launch.py"), str(spec)], engine_env(), timeout)
+    p = run_job(launcher(which) + [os.path.join(MR, "engines_launch.py"), str(spec)], launch_env(), timeout)
     assert p.returncode == 0, f"{which} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return time.time() - t0
 
@@ -125,8 +115,33 @@ def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(tmp_path)
     """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work (the
     traceback left is torchrun's own, reporting failed workers)."""
     args = train_args(CASES["local_negatives"], tmp_path / "run") + ["--set", "train.engine=horovod"]
-    p = run_job(launcher("torchrun") + ["-m", "hvd_partialfc.cli", "train", *args], engine_env(), 120)
+    p = run_job(launcher("torchrun") + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
     assert p.returncode != 0
     assert p.stderr.count("hvd-partialfc train: error: train.engine=horovod does not fit the launcher") == 2
     assert 'hvd_partialfc/' not in "".join(l for l in p.stderr.splitlines() if 'File "' in l)  # no traceback of ours
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("which", list(LAUNCHERS))
+def test_an_error_on_one_rank_at_start_is_agreed_by_every_rank(tmp_path, which):
+    """Bad input on rank 1 only (bytes of its shard changed; ``data.verify_sha256``): every rank reports the
+    failure agreed at start-up and exits, under either engine, well under 60 s."""
+    import shutil
+    shards = tmp_path / "shards"
+    shutil.copytree(os.path.join(pins.FIXTURES, "data", "features"), shards)
+    with open(sorted(shards.glob("*.h5"))[1], "r+b") as f:
+        f.seek(-64, 2)
+        tail = f.read(64)
+        f.seek(-64, 2)
+        f.write(bytes(255 - b for b in tail))          # every byte differs: the file's sha256 changes
+    case = {"data": "features", "sets": CASES["local_negatives"]["sets"] + ["data.verify_sha256=true"]}
+    args = train_args(case, tmp_path / "run", 10)
+    args[1] = str(shards)
+    t0 = time.time()
+    p = run_job(launcher(which) + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
+    took = time.time() - t0
+    text = p.stdout + p.stderr
+    assert p.returncode != 0 and took < 60
+    for r in range(2):
+        assert f"[rank {r}] error: RankFailure: 1 of 2 ranks failed at 'setup'" in text, text[-3000:]
+    assert "  rank 1: " in text and "sha256" in text

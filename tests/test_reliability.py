@@ -13,7 +13,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -21,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import (HOROVODRUN, MR, ROOT, build_shards, launch_env, make_feature_npz, make_image_npz,
+from conftest import (MR, ROOT, build_shards, launch_cmd, launch_env, make_feature_npz, make_image_npz,
                       read_json_lines, run_hvd, run_job)
 from hvd_partialfc.data.shards import data_digest, manifest_digest, read_manifest
 
@@ -51,8 +50,9 @@ def images(tmp_path_factory):
 
 
 def _cmd(np_, shards, out, sets, steps, backend="gloo"):
-    args = [HOROVODRUN, "-np", str(np_), f"--{backend}", sys.executable, "-m", "hvd_partialfc.cli", "train",
-            "--shards", shards, "--out", out, "--steps", str(steps)]
+    """``backend``: horovodrun's ``gloo`` or ``mpi``, or ``torchrun`` (the torch engine)."""
+    args = launch_cmd(backend, np_) + ["-m", "hvd_partialfc.cli", "train",
+                                       "--shards", shards, "--out", out, "--steps", str(steps)]
     for s in sets:
         args += ["--set", s]
     return args
@@ -275,10 +275,10 @@ def test_reshard_to_another_world_size(streams, images, shards4, tmp_path, capsy
     assert_rows_are(reshard_offline(four, 2, tmp_path / "offline4"), old, ["momentum_buffer"])
 
 
-@pytest.mark.parametrize("fault,backend", [("kill@5:1", "gloo"), ("raise@5:0", "mpi")])
+@pytest.mark.parametrize("fault,backend", [("kill@5:1", "gloo"), ("raise@5:0", "mpi"), ("kill@5:1", "torchrun")])
 def test_one_rank_fails_every_rank_exits_fast(shards4, tmp_path, fault, backend):
-    """One rank SIGKILLed (Gloo) or raising (rank 0, under MPI): every rank exits, quickly, the raising rank
-    says why, and the last good checkpoint stays valid and loadable. (Rank 1 raising under Gloo:
+    """One rank SIGKILLed (Horovod with Gloo, and the torch engine) or raising (rank 0, under MPI): every rank
+    exits, quickly, the raising rank says why, and the last good checkpoint stays valid and loadable. (Rank 1 raising under Gloo:
     test_bad_sample_on_one_rank_only.)"""
     run = str(tmp_path / "run")
     p = train(2, shards4, run, ["checkpoint.every=3"], steps=40, fault=fault, check=False, timeout=120,
@@ -286,6 +286,7 @@ def test_one_rank_fails_every_rank_exits_fast(shards4, tmp_path, fault, backend)
     text = p.stdout + p.stderr
     assert p.returncode != 0
     assert p.elapsed < 60, f"took {p.elapsed:.0f} s to exit"
+    print(f"{fault} under {backend}: every rank exited after {p.elapsed:.1f} s (start-up included)")
     rank = fault.split(":")[1]
     if fault.startswith("raise"):
         assert f"[rank {rank}] error: InjectedFault" in text
@@ -294,7 +295,8 @@ def test_one_rank_fails_every_rank_exits_fast(shards4, tmp_path, fault, backend)
     assert meta["step"] == 3 and len(cls) == 2
 
 
-def test_bad_sample_on_one_rank_only(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "torchrun"])
+def test_bad_sample_on_one_rank_only(tmp_path, backend):
     """Rank 1's shard holds one encoded image that cannot be decoded: found mid-training (its second batch, in
     a DataLoader worker) on rank 1 only, every rank exits quickly, rank 1 says why, naming the file and the
     sample, and the last good checkpoint (step 1) stays valid and loadable. The Gloo case of one rank
@@ -318,7 +320,7 @@ def test_bad_sample_on_one_rank_only(tmp_path):
     write_manifest(shards, m)
     run = str(tmp_path / "run")
     p = train(2, shards, run, ["model.name=resnet", "model.kwargs={width: 8}", "checkpoint.every=1"], steps=30,
-              check=False, timeout=120)
+              check=False, timeout=120, backend=backend)
     text = p.stdout + p.stderr
     assert p.returncode != 0 and p.elapsed < 60, f"exit {p.returncode} after {p.elapsed:.0f} s"
     assert "[rank 1] error: ShardError" in text
