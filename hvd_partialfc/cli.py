@@ -223,7 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t.set_defaults(fn=_train)
     m = sub.add_parser("simulate", help="train as N virtual ranks in one process, with a real N-rank run's "
                                         "numbers (docs/simulate.md)")
-    m.add_argument("--ranks", type=int, required=True, help="virtual ranks (the shard count must be a multiple)")
+    m.add_argument("--ranks", type=int, required=True, help="virtual ranks (at most the shard count)")
     _train_arguments(m)
     m.set_defaults(fn=_simulate)
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")

@@ -1,10 +1,10 @@
 """A heartbeat between ranks, so a cut link or a lost node ends the job in seconds, naming the lost peer.
 
 Why: after a link is cut no connection reset arrives. A rank waiting in a collective then waits for the
-transport's own timeout: Gloo's is 30 minutes, Open MPI's TCP about 15 (measured on the two-node harness,
-launch/twonode.py: both ranks of a cut Gloo job still waiting after minutes). A collective timeout under a
-minute is no cure: it would kill healthy runs while rank 0 evaluates or writes a large checkpoint and the
-others wait.
+transport's own timeout: Gloo's default is 30 minutes, Open MPI's TCP about 15 (on the two-node harness,
+launch/twonode.py, a Gloo all-reduce loop cut mid-run made no progress and raised nothing in the 10 s
+watched). A collective timeout under a minute is no cure: it would kill healthy runs while rank 0
+evaluates or writes a large checkpoint and the others wait.
 
 How: the ranks form a ring. Each rank keeps one TCP connection to the next rank, on which a background
 thread sends a byte every ``timeout / 10`` seconds, and one from the previous rank, which another thread
