@@ -80,10 +80,19 @@ def _no_horovod(*args, cwd=ROOT):
 
 
 def test_the_core_runs_without_horovod(tmp_path):
-    """``import horovod`` blocked: ``simulate --ranks 2``, the benchmark's no-communication job and ``eval``
-    run, and no module of horovod is ever imported."""
+    """``import horovod`` blocked (an install with ``--no-horovod``): ``simulate --ranks 2``, training under
+    torchrun at 2 ranks and alone (``train.engine=auto`` picks the torch engine), the benchmark's
+    no-communication job and ``eval`` run, and no module of horovod is ever imported."""
     sets = [x for s in SMALL for x in ("--set", s)]
     _no_horovod("simulate", "--ranks", 2, "--shards", FEATURES, "--out", tmp_path / "run", "--steps", 4, *sets)
+    script = tmp_path / "no_horovod.py"
+    script.write_text(NO_HOROVOD)
+    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
+                        "--standalone", str(script), "train", "--shards", FEATURES, "--out", tmp_path / "tr",
+                        "--steps", "4", *sets], env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "train np=2" in p.stderr + p.stdout, p.stderr[-3000:]
+    alone = _no_horovod("train", "--shards", FEATURES, "--out", tmp_path / "alone", "--steps", 2, *sets)
+    assert "train np=1" in alone.stderr + alone.stdout
     (tmp_path / "job").mkdir()
     _no_horovod("bench", "--worker", "limit", "--classes", 40, "--dim", 16, "--batch", 8, "--steps", 2,
                 "--warmup", 1, "--np", 2, "--in-dim", 16, "--rank", 1, "--job", tmp_path / "job")

@@ -40,7 +40,10 @@ def detect_launcher(env: Mapping[str, str]) -> str:
 
 
 def horovod_installed() -> bool:
-    return importlib.util.find_spec("horovod") is not None
+    try:
+        return importlib.util.find_spec("horovod") is not None
+    except ImportError:          # a finder that refuses it (an import hook, a broken install)
+        return False
 
 
 def choose_engine(want: str, env: Mapping[str, str]) -> str:
