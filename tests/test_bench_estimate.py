@@ -1,4 +1,5 @@
-"""The estimator's arithmetic, and a tiny benchmark run under real horovodrun (its figures, not its speed)."""
+"""The estimator's arithmetic, and a tiny benchmark run under real horovodrun and torchrun (its figures, not
+its speed)."""
 import json
 import os
 import subprocess
@@ -162,6 +163,31 @@ def test_bench_sample_rates_reach_every_job_and_count_logits(tiny_bench):
     assert by["local", 0.1]["bytes_per_step"] == by["local", 1.0]["bytes_per_step"]
     assert by["local", 0.1]["vs_limit"] > 0           # against the limit of the same rate
     assert "| 16 | 4,000 | global | 0.1 |" in open(out / "bench.md").read()
+
+
+@pytest.mark.multirank
+def test_bench_runs_each_job_under_both_engines_and_compares_them(tmp_path, monkeypatch):
+    """``--engines horovod,torch``: the local job under horovodrun and under torchrun, each rank on the engine
+    its launcher implies (with the collective-order check on), one limit for both. Each record names its
+    engine, the step split fits in the step (the torch engine's own wait counted once), the gradient's
+    bytes once under both, and the ratio is torch's samples/s over Horovod's of the same run."""
+    monkeypatch.setenv("HVD_PARTIALFC_CHECK_COLLECTIVES", "1")
+    res = _tiny_bench(tmp_path, "--classes", "1000", "--modes", "local", "--engines", "horovod,torch")
+    by = {(p["mode"], p["engine"]): p for p in res["points"]}
+    assert list(by) == [("limit", "none"), ("local", "horovod"), ("local", "torch")]
+    assert res["engines"] == ["horovod", "torch"]
+    lim, hvd, tch = by["limit", "none"], by["local", "horovod"], by["local", "torch"]
+    for p in (hvd, tch):
+        assert p["ranks"] == 2 and p["samples_per_s"] > 0 and p["width"] == 500
+        assert p["bytes_per_step"] == p["grad_bytes"] == p["backbone_params"] * 4
+        assert min(p["split_s"].values()) >= 0 and sum(p["split_s"].values()) <= p["step_s"] * (1 + 1e-9)
+        assert p["vs_limit"] == pytest.approx(p["samples_per_s"] / lim["samples_per_s"])
+    assert res["engine_ratios"] == [{"mode": "local", "classes": 1000, "dim": 16, "sample_rate": 1.0,
+                                     "horovod": hvd["samples_per_s"], "torch": tch["samples_per_s"],
+                                     "torch_vs_horovod": pytest.approx(tch["samples_per_s"] / hvd["samples_per_s"])}]
+    md = open(tmp_path / "bench.md").read()
+    assert "| 16 | 1,000 | local | 1 | torch |" in md and "| 16 | 1,000 | local | 1 | horovod |" in md
+    assert f"| {res['engine_ratios'][0]['torch_vs_horovod']:.2f} |" in md.split("torch / horovod")[1]
 
 
 def test_sampled_local_counts_its_sampled_columns_and_rows_sparse_gradient():

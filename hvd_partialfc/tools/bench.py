@@ -2,23 +2,36 @@
 
     hvd-partialfc bench [--config configs/bench.yaml] [--classes 10000,100000,...] [--dims 128,512]
                         [--modes local,global,replicated] [--np 2] [--steps 5] [--warmup 2] [--out DIR] [--plot]
-                        [--negatives-every K [--negatives-share S]]
+                        [--negatives-every K [--negatives-share S]] [--engines horovod,torch]
+                        [--in-shape 112,112,3]
 
-For every (classes, dim) point the driver (this process, no Horovod) launches one job per mode under
-``horovodrun -np N --gloo`` and one *limit* job: the same backbone and the same local classifier work
+For every (classes, dim) point the driver (this process, no engine) launches one job per mode and engine
+(``--engines``: ``horovod`` under ``horovodrun -np N --gloo``, ``torch`` under ``torchrun --nproc-per-node N
+--standalone``, bench_engines.py; each point records its engine, and ``engine_ratios`` the torch / horovod
+samples/s of the same run) and one *limit* job: the same backbone and the same local classifier work
 (a slice of C / N classes) in a process that never initialises Horovod (its "optimizer" never
 communicates): what ``local`` would cost with free communication. ``local`` is the bare method
 (``head.negatives_every=0``); ``--negatives-every K`` adds a ``negatives`` job: ``local`` with cross-shard
 negatives every K steps, ``--negatives-share`` centres per rank (0: the whole slice), so their memory is
 measured against the estimator's figure for the same settings. Each job is a fresh process, so its
 peak RSS is its own. Every job runs the trainer's own step (``step.Step``, one step for every mode)
-on synthetic batches held in memory (no disk), with one torch thread per rank.
+on synthetic batches held in memory (no disk), with one torch thread per rank: feature vectors of
+``--in-dim``, or ``--in-shape`` (H, W[, C]) images for the image backbones, as model input already.
 
 The step time is split with hooks, without touching the loop: data (``train_step``'s own figure),
 forward (backbone pre-hook to classifier post-hook), backward (to the gradient synchronisation), comm
-wait (the DistributedOptimizer's ``synchronize`` plus the time inside the head's collectives), optimizer
-(the rest of the step). Bytes per step are counted from the tensors handed to collectives: the gradients
-of the parameters the DistributedOptimizer holds, plus what ``Comm``'s tensor collectives counted.
+wait (the averaging optimizer's ``synchronize`` plus the time inside the head's collectives), optimizer
+(the rest of the step). Both engines start the gradient all-reduces from autograd hooks *during* the
+backward pass (Horovod's DistributedOptimizer per tensor, fused each cycle; the torch engine's
+``BucketAverager`` per ~25 MB bucket) and ``synchronize()`` waits for what is still in flight, then writes
+the averages back. So under both, *comm* is the time the step is blocked on communication after backward
+(plus the head's collectives, taken out of forward / backward), and communication that overlaps the
+backward pass (launching, flattening a bucket, the engine's thread taking a core) shows up as a longer
+*backward* than the limit's. ``BucketAverager`` also counts its own wait in ``comm.wait_s``: that part
+lies inside ``synchronize`` and is counted once. Bytes per step are counted from the tensors handed to
+collectives: the gradients of the parameters the averaging optimizer holds (Horovod's are computed
+from the parameters; the torch engine counts its buckets in ``comm.sent_bytes`` itself), plus what
+``Comm``'s tensor collectives counted.
 """
 from __future__ import annotations
 
@@ -35,6 +48,7 @@ import torch
 
 from ..engine.base import gradient_bytes
 from ..classifier.modes import get_mode, list_modes
+from .bench_engines import ENGINES, NO_ENGINE, engine_ratios, launch, ratios_markdown
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
@@ -75,14 +89,13 @@ def run_worker(a) -> Dict[str, Any]:
     from ..config import load_config
     from ..data.layout import RankLayout
     from ..engine.local import LocalComm
+    from ..engine.select import start_engine
+    from ..models import model_input_shape
     from ..run.parts import build_parts
     from ..run.step import Step
     limit = a.mode == "limit"
-    if limit:      # rank r of N alone: what `local` costs with free communication
-        comm = LocalComm(a.rank, a.np)
-    else:
-        from ..engine import horovod as comm_lib
-        comm = comm_lib.init()
+    # the limit: rank r of N alone, what `local` costs with free communication; else the launcher's engine
+    comm = LocalComm(a.rank, a.np) if limit else start_engine(a.engine, os.environ, "cpu")
     # `negatives` is `local` with cross-shard negatives; every other job runs its mode bare
     every = a.negatives_every if a.mode == "negatives" else 0
     cfg = load_config(a.config or None, [*(a.set or []), "data.shards=synthetic", "train.device=cpu",
@@ -91,7 +104,7 @@ def run_worker(a) -> Dict[str, Any]:
                                          "train.threads=1", f"head.negatives_every={every}",
                                          f"head.negatives_share={a.negatives_share}", "head.negatives_pool=0"])
     rss_runtime = _peak_rss()
-    in_shape = [a.in_dim]
+    in_shape = a.in_shape or [a.in_dim]
     # the trainer's own parts and step, without shards on disk; every rank's width (the negatives' shares)
     layout = RankLayout.even(a.classes, comm.size)
     parts = build_parts(cfg, comm, layout, in_shape, torch.device("cpu"))
@@ -99,7 +112,7 @@ def run_worker(a) -> Dict[str, Any]:
     grad_bytes = 0 if limit else gradient_bytes(parts.backbone_opt_params(), cfg.optim.fp16_compression)
     marks, stamp = _instrument(parts, comm)
     step_fn = Step(cfg, comm, parts, torch.device("cpu"), "features", a.warmup + a.steps, on_phase=stamp)
-    batches = _synthetic_batches(a.batch, in_shape, width, seed=comm.rank)
+    batches = _synthetic_batches(a.batch, model_input_shape(in_shape), width, seed=comm.rank)
     split = {k: 0.0 for k in PHASES}
     total, sent = 0.0, 0
     for step in range(a.warmup + a.steps):
@@ -110,27 +123,31 @@ def run_worker(a) -> Dict[str, Any]:
         t1 = time.perf_counter()
         if step < a.warmup:
             continue
-        waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0")}
+        waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0", "sync1")}
         head_wait_fwd = waits["fwd1"] - waits["fwd0"]
         head_wait_bwd = waits["sync0"] - waits["fwd1"]
+        sync_wait = waits["sync1"] - waits["sync0"]      # the torch engine's, inside synchronize already
         split["data"] += out["data_time"]
         split["forward"] += marks["fwd1"] - marks["fwd0"] - head_wait_fwd
         split["backward"] += marks["sync0"] - marks["fwd1"] - head_wait_bwd
-        split["comm"] += marks["sync1"] - marks["sync0"] + (comm.wait_s - w0)
+        split["comm"] += marks["sync1"] - marks["sync0"] + (comm.wait_s - w0 - sync_wait)
         split["optimizer"] += t1 - marks["sync1"]
         total += t1 - t0
-    sent = comm.sent_bytes / a.steps + grad_bytes
-    return {"logits_per_step": _logits_per_step(a, cfg, parts), "sample_rate": cfg.head.sample_rate,
-            "mode": a.mode, "rank": comm.rank, "np": comm.size, "classes": a.classes, "dim": a.dim,
-            "batch": a.batch, "width": parts.head.width,
-            "steps": a.steps, "step_s": total / a.steps, "samples_per_s": a.batch * a.steps / total,
+    engine = NO_ENGINE if limit else a.engine
+    # the torch engine counts the gradient buckets it sends in sent_bytes; Horovod's optimizer counts nothing
+    sent = comm.sent_bytes / a.steps + (0 if engine == "torch" else grad_bytes)
+    comm.shutdown()
+    return {"logits_per_step": _logits_per_step(a.batch, comm.size, cfg, parts), "sample_rate": cfg.head.sample_rate,
+            "mode": a.mode, "engine": engine, "rank": comm.rank, "np": comm.size, "classes": a.classes,
+            "dim": a.dim, "batch": a.batch, "width": parts.head.width, "steps": a.steps,
+            "step_s": total / a.steps, "samples_per_s": a.batch * a.steps / total,
             "split_s": {k: v / a.steps for k, v in split.items()}, "bytes_per_step": int(sent),
             "grad_bytes": grad_bytes, "peak_rss": _peak_rss(), "runtime_rss": rss_runtime,
             "backbone_params": sum(p.numel() for p in parts.backbone.parameters()),
             "loss": out["loss"]}
 
 
-def _logits_per_step(a, cfg, parts) -> int:
+def _logits_per_step(batch: int, ranks: int, cfg, parts) -> int:
     """Logits one rank computes per step: its rows (B; the gathered B x N for ``global``) x its columns (the
     head's rows, or ``max(int(rate x W), positives)`` sampled ones, taken as rate x W; plus the frozen
     remote centres of ``negatives``)."""
@@ -139,49 +156,15 @@ def _logits_per_step(a, cfg, parts) -> int:
     cols = max(1, int(rate * width)) if rate < 1.0 and parts.mode.samples else width
     remote = getattr(parts.head, "remote", None)
     cols += remote.shape[0] if remote is not None else 0
-    return parts.mode.estimate_logit_rows(a.batch, a.np) * cols
+    return parts.mode.estimate_logit_rows(batch, ranks) * cols
 
 
 # --- the driver ------------------------------------------------------------------------------------
-def _launch(a, mode: str, classes: int, dim: int, out: str, timeout: int,
-            rate: float = 1.0) -> List[Dict[str, Any]]:
-    """Run one job (N ranks under horovodrun, or the limit's single plain process); its per-rank records.
-    ``rate``: ``head.sample_rate`` of the job (after the ``--set`` ones, so it wins)."""
-    job = os.path.join(out, "jobs", f"{mode}-C{classes}-D{dim}" + (f"-r{rate:g}" if rate < 1.0 else ""))
-    os.makedirs(job, exist_ok=True)
-    worker = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--worker", mode, "--classes", str(classes),
-              "--dim", str(dim), "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup),
-              "--np", str(a.np), "--in-dim", str(a.in_dim), "--job", job,
-              "--negatives-every", str(a.negatives_every), "--negatives-share", str(a.negatives_share)]
-    if a.config:
-        worker += ["--config", os.path.abspath(a.config)]
-    for s in [*(a.set or []), f"head.sample_rate={rate}"]:
-        worker += ["--set", s]
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if a.cycle_time_ms > 0:  # Horovod's background thread wakes every cycle; on a full CPU it competes
-        env["HOROVOD_CYCLE_TIME"] = str(a.cycle_time_ms)
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    if mode == "limit":  # --limit-procs independent processes at once (rank r does slice r), no Horovod
-        procs = [subprocess.Popen(worker + ["--rank", str(r)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, env=env) for r in range(a.limit_procs)]
-        results = [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
-        rc, err = max(r for r, _ in results), "".join(e for _, e in results)
-    else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(a.np), "--gloo"] + worker
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        rc, err = proc.returncode, proc.stderr
-    files = sorted(f for f in os.listdir(job) if f.startswith("rank-"))
-    if rc != 0 or not files:
-        raise RuntimeError(f"bench job {mode} C={classes} D={dim} failed ({rc}):\n{err[-3000:]}")
-    return [json.load(open(os.path.join(job, f))) for f in files]
-
-
 def _summarise(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Per-job figures: mean over ranks of the per-rank figures (peak RSS: the largest rank's)."""
     n = len(recs)
-    return {"mode": recs[0]["mode"], "classes": recs[0]["classes"], "dim": recs[0]["dim"], "ranks": n,
+    return {"mode": recs[0]["mode"], "engine": recs[0]["engine"], "classes": recs[0]["classes"],
+            "dim": recs[0]["dim"], "ranks": n,
             "sample_rate": recs[0]["sample_rate"], "logits_per_step": recs[0]["logits_per_step"],
             "width": recs[0]["width"], "samples_per_s": sum(r["samples_per_s"] for r in recs) / n,
             "step_s": sum(r["step_s"] for r in recs) / n,
@@ -203,14 +186,17 @@ def run_bench(a) -> Dict[str, Any]:
         raise ValueError("the negatives job needs --negatives-every K > 0")
     points: List[Dict[str, Any]] = []
     rates = a.sample_rates or [cfg.head.sample_rate]   # --set head.sample_rate=R alone: one rate, every job
+    for engine in a.engines:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r} in --engines; known: {', '.join(ENGINES)}")
     for dim in a.dims:
-        bb = backbone_figures(cfg.model.name, dim, a.batch, [a.in_dim], cfg.model.kwargs)
+        bb = backbone_figures(cfg.model.name, dim, a.batch, a.in_shape or [a.in_dim], cfg.model.kwargs)
         for classes in a.classes:
-            for rate, mode in ((r, m) for r in rates for m in ["limit"] + modes):
+            # every mode's jobs under each engine back to back, so their ratio sees the same machine load
+            for rate, mode, engine in _jobs(rates, modes, a.engines):
                 negatives = mode == "negatives"
                 if rate < 1.0 and mode in list_modes() and not get_mode(mode).samples:
-                    points.append({"mode": mode, "classes": classes, "dim": dim, "sample_rate": rate,
-                                   "skipped": f"{mode} does not sample"})
+                    points.append(_skipped(mode, engine, classes, dim, rate, f"{mode} does not sample"))
                     continue
                 est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
                                mode if mode in list_modes() else "local", optimizer=_opt_kind(cfg),
@@ -222,26 +208,31 @@ def run_bench(a) -> Dict[str, Any]:
                                    optimizer=_opt_kind(cfg), sample_rate=rate, bb=bb)
                 jobs = a.limit_procs if mode == "limit" else a.np
                 if est["memory_total"] * jobs > a.max_memory_gb * 2 ** 30:
-                    points.append({"mode": mode, "classes": classes, "dim": dim, "sample_rate": rate, "skipped":
-                                   f"estimated {est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb"})
-                    print(f"skip {mode:>10} C={classes:>9,} D={dim}: {points[-1]['skipped']}", flush=True)
+                    points.append(_skipped(mode, engine, classes, dim, rate, f"estimated "
+                                           f"{est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb"))
+                    print(f"skip {mode:>10} {engine:>7} C={classes:>9,} D={dim}: {points[-1]['skipped']}",
+                          flush=True)
                     continue
                 t0 = time.time()
-                s = _summarise(_launch(a, mode, classes, dim, a.out, a.timeout, rate))
+                s = _summarise(launch(a, mode, engine, classes, dim, a.out, a.timeout, rate))
                 s["estimate"] = est["memory_total"]
                 s["estimate_err"] = est["memory_total"] / s["peak_rss"] - 1
                 points.append(s)
-                print(f"{mode:>10} C={classes:>9,} D={dim} r={rate:g}: {s['samples_per_s']:8.1f} samples/s/rank  "
-                      f"step {s['step_s'] * 1e3:7.1f} ms  {s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
+                print(f"{mode:>10} {engine:>7} C={classes:>9,} D={dim} r={rate:g}: "
+                      f"{s['samples_per_s']:8.1f} samples/s/rank  step {s['step_s'] * 1e3:7.1f} ms  "
+                      f"{s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
                       f"peak RSS {s['peak_rss'] / 2 ** 20:7.0f} MB (estimate {s['estimate_err']:+.0%})  "
                       f"[{time.time() - t0:.0f} s]", flush=True)
     _ratios(points)
+    ratios = engine_ratios(points)
     load = os.getloadavg()
     argv = sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"] + sys.argv[1:]   # also python -m ...bench
     result = {"command": " ".join(["hvd-partialfc"] + argv), "np": a.np, "batch": a.batch,
               "steps": a.steps, "warmup": a.warmup, "backbone": cfg.model.name, "in_dim": a.in_dim,
+              "in_shape": a.in_shape or [a.in_dim], "engines": a.engines, "engine_ratios": ratios,
               "limit_procs": a.limit_procs, "cycle_time_ms": a.cycle_time_ms,
-              "sample_rates": a.sample_rates, "negatives_every": a.negatives_every, "negatives_share": a.negatives_share, "load_average_before": load0,
+              "sample_rates": a.sample_rates, "negatives_every": a.negatives_every,
+              "negatives_share": a.negatives_share, "load_average_before": load0,
               "load_average_after": load, "cpus": os.cpu_count(), "points": points}
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -252,6 +243,16 @@ def run_bench(a) -> Dict[str, Any]:
     if a.plot:
         plot(result, os.path.join(a.out, "bench.png"))
     return result
+
+
+def _jobs(rates: List[float], modes: List[str], engines: List[str]) -> List[Tuple[float, str, str]]:
+    """(rate, mode, engine) of one point's jobs, in run order: per rate the limit (no engine), then each
+    mode under every engine back to back."""
+    return [(r, m, e) for r in rates for m in ["limit"] + modes for e in ([NO_ENGINE] if m == "limit" else engines)]
+
+
+def _skipped(mode: str, engine: str, classes: int, dim: int, rate: float, why: str) -> Dict[str, Any]:
+    return {"mode": mode, "engine": engine, "classes": classes, "dim": dim, "sample_rate": rate, "skipped": why}
 
 
 def _opt_kind(cfg) -> str:
@@ -266,32 +267,35 @@ def _bench_config(a):
 
 
 def _ratios(points: List[Dict[str, Any]]) -> None:
-    by = {(p["mode"], p["classes"], p["dim"], p.get("sample_rate", 1.0)): p for p in points if "skipped" not in p}
-    for p in by.values():
-        key = (p["classes"], p["dim"], p.get("sample_rate", 1.0))   # the same rate's limit and local
-        lim, loc = by.get(("limit", *key)), by.get(("local", *key))
+    """Each point against the limit of its (classes, dim, rate), and ``local`` of its engine against it."""
+    by = {(p["mode"], p.get("engine", "horovod"), p["classes"], p["dim"], p.get("sample_rate", 1.0)): p
+          for p in points if "skipped" not in p}
+    for (mode, engine, *key), p in by.items():    # the same rate's limit, and local of the same engine
+        lim, loc = by.get(("limit", NO_ENGINE, *key)), by.get(("local", engine, *key))
         p["vs_limit"] = p["samples_per_s"] / lim["samples_per_s"] if lim else None
         p["local_vs_this"] = loc["samples_per_s"] / p["samples_per_s"] if loc else None
 
 
 def markdown(result: Dict[str, Any]) -> str:
-    rows = ["| D | classes | mode | rate | samples/s/rank | x limit | local / this | step ms: data / fwd / bwd / "
-            "comm / opt | logits/step | MB sent/step | peak RSS MB | estimate |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """The points' table; under it, with more than one engine, the torch / horovod ratios."""
+    rows = ["| D | classes | mode | rate | engine | samples/s/rank | x limit | local / this | step ms: data / fwd / "
+            "bwd / comm / opt | logits/step | MB sent/step | peak RSS MB | estimate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
-        rate = f"{p.get('sample_rate', 1.0):g}"
+        head = (f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {p.get('sample_rate', 1.0):g} | "
+                f"{p.get('engine', 'horovod')} |")
         if "skipped" in p:
-            rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {rate} | skipped: {p['skipped']} "
-                        "| | | | | | | |")
+            rows.append(f"{head} skipped: {p['skipped']} | | | | | | | |")
             continue
         sp = " / ".join(f"{p['split_s'][k] * 1e3:.1f}" for k in PHASES)
         logits = p.get("logits_per_step")
-        rows.append(f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {rate} | {p['samples_per_s']:.1f} | "
+        rows.append(f"{head} {p['samples_per_s']:.1f} | "
                     f"{_fmt(p.get('vs_limit'))} | {_fmt(p.get('local_vs_this'))} | {sp} | "
                     f"{'' if logits is None else f'{logits:,}'} | "
                     f"{p['bytes_per_step'] / 2 ** 20:.3f} | {p['peak_rss'] / 2 ** 20:.0f} | "
                     f"{p['estimate_err']:+.1%} |")
-    return "\n".join(rows)
+    ratios = ratios_markdown(result.get("engine_ratios") or [])
+    return "\n".join(rows) + ("\n\n" + ratios if ratios else "")
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -299,7 +303,7 @@ def _fmt(v: Optional[float]) -> str:
 
 
 def plot(result: Dict[str, Any], path: str) -> None:
-    """Throughput and peak RSS against the class count, one line per (mode, D)."""
+    """Throughput and peak RSS against the class count, one line per (mode, engine, D); torch's squares."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -307,14 +311,16 @@ def plot(result: Dict[str, Any], path: str) -> None:
     pts = [p for p in result["points"] if "skipped" not in p]
     colors = {"limit": "tab:green", "local": "tab:blue", "global": "tab:orange", "replicated": "tab:red",
               "negatives": "tab:purple"}
-    for mode in sorted({p["mode"] for p in pts}):
+    for mode, engine in sorted({(p["mode"], p.get("engine", "horovod")) for p in pts}):
         for dim in sorted({p["dim"] for p in pts}):
-            sel = sorted((p for p in pts if p["mode"] == mode and p["dim"] == dim), key=lambda p: p["classes"])
+            sel = sorted((p for p in pts if (p["mode"], p.get("engine", "horovod"), p["dim"]) == (mode, engine, dim)),
+                         key=lambda p: p["classes"])
             if not sel:
                 continue
             xs = [p["classes"] for p in sel]
             style = "-" if dim == min(p["dim"] for p in pts) else "--"
-            kw = dict(marker="o", color=colors.get(mode), label=f"{mode} D={dim}")
+            kw = dict(marker="s" if engine == "torch" else "o", color=colors.get(mode),
+                      label=f"{mode} D={dim}" + ("" if engine == NO_ENGINE else f" {engine}"))
             axes[0].plot(xs, [p["samples_per_s"] for p in sel], style, **kw)
             axes[1].plot(xs, [p["peak_rss"] / 2 ** 30 for p in sel], style, **kw)
     for ax, ylabel in zip(axes, ("samples / s per rank", "peak RSS per rank (GB)")):
@@ -335,9 +341,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=lambda s: s.split(","), default=["local", "global", "replicated"],
                    help="jobs besides the limit: local, global, replicated, negatives (local + cross-shard "
                         "negatives, added by --negatives-every)")
-    p.add_argument("--np", type=int, default=2, help="ranks per job (horovodrun -np)")
+    p.add_argument("--np", type=int, default=2, help="ranks per job (horovodrun -np, torchrun --nproc-per-node)")
+    p.add_argument("--engines", type=lambda s: s.split(","), default=["horovod"],
+                   help="run every job under each: horovod (horovodrun --gloo), torch (torchrun --standalone); "
+                        "with both, the table adds torch / horovod samples/s per (mode, classes, dim)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     p.add_argument("--in-dim", type=int, default=512, help="synthetic input feature size")
+    p.add_argument("--in-shape", type=ints, default=None, metavar="H,W[,C]",
+                   help="synthetic images of this sample shape instead (image backbones: --set model.name=...)")
     p.add_argument("--limit-procs", type=int, default=2,
                    help="the limit runs this many independent processes at once (1: one process alone; "
                         "--np: the same machine load as the Horovod jobs)")
@@ -367,6 +378,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dim", type=int, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--engine", default=NO_ENGINE, help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not a.worker:
