@@ -187,12 +187,15 @@ def test_both_launchers_train_across_two_nodes(nodes, tmp_path, shards4):
     """torchrun (c10d rendezvous on node 1) and horovodrun (Gloo, ssh = the launch agent) each train 4 ranks
     on 2 nodes; every checkpoint's backbones agree across ranks, and the two engines agree with each other."""
     runs = {}
-    procs = _torchrun(nodes, tmp_path, _train(shards4, tmp_path / "t", 20, ["checkpoint.every=10"]), 29412)
+    procs = _torchrun(nodes, tmp_path, _train(shards4, tmp_path / "t", 10, ["checkpoint.every=5"]), 29412)
     outs = _finish(procs, 200)
     assert [p.returncode for p in procs] == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-2000:] for k in (1, 2)]
     runs["torch"] = tmp_path / "t"
-    argv = nodes.horovodrun_argv([sys.executable] + _train(shards4, tmp_path / "h", 20, ["checkpoint.every=10"]))
-    p = nodes.popen(1, argv, env=_env(nodes, 1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = nodes.horovodrun_argv([sys.executable] + _train(shards4, tmp_path / "h", 10, ["checkpoint.every=5"]))
+    # one all-reduce per gradient (no fusion): Horovod's order of addition then does not depend on which
+    # tensors a cycle happened to fuse, so the figure below is the same at every run
+    p = nodes.popen(1, argv, env=_env(nodes, 1, HOROVOD_FUSION_THRESHOLD="0"), cwd=ROOT, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True)
     outs = _finish([p], 200)
     assert p.returncode == 0, outs[0][-3000:]
     runs["horovod"] = tmp_path / "h"
@@ -201,17 +204,17 @@ def test_both_launchers_train_across_two_nodes(nodes, tmp_path, shards4):
     for name, run in runs.items():
         ckpt, step = _latest(run)
         meta = json.load(open(os.path.join(ckpt, "meta.json")))
-        assert step == 20 and meta["world_size"] == 4 and meta["identical"]
+        assert step == 10 and meta["world_size"] == 4 and meta["identical"]
         states[name] = torch.load(os.path.join(ckpt, "backbone.pt"), map_location="cpu", weights_only=True)["state_dict"]
-    # At 4 ranks a sum's order is not fixed: Horovod fuses the tensors that are ready within a cycle, so its
-    # buffers (and the ring's chunks) depend on timing. Of two such runs here one was bitwise the torch
-    # engine's, the other not. Bound: float32 round-off carried through 20 steps (max |diff| / max |w|).
+    # At 4 ranks the engines' rings add in other orders (and with fusion, Horovod's order depends on timing:
+    # of two fused runs here one was bitwise the torch engine's, the other 1.2e-7 away). Bound: float32
+    # round-off carried through 10 steps (max |diff| / max |w|); a wrong scale (1/N missing) is ~25%.
     worst = 0.0
     for k, a in states["horovod"].items():
         if a.is_floating_point():
             b = states["torch"][k]
             worst = max(worst, float((a - b).abs().max() / a.abs().max().clamp_min(1e-12)))
-    print(f"4 ranks on 2 nodes, 20 steps: torch vs Horovod backbone, max relative difference {worst:.2e}")
+    print(f"4 ranks on 2 nodes, 10 steps: torch vs Horovod backbone, max relative difference {worst:.2e}")
     assert worst < 1e-4
 
 
@@ -249,7 +252,7 @@ def test_a_lost_node_under_elastic_torchrun_finishes_on_the_other(nodes, tmp_pat
     agent re-forms the group alone and finishes from that checkpoint, its 4 ranks' rows re-sharded to 2."""
     run = tmp_path / "run"
     extra = ["--nnodes", "1:2", "--max-restarts", "3", "--monitor-interval", "0.5"]
-    procs = [nodes.popen(k, nodes.torchrun_argv(k, _train(shards4, run, 300, ["checkpoint.every=20"]), nproc=2,
+    procs = [nodes.popen(k, nodes.torchrun_argv(k, _train(shards4, run, 150, ["checkpoint.every=20"]), nproc=2,
                                                 port=29414, extra=extra, rdzv_conf="last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"),
                          env=_env(nodes, k, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), cwd=ROOT,
                          stdout=open(tmp_path / f"node{k}.log", "w"), stderr=subprocess.STDOUT) for k in (1, 2)]
@@ -266,7 +269,7 @@ def test_a_lost_node_under_elastic_torchrun_finishes_on_the_other(nodes, tmp_pat
     step = int(resumed[-1].split(" at step ")[1].split()[0])
     ckpt, last = _latest(run)
     meta = json.load(open(os.path.join(ckpt, "meta.json")))
-    assert last == 300 and meta["world_size"] == 2 and meta["identical"]
+    assert last == 150 and meta["world_size"] == 2 and meta["identical"]
     assert meta["slices"][0][0] == 0 and meta["slices"][-1][1] == 24 and \
         all(a[1] == b[0] for a, b in zip(meta["slices"], meta["slices"][1:]))
     m = [json.loads(x) for x in open(run / "metrics.jsonl") if x.strip()]

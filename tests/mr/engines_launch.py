@@ -6,7 +6,10 @@ folder ``OUT/<name>``:
   writes ``OUT/NAME/rank-<r>.log`` (what it printed) and ``rank-<r>.result.json`` (exit code, wall time);
 * ``{"scenario": "mismatch"}``: rank 1 calls a collective under another name than rank 0's; with
   ``HVD_PARTIALFC_CHECK_COLLECTIVES=1`` every rank must raise RankFailure naming both (torch engine only:
-  Horovod matches by name and would wait). Writes ``rank-<r>.log``.
+  Horovod matches by name and would wait). Writes ``rank-<r>.log``;
+* ``{"scenario": "primitives"}``: each primitive against what it must compute, on inputs that differ by
+  rank (a broadcast from ranks that start different; an all-gather of unequal row counts; sums, maxima,
+  averages of several dtypes; the vote). Writes ``rank-<r>.log``.
 
     python engines_launch.py SPEC.json      # SPEC: {"out": ..., "items": [...]}
 
@@ -55,6 +58,36 @@ def _mismatch(comm, out):
             return True
 
 
+def _primitives(comm, out):
+    """Every primitive of the engine against an independent computation (raises AssertionError)."""
+    import torch
+    r, n = comm.rank, comm.size
+    torch.manual_seed(100 + r)                     # every rank starts different
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    m[1].running_mean.fill_(float(r))
+    torch.manual_seed(100)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))   # rank 0's start
+    comm.broadcast_module(m, name="prim")
+    assert torch.equal(m[0].weight, ref[0].weight) and torch.equal(m[1].running_mean, torch.zeros(3))
+    assert len(set(comm.backbone_digests(m, name="prim"))) == 1
+    rows = torch.arange(float(r + 1) * 3).reshape(r + 1, 3) + 10 * r          # r + 1 rows on rank r
+    want = torch.cat([torch.arange(float(k + 1) * 3).reshape(k + 1, 3) + 10 * k for k in range(n)])
+    assert torch.equal(comm.allgather_tensor(rows, "prim.rows"), want)
+    x = torch.tensor([1.0, -2.0, 3.5]) * (r + 1)
+    assert torch.equal(comm.allreduce_tensor(x, "sum", "prim.sum"), torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)))
+    assert torch.equal(comm.allreduce_tensor(x, "max", "prim.max"), torch.tensor([1.0, -2.0, 3.5]) * torch.tensor([n, 1, n]))
+    avg = comm.grouped_average([x, x.double(), torch.full((2,), float(r))], "prim.avg")
+    assert torch.equal(avg[0], torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)) * (1.0 / n))
+    assert avg[1].dtype == torch.float64 and torch.equal(avg[2], torch.full((2,), sum(range(n)) / n))
+    assert comm.allreduce_scalar(r + 1, "min", "prim.min") == 1.0
+    assert comm.allreduce_scalar(r + 1, "average", "prim.average") == sum(range(1, n + 1)) / n
+    assert comm.vote_async([float(r), 0.0], "prim.vote").result() == [float(n - 1), 0.0]
+    assert comm.allgather_object({"r": r}, "prim.obj") == [{"r": k} for k in range(n)]
+    with open(os.path.join(out, f"rank-{r}.log"), "w") as log:
+        log.write("primitives ok\n")
+    return True
+
+
 def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -66,7 +99,9 @@ def main(spec_path: str) -> None:
         os.makedirs(out, exist_ok=True)
         try:
             if "scenario" in item:
-                if not _mismatch(comm, out):
+                if item["scenario"] == "primitives":
+                    _primitives(comm, out)
+                elif not _mismatch(comm, out):
                     raise RuntimeError("the collective names differed and nothing was raised")
             elif (_train(item["args"], out, comm.rank) != 0) != bool(item.get("expect_error")):
                 raise RuntimeError(f"train exited other than expected (see {out}/rank-{comm.rank}.log)")
