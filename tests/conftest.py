@@ -58,6 +58,27 @@ def image_shards(tmp_path_factory):
     return build_shards(make_image_npz(d / "i.npz", 12, 16), d / "shards", 2)
 
 
+# A small MLP job on 4 feature shards of 24 classes (30 samples each): the elastic and two-node runs. It
+# resumes its run folder's latest checkpoint (elastic restarts) and hears a lost peer within 5 s.
+SMALL_RUN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",
+             "train.log_every=5", "train.threads=1", "data.workers=0", "checkpoint.resume=auto", "checkpoint.keep=3",
+             "train.heartbeat_timeout=5", "head.negatives_every=0"]
+
+
+@pytest.fixture(scope="session")
+def small_run_shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small_run")
+    return build_shards(make_feature_npz(d / "f.npz", [30] * 24), d / "shards4", 4)
+
+
+def small_run_argv(shards, out, steps, sets=()):
+    """``-m hvd_partialfc.cli train ...`` of the small job (after a launcher, or ``python``)."""
+    argv = ["-m", "hvd_partialfc.cli", "train", "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
+    for s in SMALL_RUN + list(sets):
+        argv += ["--set", s]
+    return argv
+
+
 def launch_cmd(launcher, np_):
     """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
     this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""

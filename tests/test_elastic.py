@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, build_shards, launch_env, make_feature_npz, run_job
+from conftest import BIN, ROOT, SMALL_RUN, launch_env, run_job, small_run_argv as train_cmd
 import pins
 
 pytestmark = pytest.mark.multirank
@@ -30,24 +30,6 @@ TORCHRUN = os.path.join(BIN, "torchrun")
 # its keep-alive (default 5 x 3), and a round waits last_call_timeout (default 30 s) for more agents after
 # the minimum has joined; shorter here, so a recovery takes seconds (docs/engines.md has the trade-off)
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
-SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",
-        "train.log_every=5", "train.threads=1", "data.workers=0", "checkpoint.resume=auto", "checkpoint.keep=3",
-        "train.heartbeat_timeout=5", "head.negatives_every=0"]
-
-
-@pytest.fixture(scope="module")
-def shards4(tmp_path_factory):
-    d = tmp_path_factory.mktemp("el")
-    return build_shards(make_feature_npz(d / "f.npz", [30] * 24), d / "shards4", 4)
-
-
-def train_cmd(shards, out, steps, sets=()):
-    args = ["-m", "hvd_partialfc.cli", "train", "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
-    for s in SETS + list(sets):
-        args += ["--set", s]
-    return args
-
-
 def env(fault=None):
     e = launch_env(fault)
     e["HVD_PARTIALFC_CHECK_COLLECTIVES"] = "1"
@@ -83,7 +65,7 @@ def _uninterrupted(shards, out, steps, sets):
     from hvd_partialfc.run.simulate import simulate
     saved = (torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate())
     try:
-        cfg = load_config(None, [*SETS, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
+        cfg = load_config(None, [*SMALL_RUN, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
         return simulate(cfg, 2).checkpoint
     finally:
         torch.set_num_threads(saved[0])
@@ -92,19 +74,19 @@ def _uninterrupted(shards, out, steps, sets):
         random.setstate(saved[3])
 
 
-def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(shards4, tmp_path):
+def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(small_run_shards, tmp_path):
     hit, sets = tmp_path / "hit", ["checkpoint.every=10"]
     base = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", "--monitor-interval", "0.5"]
-    p = run_job(base + train_cmd(shards4, hit, 40, sets), env("kill@25:1"), 180)
+    p = run_job(base + train_cmd(small_run_shards, hit, 40, sets), env("kill@25:1"), 180)
     assert p.returncode == 0, p.stderr[-3000:]
     text = p.stdout + p.stderr
     assert "resumed from" in text and "step-00000020 at step 20" in text
     ckpt, meta = meta_of(hit)
     assert meta["step"] == 40 and meta["world_size"] == 2
-    assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(_uninterrupted(shards4, tmp_path / "whole", 40, sets))
+    assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(_uninterrupted(small_run_shards, tmp_path / "whole", 40, sets))
 
 
-def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(shards4, tmp_path):
+def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_shards, tmp_path):
     """Two torchrun agents on localhost (1 worker each); agent 2 and its worker are killed after a
     checkpoint; agent 1 re-forms the group alone and finishes from that checkpoint, re-sharded to 1 rank."""
     run = tmp_path / "run"
@@ -112,7 +94,7 @@ def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(shards4, t
     def agent(host):
         return [TORCHRUN, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval",
                 "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "el",
-                "--rdzv-conf", f"is_host={host},{RDZV_CONF}"] + train_cmd(shards4, run, 200, ["checkpoint.every=20"])
+                "--rdzv-conf", f"is_host={host},{RDZV_CONF}"] + train_cmd(small_run_shards, run, 200, ["checkpoint.every=20"])
     logs = [open(tmp_path / f"agent{i}.log", "w") for i in (1, 2)]
     a1 = subprocess.Popen(agent(1), env=env(), cwd=ROOT, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
     time.sleep(1)
@@ -153,7 +135,7 @@ def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(shards4, t
           f"loss {first:.2f} at the start, {last_before:.2f} at step {step}, {after:.2f} after the resume")
 
 
-def test_horovod_restarts_on_the_hosts_that_are_left(shards4, tmp_path):
+def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path):
     """horovod_restarts.py: attempt 0 on 2 slots loses rank 1 at step 15; the discovery script then lists 1
     slot; attempt 1 resumes the step-10 checkpoint re-sharded to 1 rank and finishes."""
     calls = tmp_path / "calls"
@@ -163,7 +145,7 @@ def test_horovod_restarts_on_the_hosts_that_are_left(shards4, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--discovery",
            str(hosts), "--horovodrun", os.path.join(BIN, "horovodrun"), "--horovodrun-args=--gloo", "--",
-           sys.executable] + train_cmd(shards4, run, 30, ["checkpoint.every=10"])
+           sys.executable] + train_cmd(small_run_shards, run, 30, ["checkpoint.every=10"])
     p = run_job(cmd, env("kill@15:1"), 240)
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-3000:]

@@ -21,6 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
 import twonode  # noqa: E402
+from conftest import small_run_argv as _train  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
@@ -125,25 +126,6 @@ def test_mpirun_two_nodes(nodes, tmp_path):
 
 # --- training across the two nodes: the job, a cut link, a lost node ------------------------------------
 
-SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",
-        "train.log_every=5", "train.threads=1", "data.workers=0", "checkpoint.keep=2", "head.negatives_every=0",
-        "checkpoint.resume=auto"]
-
-
-@pytest.fixture(scope="module")
-def shards4(tmp_path_factory):
-    from conftest import build_shards, make_feature_npz
-    d = tmp_path_factory.mktemp("two")
-    return build_shards(make_feature_npz(d / "f.npz", [30] * 24), d / "shards4", 4)
-
-
-def _train(shards, out, steps, sets=()):
-    argv = ["-m", "hvd_partialfc.cli", "train", "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
-    for s in SETS + list(sets):
-        argv += ["--set", s]
-    return argv
-
-
 def _env(nodes, k, **more):
     return dict(nodes.launch_env(k), PYTHONPATH=ROOT, HVD_PARTIALFC_CHECK_COLLECTIVES="1", **more)
 
@@ -183,15 +165,15 @@ def _workers(procs):
     return out
 
 
-def test_both_launchers_train_across_two_nodes(nodes, tmp_path, shards4):
+def test_both_launchers_train_across_two_nodes(nodes, tmp_path, small_run_shards):
     """torchrun (c10d rendezvous on node 1) and horovodrun (Gloo, ssh = the launch agent) each train 4 ranks
     on 2 nodes; every checkpoint's backbones agree across ranks, and the two engines agree with each other."""
     runs = {}
-    procs = _torchrun(nodes, tmp_path, _train(shards4, tmp_path / "t", 10, ["checkpoint.every=5"]), 29412)
+    procs = _torchrun(nodes, tmp_path, _train(small_run_shards, tmp_path / "t", 10, ["checkpoint.every=5"]), 29412)
     outs = _finish(procs, 200)
     assert [p.returncode for p in procs] == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-2000:] for k in (1, 2)]
     runs["torch"] = tmp_path / "t"
-    argv = nodes.horovodrun_argv([sys.executable] + _train(shards4, tmp_path / "h", 10, ["checkpoint.every=5"]))
+    argv = nodes.horovodrun_argv([sys.executable] + _train(small_run_shards, tmp_path / "h", 10, ["checkpoint.every=5"]))
     # one all-reduce per gradient (no fusion): Horovod's order of addition then does not depend on which
     # tensors a cycle happened to fuse, so the figure below is the same at every run
     p = nodes.popen(1, argv, env=_env(nodes, 1, HOROVOD_FUSION_THRESHOLD="0"), cwd=ROOT, stdout=subprocess.PIPE,
@@ -218,11 +200,11 @@ def test_both_launchers_train_across_two_nodes(nodes, tmp_path, shards4):
     assert worst < 1e-4
 
 
-def test_a_cut_link_ends_every_rank_naming_the_lost_peer(nodes, tmp_path, shards4):
+def test_a_cut_link_ends_every_rank_naming_the_lost_peer(nodes, tmp_path, small_run_shards):
     """The link goes down mid-run (no reset arrives): the heartbeat ends all 4 ranks in under 60 s, each
     side naming a peer across the cut; the last checkpoint stays intact and ``latest`` names it."""
     run = tmp_path / "run"
-    procs = _torchrun(nodes, tmp_path, _train(shards4, run, 100000, ["checkpoint.every=10",
+    procs = _torchrun(nodes, tmp_path, _train(small_run_shards, run, 100000, ["checkpoint.every=10",
                                                                     "train.heartbeat_timeout=5"]), 29413)
     try:
         _wait_step(run, 20, procs)
@@ -247,12 +229,12 @@ def test_a_cut_link_ends_every_rank_naming_the_lost_peer(nodes, tmp_path, shards
     print(f"link cut: every rank ended {took:.1f} s after the cut (heartbeat timeout 5 s); last checkpoint step {step}")
 
 
-def test_a_lost_node_under_elastic_torchrun_finishes_on_the_other(nodes, tmp_path, shards4):
+def test_a_lost_node_under_elastic_torchrun_finishes_on_the_other(nodes, tmp_path, small_run_shards):
     """``--nnodes 1:2 --max-restarts 3``: node 2 is killed (every process) after a checkpoint; node 1's
     agent re-forms the group alone and finishes from that checkpoint, its 4 ranks' rows re-sharded to 2."""
     run = tmp_path / "run"
     extra = ["--nnodes", "1:2", "--max-restarts", "3", "--monitor-interval", "0.5"]
-    procs = [nodes.popen(k, nodes.torchrun_argv(k, _train(shards4, run, 150, ["checkpoint.every=20"]), nproc=2,
+    procs = [nodes.popen(k, nodes.torchrun_argv(k, _train(small_run_shards, run, 150, ["checkpoint.every=20"]), nproc=2,
                                                 port=29414, extra=extra, rdzv_conf="last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"),
                          env=_env(nodes, k, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), cwd=ROOT,
                          stdout=open(tmp_path / f"node{k}.log", "w"), stderr=subprocess.STDOUT) for k in (1, 2)]

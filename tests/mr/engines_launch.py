@@ -37,7 +37,7 @@ def _train(args, out, rank):
     with open(os.path.join(out, f"rank-{rank}.log"), "w") as log, contextlib.redirect_stdout(log), \
             contextlib.redirect_stderr(log):
         try:
-            code = cli.main(["train", *args])
+            code = cli.main(["train", *(a.replace("{rank}", str(rank)) for a in args)])
         except BaseException:  # noqa: BLE001 (what the console script would print on its way out)
             traceback.print_exc()
             code = 1
@@ -88,9 +88,16 @@ def _primitives(comm, out):
     return True
 
 
-def main(spec_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
+def _scenario(name, comm, out):
+    if name == "primitives":
+        _primitives(comm, out)
+    elif not _mismatch(comm, out):
+        raise RuntimeError("the collective names differed and nothing was raised")
+
+
+def run_items(spec, scenario) -> None:
+    """Start the launcher's engine once, then each item of ``spec`` in order: ``{"train": ...}`` through
+    ``cli.main``, ``{"scenario": NAME}`` as ``scenario(NAME, comm, OUT/NAME)`` (also tests/mr/checkpoints_launch.py)."""
     comm = start_engine("auto", os.environ)
     type(comm).shutdown = lambda self: None          # the next item uses the same engine
     for item in spec["items"]:
@@ -99,10 +106,7 @@ def main(spec_path: str) -> None:
         os.makedirs(out, exist_ok=True)
         try:
             if "scenario" in item:
-                if item["scenario"] == "primitives":
-                    _primitives(comm, out)
-                elif not _mismatch(comm, out):
-                    raise RuntimeError("the collective names differed and nothing was raised")
+                scenario(name, comm, out)
             elif (_train(item["args"], out, comm.rank) != 0) != bool(item.get("expect_error")):
                 raise RuntimeError(f"train exited other than expected (see {out}/rank-{comm.rank}.log)")
         except Exception as e:  # noqa: BLE001
@@ -112,4 +116,5 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    with open(sys.argv[1]) as f:
+        run_items(json.load(f), _scenario)
