@@ -79,6 +79,35 @@ def small_run_argv(shards, out, steps, sets=()):
     return argv
 
 
+def simulate_here(cfg, ranks, timeout=120):
+    """``simulate(cfg, ranks)`` (N virtual ranks) in this process, in a thread with a deadline (a hang fails);
+    torch's thread count and the torch, numpy and Python random streams are put back after. Returns the
+    SimResult or raises the run's error (``SimFailure``: ``.error`` is the rank's exception)."""
+    import random
+    import threading
+    import torch
+    from hvd_partialfc.run.simulate import simulate
+    threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    box = {}
+
+    def target():
+        try:
+            box["result"] = simulate(cfg, ranks)
+        except Exception as e:  # noqa: BLE001 (re-raised below, in the test's thread)
+            box["error"] = e
+    try:
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        t.join(timeout)
+        assert not t.is_alive(), "simulate did not finish (deadlock?)"
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng[0]), np.random.set_state(rng[1]), random.setstate(rng[2])
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def launch_cmd(launcher, np_):
     """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
     this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""

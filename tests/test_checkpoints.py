@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import MR, ROOT, build_shards, launch_cmd, launch_env, make_feature_npz, read_json_lines, run_hvd
+from conftest import MR, ROOT, build_shards, launch_cmd, launch_env, simulate_here, make_feature_npz, read_json_lines, run_hvd
 
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
 
@@ -28,41 +28,22 @@ def shards2(tmp_path_factory):
 
 
 def sim(ranks, shards, out, steps, sets=(), fault=None, timeout=120):
-    """``hvd-partialfc simulate --ranks N`` with BASE and ``sets``, through its API in this process: no
-    interpreter or Horovod start-up, for the file logic that needs no real Horovod (one rank: what a run
-    alone, without a launcher, does). ``fault``: ``HVD_PARTIALFC_FAULT`` for the run. A thread with a deadline
-    (a hang fails); torch's thread count and random streams are put back after. Returns the SimResult or
-    raises ``SimFailure`` (``.error``: the rank's exception)."""
-    import random
-    import threading
+    """``hvd-partialfc simulate --ranks N`` with BASE and ``sets``, through its API in this process
+    (conftest.simulate_here): no interpreter or Horovod start-up, for the file logic that needs no real
+    Horovod (one rank: what a run alone, without a launcher, does). ``fault``: ``HVD_PARTIALFC_FAULT`` for
+    the run. Returns the SimResult or raises ``SimFailure`` (``.error``: the rank's exception)."""
     from hvd_partialfc.config import load_config
     from hvd_partialfc.run.faults import ENV
-    from hvd_partialfc.run.simulate import simulate
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
-    threads, rng = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
-    box, saved = {}, os.environ.pop(ENV, None)
+    saved = os.environ.pop(ENV, None)
     if fault:
         os.environ[ENV] = fault
-
-    def target():
-        try:
-            box["result"] = simulate(cfg, ranks)
-        except Exception as e:  # noqa: BLE001 (re-raised below, in the test's thread)
-            box["error"] = e
     try:
-        t = threading.Thread(target=target, daemon=True)
-        t.start()
-        t.join(timeout)
-        assert not t.is_alive(), "simulate did not finish (deadlock?)"
+        return simulate_here(cfg, ranks, timeout)
     finally:
         os.environ.pop(ENV, None)
         if saved is not None:
             os.environ[ENV] = saved
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng[0]), np.random.set_state(rng[1]), random.setstate(rng[2])
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def cli_here(capsys, *args):

@@ -21,7 +21,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, SMALL_RUN, launch_env, run_job, small_run_argv as train_cmd
+from conftest import BIN, ROOT, SMALL_RUN, launch_env, run_job, simulate_here, small_run_argv as train_cmd
 import pins
 
 pytestmark = pytest.mark.multirank
@@ -57,21 +57,10 @@ def recovery(run, killed_at, resumed_step):
 
 def _uninterrupted(shards, out, steps, sets):
     """The same run without a fault, as ``simulate --ranks 2`` in this process (bitwise a real 2-rank run's:
-    tests/test_pins.py, test_engines.py); torch's threads and random streams are put back after."""
-    import random
-    import numpy as np
-    import torch
+    tests/test_pins.py, test_engines.py); its last checkpoint."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.run.simulate import simulate
-    saved = (torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate())
-    try:
-        cfg = load_config(None, [*SMALL_RUN, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
-        return simulate(cfg, 2).checkpoint
-    finally:
-        torch.set_num_threads(saved[0])
-        torch.set_rng_state(saved[1])
-        np.random.set_state(saved[2])
-        random.setstate(saved[3])
+    cfg = load_config(None, [*SMALL_RUN, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
+    return simulate_here(cfg, 2).checkpoint
 
 
 def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(small_run_shards, tmp_path):

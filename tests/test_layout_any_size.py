@@ -6,13 +6,12 @@ import json
 import os
 import random
 import shutil
-import threading
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import build_shards, make_feature_npz
+from conftest import build_shards, make_feature_npz, simulate_here
 from hvd_partialfc.data.layout import RankLayout
 from hvd_partialfc.data.partition import LabelSlice, check_partition
 from hvd_partialfc.data.shards import Manifest, ShardEntry, ShardError, rank_layout
@@ -136,28 +135,10 @@ def shards6(tmp_path_factory):
 
 
 def _sim(ranks, shards, out, steps, *sets, timeout=60):
-    """``simulate`` in a thread with a deadline; torch's thread count and RNG put back after."""
+    """``simulate`` in this process (conftest.simulate_here); its last checkpoint."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.run.simulate import simulate
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
-    threads, rng, box = torch.get_num_threads(), torch.get_rng_state(), {}
-
-    def target():
-        try:
-            box["result"] = simulate(cfg, ranks)
-        except Exception as e:  # noqa: BLE001 (re-raised in the test's thread)
-            box["error"] = e
-    try:
-        t = threading.Thread(target=target, daemon=True)
-        t.start()
-        t.join(timeout)
-        assert not t.is_alive(), "simulate did not finish (deadlock?)"
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(rng)
-    if "error" in box:
-        raise box["error"]
-    return box["result"].checkpoint
+    return simulate_here(cfg, ranks, timeout).checkpoint
 
 
 def _rows(ckpt):
