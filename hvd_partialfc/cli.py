@@ -70,14 +70,13 @@ def _train(args) -> int:
         ckpt = trainer.fit()
     except Exception as e:
         # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
-        if heartbeat:
-            heartbeat.stop()
         if not isinstance(e, _expected_errors()):
             traceback.print_exc()
         print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
-    if heartbeat:
-        heartbeat.stop()
+    finally:   # a goodbye before this process ends: its neighbour does not take it for a lost peer
+        if heartbeat:
+            heartbeat.stop()
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "

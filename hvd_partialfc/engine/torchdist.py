@@ -204,8 +204,7 @@ class BucketAverager(AveragingOptimizer):
     def _reset(self) -> None:
         self._passes: Dict[int, int] = {}
         self._waiting = [len(ps) for ps in self.buckets]
-        self._inflight: List[Tuple[int, Any, torch.Tensor]] = []
-        self._launched = [False] * len(self.buckets)
+        self._inflight: List[Tuple[int, Any, torch.Tensor]] = []     # (bucket, its all-reduce, its buffer)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         """Autograd's hook after ``p.grad`` was accumulated: launch p's bucket after its last pass."""
@@ -233,15 +232,15 @@ class BucketAverager(AveragingOptimizer):
         comm.check_name(f"gradients.backbone.bucket{b}")
         comm.sent_bytes += flat.numel() * flat.element_size()
         self._inflight.append((b, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), flat))
-        self._launched[b] = True
 
     def synchronize(self) -> None:
         """Every backbone gradient replaced by its mean over ranks (buckets not launched by the hooks, e.g.
         fewer passes than ``backward_passes_per_step``, are launched here in bucket order)."""
         if self._comm.size == 1:
             return
-        for b, done in enumerate(self._launched):
-            if not done:
+        launched = {b for b, _, _ in self._inflight}
+        for b in range(len(self.buckets)):
+            if b not in launched:
                 self._launch(b)
         t0 = time.perf_counter()
         scale = 1.0 / self._comm.size

@@ -45,7 +45,7 @@ def _parse(text: str) -> List[Tuple[str, int, Optional[int]]]:
 
 def restart_count() -> int:
     """Which attempt of an elastic job this process belongs to: torchrun's ``TORCHELASTIC_RESTART_COUNT``,
-    or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.sh); 0 outside them."""
+    or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.py); 0 outside them."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("HVD_PARTIALFC_RESTART_COUNT") or 0)
 
 
