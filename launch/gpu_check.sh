@@ -1,66 +1,89 @@
 #!/usr/bin/env bash
-# GPU check (one NVIDIA GPU, no network): build Horovod 0.28.1 with NCCL (from the pip package nvidia-nccl)
-# against the machine's torch, run the trainer on CUDA (np=1, NCCL for GPU tensors), export/info, and a
-# throughput figure, and the face workload (launch/gpu_face_check.py; on CPU: `--tiny`). Needs the Horovod sdist at $HOROVOD_SDIST (pip download --no-binary :all: horovod==0.28.1).
-set -x
-export PYTHONUNBUFFERED=1
-T0=$(date +%s)
-nvidia-smi -L
-python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
-NCCL_DIR=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])")
-ls $NCCL_DIR $NCCL_DIR/include $NCCL_DIR/lib
-mkdir -p /tmp/nccl/lib && for f in $NCCL_DIR/lib/libnccl.so*; do ln -sf $f /tmp/nccl/lib/; done
-ln -sf $(ls $NCCL_DIR/lib/libnccl.so.* | head -1) /tmp/nccl/lib/libnccl.so
-tar xzf "${HOROVOD_SDIST:-.dev/horovod-0.28.1.tar.gz}" -C /tmp
-cd /tmp/horovod-0.28.1
-sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' CMakeLists.txt horovod/torch/CMakeLists.txt
-sed -i 's/CMAKE_CUDA_STANDARD 11/CMAKE_CUDA_STANDARD 17/' horovod/common/ops/cuda/CMakeLists.txt
-export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_INCLUDE=$NCCL_DIR/include HOROVOD_NCCL_LIB=/tmp/nccl/lib \
-  HOROVOD_NCCL_LINK=SHARED HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-  HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_BUILD_CUDA_CC_LIST=90 CMAKE_POLICY_VERSION_MINIMUM=3.5 \
-  MAKEFLAGS=-j16 HOROVOD_CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/hvd . > $OUT/build.log 2>&1
-echo "build rc=$? after $(( $(date +%s) - T0 )) s"
-tail -30 $OUT/build.log
-cd - >/dev/null
-export PYTHONPATH=$PWD:/tmp/hvd LD_LIBRARY_PATH=/tmp/nccl/lib:$LD_LIBRARY_PATH PATH=/tmp/hvd/bin:$PATH
-python3 /tmp/hvd/bin/horovodrun --check-build
-python3 - <<'PY'
-import numpy as np, sys
-sys.path.insert(0, 'tests')
-from conftest import make_image_npz, build_shards
-build_shards(make_image_npz('/tmp/i.npz', 64, 40, size=32), '/tmp/img', 1)
-PY
-python3 /tmp/hvd/bin/horovodrun -np 1 --gloo python3 -m hvd_partialfc.cli train --shards /tmp/img --out /tmp/run \
-  --steps 60 --set train.device=cuda --set data.batch_size=64 --set model.kwargs='{width: 16}' \
-  --set train.log_every=10 --set head.scale=32 --set head.margin=0.3 --set train.precision=bf16 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" | tail -8
-cat /tmp/run/metrics.jsonl | python3 -c "import sys,json; [print(json.loads(l)['step'], round(json.loads(l)['loss'],3), round(json.loads(l)['samples_per_s'])) for l in sys.stdin]"
-python3 -m hvd_partialfc.cli info /tmp/run
-python3 -m hvd_partialfc.cli export /tmp/run --out /tmp/bb.pt | head -3
-cp /tmp/run/metrics.jsonl $OUT/ 2>/dev/null
-# Throughput of the demo-sized backbone on the GPU (fp32 and bf16), plain PyTorch
-python3 - <<'PY'
-import torch, time
-from hvd_partialfc.models import create_model
-from hvd_partialfc.classifier.margins import LocalClassifier
-for size, width, bs in [(32, 16, 256), (64, 16, 256), (112, 64, 256)]:
-    for prec in ("fp32", "bf16"):
-        m = create_model('resnet', in_shape=[size, size], embedding_dim=128, width=width).cuda()
-        h = LocalClassifier(100000, 128, 'arcface', 32, 0.3).cuda()
-        opt = torch.optim.SGD(list(m.parameters()) + list(h.parameters()), lr=0.1, momentum=0.9)
-        x = torch.randn(bs, 1, size, size, device='cuda'); y = torch.randint(0, 100000, (bs,), device='cuda')
-        def step():
-            with torch.autocast('cuda', dtype=torch.bfloat16, enabled=prec == 'bf16'):
-                f = m(x)
-            loss = h(f.float(), y); opt.zero_grad(); loss.backward(); opt.step()
-        for _ in range(5): step()
-        torch.cuda.synchronize(); t = time.perf_counter(); n = 20
-        for _ in range(n): step()
-        torch.cuda.synchronize(); dt = (time.perf_counter() - t) / n
-        print(f"resnet w{width} {size}px batch {bs} {prec} + 100k-class local head: {bs/dt:,.0f} samples/s")
-PY
-# The face workload (issue 13): iresnet50 at 112x112, fp16 and bf16, from encoded JPEG shards through the real
-# loader; the step split (a) full step with a 125,000-class local classifier, (b) backbone alone, (c) loader alone
-python3 launch/gpu_face_check.py /tmp/faces 2>&1 | tail -16
-cp /tmp/faces/face_check.json $OUT/ 2>/dev/null
-echo "total $(( $(date +%s) - T0 )) s"
+# The GPU check: one machine with one NVIDIA GPU and no network (docs/gpu.md says what it needs and what
+# its figures mean). Fails loudly: any stage that fails ends the script with a non-zero exit naming the stage.
+#
+#   OUT=results HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz bash launch/gpu_check.sh
+#   OUT=results GPU_CHECK_TINY=1 bash launch/gpu_check.sh     # CPU: toy sizes, the installed Horovod (its test)
+#
+# Stages (each timed, in OUT/stages.tsv):
+#   env       torch, CUDA, the GPU, nvcc, NCCL: what the build and the runs will use (OUT/env.txt)
+#   prepare   two JPEG shard sets (125,000 and 1,000 classes) and the loader's sustained rate (cold queue)
+#   torch     the trainer under torchrun (torch.distributed + NCCL; needs no build): iresnet50, batch 128,
+#             fp16 and bf16, a 125k-class local head against a 1k-class one, peak memory per precision
+#   build     Horovod from its sdist with NCCL (launch/build_horovod.sh), `horovodrun --check-build` must
+#             show NCCL; the GPU smoke tests (pytest -m gpu, torch engine) run beside it
+#   horovod   the same trainer runs under horovodrun -np 1, and the smoke tests that need Horovod
+#   report    OUT/face_check.json and face_check.txt; exit 1 when a run is missing or looks wrong
+# One GPU: NCCL refuses two ranks on one device, so np = 1; the engines' collectives still run through NCCL
+# at size 1 (the smoke tests check them on CUDA tensors). Everything goes to mktemp -d folders.
+set -euo pipefail
+: "${OUT:?set OUT to the folder for the results}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+TINY="${GPU_CHECK_TINY:-0}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+STAGE=start
+trap 'echo "gpu_check: FAILED in stage $STAGE (exit $?); its output is above and in $OUT" >&2' ERR
+T0=$(date +%s); TS=$T0
+stage() {   # stage NAME: close the previous stage's timing, open NAME's
+  local now; now=$(date +%s)
+  [ "$STAGE" = start ] || printf '%s\t%s\n' "$STAGE" "$((now - TS))" >> "$OUT/stages.tsv"
+  STAGE="$1"; TS=$now
+  echo "=== $1 ($((now - T0)) s)"
+}
+TINY_ARG=(); [ "$TINY" = 1 ] && TINY_ARG=(--tiny)
+: > "$OUT/stages.tsv"
+
+stage env
+{
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])"
+  "$PY" -c "import torch.distributed as d; print('torch.distributed: nccl', d.is_nccl_available(), 'gloo', d.is_gloo_available())"
+  if [ "$TINY" != 1 ]; then nvidia-smi -L; command -v nvcc >/dev/null && nvcc --version | tail -2; fi
+  nproc
+} 2>&1 | tee "$OUT/env.txt"
+if [ "$TINY" != 1 ]; then
+  "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "no CUDA device visible" >&2; false; }
+fi
+
+stage prepare
+"$PY" launch/gpu_face_check.py prepare "$WORK" "${TINY_ARG[@]}"
+
+stage torch
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 launch/gpu_face_check.py measure "$WORK" \
+  --engine torch "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/torch.log"
+
+stage build
+if [ "$TINY" = 1 ]; then
+  HOROVODRUN="$(command -v horovodrun)"      # the installed (CPU) Horovod: the script's own test
+else
+  : "${HOROVOD_SDIST:?set HOROVOD_SDIST to horovod-0.28.1.tar.gz (pip download --no-deps --no-binary :all: horovod==0.28.1)}"
+  # The smoke tests that need no Horovod run on the GPU while Horovod compiles on the CPUs.
+  HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k "not horovod" tests -p no:cacheprovider \
+    > "$OUT/smoke_torch.log" 2>&1 & SMOKE=$!
+  WHEEL="$(bash launch/build_horovod.sh --python "$PY" --wheel-dir "$WORK/wheel" --sdist "$HOROVOD_SDIST" \
+           2> "$OUT/build.log" | tail -1)" || { tail -40 "$OUT/build.log" >&2; false; }
+  "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/hvd" "$WHEEL"
+  export PYTHONPATH="$PYTHONPATH:$WORK/hvd" PATH="$WORK/hvd/bin:$PATH"
+  HOROVODRUN="$WORK/hvd/bin/horovodrun"
+  wait "$SMOKE" || { tail -30 "$OUT/smoke_torch.log" >&2; false; }
+  tail -3 "$OUT/smoke_torch.log"
+fi
+"$PY" "$HOROVODRUN" --check-build | tee "$OUT/check_build.txt"
+if [ "$TINY" != 1 ]; then grep -q "\[X\] NCCL" "$OUT/check_build.txt" || { echo "Horovod built without NCCL" >&2; false; }; fi
+
+stage horovod
+"$PY" "$HOROVODRUN" -np 1 --gloo "$PY" launch/gpu_face_check.py measure "$WORK" --engine horovod \
+  "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/horovod.log"
+if [ "$TINY" != 1 ]; then
+  HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k horovod tests -p no:cacheprovider 2>&1 \
+    | tee "$OUT/smoke_horovod.log" | tail -3
+fi
+
+stage report
+"$PY" launch/gpu_face_check.py report "$WORK" "$OUT"
+stage done
+echo "gpu_check: passed in $(( $(date +%s) - T0 )) s; results in $OUT (face_check.txt, face_check.json, stages.tsv)"

@@ -1,27 +1,35 @@
 #!/usr/bin/env python
-"""The face workload on one GPU (issue 13), run by launch/gpu_check.sh; on CPU with ``--tiny`` to show it runs.
+"""The face workload measured through the trainer itself, for launch/gpu_check.sh (GPU) and its CPU test.
 
-    python launch/gpu_face_check.py OUT            # GPU: iresnet50, 112x112 JPEG shards, batch 128
-    python launch/gpu_face_check.py OUT --tiny     # CPU: iresnet18, a few steps (no figures worth keeping)
+    python launch/gpu_face_check.py prepare WORK [--tiny]     # shard sets + the loader's sustained rate
+    torchrun --standalone --nproc-per-node 1 launch/gpu_face_check.py measure WORK --engine torch [--tiny]
+    horovodrun -np 1 python launch/gpu_face_check.py measure WORK --engine horovod [--tiny]
+    python launch/gpu_face_check.py report WORK OUT          # table + face_check.json; exit 1 if incomplete
 
-1. An encoded shard set of 112x112x3 JPEGs (quality 95, as InsightFace's .rec) is written under OUT.
-2. ``hvd-partialfc train`` (world size 1: plain ``python -m hvd_partialfc.cli``, Horovod runs alone) with
-   iresnet50, the ms1mv3_r50 recipe's keys, fp16 then bf16, a few hundred steps through the real loader
-   (``data.workers`` = cores - 2, flip on); samples/s and the data-time share from its metrics.jsonl.
-3. The step split, samples/s for: (a) the full step, iresnet50 + a local classifier of 125,000 classes (one
-   rank's slice of 10^6 classes on 8 GPUs), batches from the loader; (b) the same step without the
-   classifier (the backbone alone: the limit); (c) the loader alone with the same workers. (a) and (b) are
-   also timed on one batch kept on the device, which says whether the loader or the GPU sets the pace.
-Everything is printed as a table and written to OUT/face_check.json (no machine paths).
+What is measured (GPU; ``--tiny`` is the same code at toy sizes on the CPU, so the script cannot rot):
+
+* **The trainer**, built by ``run.startup.start_trainer`` from the ms1mv3_r50 recipe with ``head.mode: local``
+  set explicitly, iresnet50 at 112x112 from JPEG shards, batch 128, fp16 then bf16, under the engine the
+  launcher started (``--engine``). Two heads: a **125,000-class local head** (one rank's slice of 10^6
+  classes on 8 GPUs; a shard set with one sample per class) and a **1,000-class head** (0.8% of those
+  columns: the backbone's cost, through the same loop). Step time = batch / the trainer's own samples/s
+  (wall clock between log lines, after warm-up), so no timer inside the step is trusted.
+* **Peak GPU memory per precision**: ``torch.cuda.reset_peak_memory_stats`` before each run, the previous
+  run's objects freed first; the memory still allocated at each start is recorded beside it (it should be ~0).
+* **The loader's sustained rate** (``prepare``): a new loader (cold: no queue filled by earlier runs), the
+  realistic worker count, flip on; the rate over the batches after the prefetch queue's depth.
+
+Nothing uses a fixed temporary path: WORK comes from the caller (``mktemp -d`` in gpu_check.sh).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import subprocess
 import sys
 import time
+from typing import Any, Dict, List
 
 import numpy as np
 import torch
@@ -31,139 +39,213 @@ sys.path.insert(0, ROOT)
 
 from data_tools.bench_loader import face_jpegs  # noqa: E402
 from data_tools.shard_writer import write_shard_set  # noqa: E402
-from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch  # noqa: E402
-from hvd_partialfc.classifier.margins import create_margin, margin_cross_entropy  # noqa: E402
-from hvd_partialfc.models import create_model  # noqa: E402
+from hvd_partialfc.atomic import write_text  # noqa: E402
 from hvd_partialfc.data.partition import even_slices  # noqa: E402
 
-
-def build_shards(out: str, classes: int, per_class: int) -> str:
-    d = os.path.join(out, "faces")
-    if not os.path.isfile(os.path.join(d, "manifest.json")):
-        blobs, _ = face_jpegs(classes * per_class, unique=min(classes * per_class, 4000))
-        labels = np.repeat(np.arange(classes), per_class)
-        write_shard_set(d, "encoded", blobs, labels, even_slices(classes, 4), classes, sample_shape=[112, 112, 3])
-    return d
+RECIPE = os.path.join(ROOT, "configs", "ms1mv3_r50.yaml")
+PRECISIONS = ("fp16", "bf16")
+# name -> (classes, samples per class) of the two shard sets
+FULL = {"head125k": (125_000, 1), "head1k": (1_000, 8)}
+TINY = {"head125k": (600, 1), "head1k": (20, 8)}
 
 
-def train_cli(shards: str, out: str, model: str, precision: str, steps: int, batch: int, workers: int,
-              device: str) -> dict:
-    run = os.path.join(out, f"train-{model}-{precision}")
-    cmd = [sys.executable, "-m", "hvd_partialfc.cli", "train", "--config", "configs/ms1mv3_r50.yaml",
-           "--shards", shards, "--out", run, "--steps", str(steps)]
-    for s in (f"model.name={model}", f"train.precision={precision}", f"data.batch_size={batch}",
-              f"data.workers={workers}", "train.log_every=1" if steps < 20 else "train.log_every=10", "checkpoint.every=0", f"train.device={device}"):
-        cmd += ["--set", s]
-    t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    if p.returncode != 0:
-        print(p.stdout[-3000:], p.stderr[-3000:])
-        return {"model": model, "precision": precision, "error": p.stderr.strip().splitlines()[-1:]}
-    recs = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"samples_per_s"' in line]
-    tail = recs[len(recs) // 2:] or recs              # the second half: workers started, caches warm
-    return {"model": model, "precision": precision, "steps": steps, "batch": batch, "workers": workers,
-            "wall_s": round(time.time() - t0, 1), "samples_per_s": float(np.median([r["samples_per_s"] for r in tail])),
-            "data_share": float(np.median([r.get("data_time", 0) / max(r.get("step_time", 1e-9), 1e-9)
-                                           for r in tail])),
-            "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"]}
+def sizes(tiny: bool) -> Dict[str, Any]:
+    """The run's sizes: GPU figures, or the CPU smoke's (a small resnet, a few steps)."""
+    if tiny:
+        return {"sets": TINY, "model": "resnet", "kwargs": {"width": 8}, "batch": 4, "steps": 4,
+                "log_every": 2, "workers": 1, "device": "cpu", "loader_batches": 12}
+    return {"sets": FULL, "model": "iresnet50", "kwargs": {}, "batch": 128, "steps": 120, "log_every": 10,
+            "workers": max(1, min(12, (os.cpu_count() or 4) - 2)), "device": "cuda", "loader_batches": 300}
 
 
-def step_split(shards: str, model_name: str, classes: int, batch: int, workers: int, steps: int,
-               device: torch.device, precision: str, warmup: int = 3) -> dict:
-    torch.manual_seed(0)
-    backbone = create_model(model_name, in_shape=[112, 112, 3], embedding_dim=512).to(device)
-    weight = torch.nn.Parameter(torch.empty(classes, 512, device=device).normal_(0, 0.01))
-    margin = create_margin("arcface", 64.0, 0.5)
-    opt = torch.optim.SGD([{"params": backbone.parameters()}, {"params": [weight]}], lr=0.01, momentum=0.9,
-                          weight_decay=5e-4)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    loader, _ = make_loader(RankShardDataset(shards, 0, 1), batch, seed=0, workers=workers,
-                            pin_memory=device.type == "cuda", augment=["flip"])
-    it = iter(loader)
+def write_json(path: str, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=1))
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
 
-    def step(x, y, with_head: bool):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            f = backbone(x)
-        loss = margin_cross_entropy(f.float(), weight, y, margin) if with_head else f.float().square().mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+# --- prepare: shard sets and the loader's sustained rate ---------------------------------------------
 
-    def timed(fn, n):
-        for _ in range(warmup):
-            fn()
-        sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        return n * batch / (time.perf_counter() - t)
-
-    def from_loader(with_head):
-        def fn():
-            x, y = prepare_batch(*next(it), device, "encoded")
-            step(x, y, with_head)
-        return fn
-
-    x0, y0 = prepare_batch(*next(it), device, "encoded")
-    out = {"model": model_name, "precision": precision, "classes": classes, "batch": batch, "workers": workers,
-           "a_full_step": timed(from_loader(True), steps), "b_backbone_only": timed(from_loader(False), steps),
-           "a_full_step_cached_batch": timed(lambda: step(x0, y0, True), steps),
-           "b_backbone_only_cached_batch": timed(lambda: step(x0, y0, False), steps)}
-    out["c_loader_only"] = timed(lambda: next(it), steps * 2)
-    if device.type == "cuda":
-        out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+def build_sets(work: str, sets: Dict[str, Any]) -> Dict[str, str]:
+    """One shard (one rank's slice) per set: every class has its samples (no empty class is allowed)."""
+    out = {}
+    for name, (classes, per_class) in sets.items():
+        d = os.path.join(work, name)
+        n = classes * per_class
+        blobs, _ = face_jpegs(n, unique=min(n, 2000))
+        labels = np.arange(n) // per_class
+        write_shard_set(d, "encoded", blobs, labels, even_slices(classes, 1), classes, sample_shape=[112, 112, 3])
+        out[name] = d
     return out
+
+
+def loader_rate(shards: str, batch: int, workers: int, batches: int) -> Dict[str, float]:
+    """Samples/s of a new loader (flip on) over ``batches`` batches, timed after the first
+    ``workers x prefetch_factor`` batches, which a prefetch queue may already hold."""
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader
+    loader, _ = make_loader(RankShardDataset(shards, 0, 1), batch, seed=0, workers=workers, augment=["flip"])
+    queued = workers * (loader.prefetch_factor or 0)
+    it = iter(loader)
+    t_start = time.perf_counter()
+    for _ in range(queued + 1):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    dt = time.perf_counter() - t0
+    del it, loader
+    return {"workers": workers, "batch": batch, "batches_timed": batches, "batches_skipped": queued + 1,
+            "samples_per_s": batches * batch / dt, "per_worker": batches * batch / dt / max(1, workers),
+            "start_s": t0 - t_start}
+
+
+def prepare(work: str, tiny: bool) -> int:
+    s = sizes(tiny)
+    t0 = time.time()
+    sets = build_sets(work, s["sets"])
+    built_s = time.time() - t0
+    rate = loader_rate(sets["head125k"], s["batch"], s["workers"], s["loader_batches"])
+    write_json(os.path.join(work, "prepare.json"), {"sets": sets, "build_s": built_s, "loader": rate,
+                                                    "cpu_count": os.cpu_count()})
+    print(f"shards built in {built_s:.0f} s; loader {rate['samples_per_s']:,.0f} samples/s with "
+          f"{rate['workers']} workers (cold queue)", flush=True)
+    return 0
+
+
+# --- measure: the trainer under the engine the launcher started --------------------------------------
+
+def run_config(work: str, engine: str, precision: str, head: str, s: Dict[str, Any]):
+    from hvd_partialfc.config import load_config
+    sets = {"head125k": os.path.join(work, "head125k"), "head1k": os.path.join(work, "head1k")}
+    extra = {"data": {"shards": sets[head], "batch_size": s["batch"], "workers": s["workers"]},
+             "out": os.path.join(work, f"run-{engine}-{precision}-{head}"),
+             "model": {"name": s["model"], "kwargs": s["kwargs"]},
+             "head": {"mode": "local", "sample_rate": 1.0},
+             "train": {"steps": s["steps"], "precision": precision, "device": s["device"], "engine": engine,
+                       "log_every": s["log_every"]},
+             "checkpoint": {"every": 0}, "eval": {"every": 0}}
+    return load_config(RECIPE, (), extra)
+
+
+def one_run(cfg, comm, device: torch.device, warm_logs: int) -> Dict[str, Any]:
+    """Train ``cfg`` with the trainer; its steady samples/s (log intervals after ``warm_logs``) and peak memory."""
+    from hvd_partialfc.run.startup import start_trainer
+    gc.collect()
+    held = 0
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        held = torch.cuda.memory_allocated(device)
+    trainer = start_trainer(cfg, comm)
+    t0 = time.perf_counter()
+    trainer.fit()
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    del trainer
+    gc.collect()
+    with open(os.path.join(cfg.out, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if '"samples_per_s"' in line]
+    steady = recs[warm_logs:] or recs[-1:]
+    sps = float(np.median([r["samples_per_s"] for r in steady]))
+    return {"samples_per_s": sps, "step_ms": 1000.0 * cfg.data.batch_size / sps,
+            "data_share": float(np.median([r["data_time"] / max(r["step_time"] + r["data_time"], 1e-9)
+                                           for r in steady])),
+            "peak_gib": peak / 2 ** 30, "held_at_start_gib": held / 2 ** 30, "fit_s": wall,
+            "first_loss": recs[0]["loss"], "last_loss": recs[-1]["loss"], "log_intervals": len(steady)}
+
+
+def measure(work: str, engine: str, tiny: bool) -> int:
+    from hvd_partialfc.engine.select import start_engine
+    s = sizes(tiny)
+    comm = start_engine(engine, os.environ, s["device"])
+    device = torch.device(s["device"], torch.cuda.current_device()) if s["device"] == "cuda" else torch.device("cpu")
+    rows: List[Dict[str, Any]] = []
+    for precision in PRECISIONS:
+        for head in ("head125k", "head1k"):
+            cfg = run_config(work, engine, precision, head, s)
+            r = one_run(cfg, comm, device, warm_logs=1 if tiny else 3)
+            r.update(engine=engine, precision=precision, head=head, model=s["model"], batch=s["batch"],
+                     classes=s["sets"][head][0], workers=s["workers"])
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    info = {"engine": engine, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows}
+    if engine == "horovod":
+        import horovod.torch as hvd
+        info["horovod_nccl_built"] = bool(hvd.nccl_built())
+    comm.shutdown()
+    write_json(os.path.join(work, f"measure-{engine}.json"), info)
+    return 0
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+def report(work: str, out: str, engines: List[str]) -> int:
+    """The table and face_check.json under OUT; exit 1 when a part is missing or a run looks wrong."""
+    problems: List[str] = []
+    prep = _read(os.path.join(work, "prepare.json"), problems)
+    runs = {e: _read(os.path.join(work, f"measure-{e}.json"), problems) for e in engines}
+    lines = []
+    if prep:
+        r = prep["loader"]
+        lines.append(f"loader (cold queue, flip): {r['samples_per_s']:,.0f} samples/s with {r['workers']} workers "
+                     f"({r['per_worker']:,.0f} per worker), batch {r['batch']}")
+    head_share = "head's share"
+    lines.append(f"{'engine':8} {'prec':5} {'125k head ms':>13} {'1k head ms':>11} {head_share:>12} "
+                 f"{'125k samples/s':>15} {'data share':>10} {'peak GiB':>9}")
+    for engine, info in runs.items():
+        if not info:
+            continue
+        by = {(r["precision"], r["head"]): r for r in info["rows"]}
+        for p in PRECISIONS:
+            full, small = by.get((p, "head125k")), by.get((p, "head1k"))
+            if not full or not small:
+                problems.append(f"{engine} {p}: a run is missing")
+                continue
+            for r in (full, small):
+                if not np.isfinite(r["last_loss"]) or r["samples_per_s"] <= 0:
+                    problems.append(f"{engine} {p} {r['head']}: loss {r['last_loss']}, {r['samples_per_s']} samples/s")
+            share = 1 - small["step_ms"] / full["step_ms"]
+            lines.append(f"{engine:8} {p:5} {full['step_ms']:13.1f} {small['step_ms']:11.1f} {share:12.0%} "
+                         f"{full['samples_per_s']:15,.0f} {full['data_share']:10.0%} "
+                         f"{max(full['peak_gib'], small['peak_gib']):9.2f}")
+        if engine == "horovod" and info.get("device", "cpu") != "cpu" and not info.get("horovod_nccl_built"):
+            problems.append("horovod: built without NCCL on a GPU run")
+    table = "\n".join(lines)
+    print(table)
+    for p in problems:
+        print(f"FAILED: {p}")
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "face_check.json"), {"prepare": prep, "runs": runs, "problems": problems})
+    write_text(os.path.join(out, "face_check.txt"), table + "\n" + "".join(f"FAILED: {p}\n" for p in problems))
+    return 1 if problems else 0
+
+
+def _read(path: str, problems: List[str]):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        problems.append(f"{os.path.basename(path)}: {e}")
+        return None
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out")
-    p.add_argument("--tiny", action="store_true", help="CPU: iresnet18, batch 4, a few steps")
-    args = p.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda" if cuda else "cpu")
-    workers = max(1, (os.cpu_count() or 2) - 2)
-    if args.tiny:
-        classes, per_class, model, batch, steps, train_steps, workers = 40, 4, "iresnet18", 4, 1, 2, 1
-        head_classes = 1000
-    else:
-        classes, per_class, model, batch, steps, train_steps = 1000, 20, "iresnet50", 128, 30, 300
-        head_classes = 125_000
-    t0 = time.time()
-    shards = build_shards(args.out, classes, per_class)
-    print(f"shards: {classes} classes x {per_class} JPEGs ({time.time() - t0:.0f} s)", flush=True)
-    report = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-              "cpu_count": os.cpu_count(), "train": [], "split": []}
-    for precision in ("fp16", "bf16"):
-        r = train_cli(shards, args.out, model, precision, train_steps, batch, workers, device.type)
-        report["train"].append(r)
-        print(json.dumps(r), flush=True)
-    # CPU (--tiny): one precision, one warm-up step (fp16 has no fast CPU kernels: ~25 s a step here)
-    for precision in ("bf16",) if args.tiny else ("fp16", "bf16"):
-        r = step_split(shards, model, head_classes, batch, workers, steps, device, precision,
-                       warmup=1 if args.tiny else 3)
-        report["split"].append(r)
-        print(json.dumps(r), flush=True)
-    print(f"\n{'model':10} {'prec':5} {'(a) full step':>14} {'(b) backbone':>13} {'(a) cached':>11} "
-          f"{'(b) cached':>11} {'(c) loader':>11}  samples/s, {head_classes:,} classes, batch {batch}, "
-          f"{workers} workers")
-    for r in report["split"]:
-        print(f"{r['model']:10} {r['precision']:5} {r['a_full_step']:14,.0f} {r['b_backbone_only']:13,.0f} "
-              f"{r['a_full_step_cached_batch']:11,.0f} {r['b_backbone_only_cached_batch']:11,.0f} "
-              f"{r['c_loader_only']:11,.0f}")
-    report["wall_s"] = round(time.time() - t0, 1)
-    with open(os.path.join(args.out, "face_check.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    failed = [r for r in report["train"] if "error" in r]
-    return 1 if failed else 0
+    p.add_argument("what", choices=("prepare", "measure", "report"))
+    p.add_argument("work")
+    p.add_argument("out", nargs="?", help="report: the folder for face_check.json / .txt")
+    p.add_argument("--engine", choices=("torch", "horovod"))
+    p.add_argument("--engines", default="torch,horovod", help="report: the engines measured")
+    p.add_argument("--tiny", action="store_true", help="CPU: toy sizes (the check's own test)")
+    a = p.parse_args(argv)
+    if a.what == "prepare":
+        return prepare(a.work, a.tiny)
+    if a.what == "measure":
+        if not a.engine:
+            p.error("measure needs --engine")
+        return measure(a.work, a.engine, a.tiny)
+    if not a.out:
+        p.error("report needs OUT")
+    return report(a.work, a.out, a.engines.split(","))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""launch/gpu_check.sh's CPU path (GPU_CHECK_TINY=1): every stage the GPU check runs, at toy sizes, so the
+script cannot rot between the days a GPU is lent. It measures nothing worth keeping on CPU."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import BIN, ROOT, launch_env
+
+pytestmark = pytest.mark.multirank
+
+
+def test_gpu_check_cpu_path(tmp_path):
+    out = tmp_path / "out"
+    env = dict(launch_env(), OUT=str(out), GPU_CHECK_TINY="1", PYTHON=os.path.join(BIN, "python"))
+    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    report = json.loads((out / "face_check.json").read_text())
+    assert report["problems"] == []
+    assert report["prepare"]["loader"]["samples_per_s"] > 0
+    rows = [(e, r["precision"], r["head"]) for e, info in report["runs"].items() for r in info["rows"]]
+    assert sorted(rows) == sorted((e, p, h) for e in ("torch", "horovod") for p in ("fp16", "bf16")
+                                  for h in ("head125k", "head1k"))
+    stages = [line.split("\t")[0] for line in (out / "stages.tsv").read_text().splitlines()]
+    assert stages == ["env", "prepare", "torch", "build", "horovod", "report"]
+    assert "gpu_check: passed" in p.stdout
+
+
+def test_gpu_check_fails_loudly(tmp_path):
+    """A stage that fails ends the script non-zero, naming the stage (it used to end with `echo`, exit 0)."""
+    env = dict(launch_env(), OUT=str(tmp_path), GPU_CHECK_TINY="1", PYTHON="false")   # every python call fails
+    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode != 0
+    assert "FAILED in stage env" in p.stderr
