@@ -12,7 +12,7 @@ the CPU tests)::
 
     HVD_PARTIALFC_TEST_GPU=1 python -m pytest -m gpu tests
 
-Written without a GPU to run it on (docs/gpu.md); sized for about a minute and a half on one.
+Written without a GPU to run it on (docs/gpu.md); estimated at about a minute and a half on one.
 """
 from __future__ import annotations
 
