@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from conftest import MR, ROOT, TEST_GPU, read_json_lines, run_job, simulate_here
+from conftest import MR, ROOT, TEST_GPU, launch_env, read_json_lines, run_job, simulate_here
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (TEST_GPU and torch.cuda.is_available()),
@@ -45,7 +45,6 @@ FEATURES = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_di
 def _env(**extra):
     """A launched job's environment: this checkout first on the path, then the session's (a Horovod built
     for the GPU may live there), and the GPUs shown."""
-    from conftest import launch_env
     e = launch_env()
     e["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     e.update(extra)
