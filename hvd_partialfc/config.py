@@ -94,7 +94,10 @@ class TrainConfig:
     steps: int = 0              # optimizer steps; 0: epochs x (min over ranks of steps per epoch)
     epochs: float = 1.0
     seed: int = 0
-    device: str = "auto"        # auto (cuda:local_rank if available) | cpu | cuda
+    device: str = "auto"        # auto (a GPU if one is visible, else cpu) | cpu | cuda (docs/gpu.md: which GPU)
+    # allow ranks to share a GPU (tests, debugging; the torch engine's collectives then run over Gloo, and a
+    # Horovod built with NCCL fails); false: ranks on one GPU are an error at start-up (engine/device.py)
+    share_gpu: bool = False
     precision: str = "fp32"     # fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)
     # fp16: the loss scale doubles after this many finite steps in a row (halves at a non-finite one); 100 is
     # arcface_torch's GradScaler(growth_interval=100), torch's default is 2000; runs before 2026-12-01: 1000

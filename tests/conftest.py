@@ -7,14 +7,32 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
-import pytest
+# The tests run on the CPU, in this process and in the jobs they launch (which inherit this environment):
+# the bitwise checks and pinned digests are CPU figures, and a GPU node's ranks would share its GPUs. CUDA
+# reads the variable when torch first starts it, after this line. HVD_PARTIALFC_TEST_GPU=1 shows the GPUs:
+# then the GPU tests (marked gpu) run and the others are skipped (docs/gpu.md).
+TEST_GPU = os.environ.get("HVD_PARTIALFC_TEST_GPU") == "1"
+if not TEST_GPU:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 HOROVODRUN = os.path.join(BIN, "horovodrun")
 TORCHRUN = os.path.join(BIN, "torchrun")
 MR = os.path.join(ROOT, "tests", "mr")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With the GPUs shown (HVD_PARTIALFC_TEST_GPU=1) only the tests marked gpu run: the others are CPU tests."""
+    if not TEST_GPU:
+        return
+    skip = pytest.mark.skip(reason="a CPU test: HVD_PARTIALFC_TEST_GPU=1 shows the GPUs to this session")
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            item.add_marker(skip)
 
 
 def make_feature_npz(path, class_counts, dim=16, seed=0, noise=0.5):

@@ -21,6 +21,7 @@ import torch.nn as nn
 import horovod.torch as hvd
 
 from .base import CommBase, backbone_params
+from .device import agreed_device
 
 
 class Comm(CommBase):
@@ -98,15 +99,21 @@ class Comm(CommBase):
 CPU_CYCLE_TIME_MS = "10"
 
 
-def init() -> Comm:
+def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1).
 
-    Without CUDA, and unless the user set it, HOROVOD_CYCLE_TIME becomes ``CPU_CYCLE_TIME_MS``.
+    Without CUDA, and unless the user set it, HOROVOD_CYCLE_TIME becomes ``CPU_CYCLE_TIME_MS``. On a GPU
+    (``device`` as ``train.device``; ``device.select_device`` picks it), ranks sharing one are refused on
+    every rank unless ``share_gpu`` (``device.agreed_device``); the identities travel as host objects (Gloo
+    or MPI), never through NCCL, which would fail on the shared GPU itself.
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     hvd.init()
-    return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+    comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+    agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,
+                  lambda obj: comm.allgather_object(obj, name="device.gpus"))
+    return comm
 
 
 class Vote:

@@ -64,10 +64,12 @@ def choose_engine(want: str, env: Mapping[str, str]) -> str:
     return want
 
 
-def start_engine(want: str, env: Mapping[str, str], device: str = "auto"):
-    """Choose (``choose_engine``) and start the engine; its ``Comm``. A collective across the launched ranks."""
+def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_gpu: bool = False):
+    """Choose (``choose_engine``) and start the engine; its ``Comm``. A collective across the launched ranks.
+    ``device`` and ``share_gpu``: ``train.device`` and ``train.share_gpu`` (device.py: the GPU's choice, and
+    ranks sharing one refused unless ``share_gpu``)."""
     if choose_engine(want, env) == "torch":
         from . import torchdist
-        return torchdist.init(device)
+        return torchdist.init(device, share_gpu)
     from . import horovod
-    return horovod.init()
+    return horovod.init(device, share_gpu)

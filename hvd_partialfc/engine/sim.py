@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .base import CommBase, RankFailure, backbone_params
+from .device import cuda_in_use
 from .optimizer import AveragingOptimizer
 
 
@@ -81,7 +82,7 @@ class _Streams:
         self.python = random.getstate()
         self.numpy = np.random.get_state()        # legacy tuple: (kind, key, pos, has_gauss, gauss)
         self.np_fingerprint = _numpy_fingerprint()
-        self.cuda = torch.cuda.get_rng_state_all() if _cuda_in_use() else None
+        self.cuda = torch.cuda.get_rng_state() if cuda_in_use() else None   # the current device's
 
     def save(self) -> None:
         """Record the process generators' states as this rank's."""
@@ -90,8 +91,8 @@ class _Streams:
         fingerprint = _numpy_fingerprint()
         if fingerprint != self.np_fingerprint or self.numpy[3]:
             self.numpy, self.np_fingerprint = np.random.get_state(), fingerprint
-        if _cuda_in_use():
-            self.cuda = torch.cuda.get_rng_state_all()
+        if cuda_in_use():
+            self.cuda = torch.cuda.get_rng_state()
 
     def load(self, current: Optional["_Streams"]) -> None:
         """Make this rank's states the process generators'; ``current``: the streams saved last (the process
@@ -101,11 +102,7 @@ class _Streams:
         if current is None or self.np_fingerprint != current.np_fingerprint or self.numpy[3:] != current.numpy[3:]:
             np.random.set_state(self.numpy)
         if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-
-def _cuda_in_use() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+            torch.cuda.set_rng_state(self.cuda)
 
 
 class SimWorld:

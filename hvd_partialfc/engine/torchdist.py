@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .base import CommBase, RankFailure, backbone_params
+from .device import agreed_device, uses_cuda
 from .optimizer import AveragingOptimizer
 
 CHECK_ENV = "HVD_PARTIALFC_CHECK_COLLECTIVES"
@@ -292,18 +293,24 @@ def _attempt_store(size: int):
     return dist.PrefixStore(f"hvd_partialfc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
-def init(device: str = "auto") -> TorchComm:
+def init(device: str = "auto", share_gpu: bool = False) -> TorchComm:
     """Join the torch.distributed group: under torchrun from its environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), alone as a group of one.
-    NCCL when this rank uses a GPU (``device`` as ``train.device``), Gloo otherwise."""
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+    On CPU the group is Gloo. On a GPU (``device`` as ``train.device``) it is NCCL for CUDA tensors and Gloo
+    for host ones, and ``device.agreed_device`` then picks this rank's GPU and gathers every rank's over Gloo,
+    before any NCCL collective: a rank without a GPU, or ranks sharing one, are one ConfigError on every
+    rank (NCCL's own refusal, "Duplicate GPU detected", comes deep in a traceback at the first collective).
+    The GPU is made current after the group is formed, which NCCL allows: it creates its communicators at
+    the first collective. With ``share_gpu`` (``train.share_gpu``) sharing ranks are allowed, and then every
+    rank's collectives run on host tensors over Gloo (one backend per collective on all ranks); without
+    sharing, NCCL.
+    """
     alone = "RANK" not in os.environ
     rank, size = (0, 1) if alone else (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    backend = "nccl" if cuda else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if uses_cuda(device) else "gloo"
     if not dist.is_initialized():
         if alone:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -311,6 +318,16 @@ def init(device: str = "auto") -> TorchComm:
             dist.init_process_group(backend, store=_attempt_store(size), rank=rank, world_size=size)
         else:
             dist.init_process_group(backend, rank=rank, world_size=size)
-    where = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    where, shared = agreed_device(device, rank, local_rank, size, share_gpu, _allgather_host)
+    if shared:
+        where = torch.device("cpu")                   # every rank's collectives on host tensors: Gloo
     return TorchComm(rank, size, local_rank, local_size, where,
                      check_names=os.environ.get(CHECK_ENV, "") not in ("", "0"))
+
+
+def _allgather_host(obj: Any) -> List[Any]:
+    """Every rank's picklable ``obj``: over Gloo, since object collectives of a group with a ``cpu`` backend
+    run on the host (torch.distributed's rule)."""
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

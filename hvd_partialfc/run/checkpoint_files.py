@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..engine.device import cuda_in_use
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FORMAT = "hvd_partialfc.checkpoint"
@@ -41,25 +43,37 @@ def classifier_file(rank: int, world_size: int) -> str:
 # --- RNG states as tensors and plain types (weights_only-loadable) ---------------------------------------
 
 def rng_state() -> Dict[str, Any]:
-    """torch, CUDA, numpy and Python generator states, as tensors, ints, floats and tuples."""
+    """torch, CUDA, numpy and Python generator states, as tensors, ints, floats and tuples. CUDA's: this
+    rank's current device only, and only when this process uses CUDA (``get_rng_state_all`` would start a
+    CUDA context on every visible GPU, and tie the file to how many this node shows)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"torch": torch.get_rng_state(),
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
              "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if cuda_in_use():
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore ``rng_state()``'s generators; CUDA's onto the current device (when this process uses CUDA)."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     random.setstate(_as_tuples(state["python"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and cuda_in_use():
+        device = torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):
+            # Checkpoints written before 2026-12 hold every visible device's state (get_rng_state_all),
+            # and their rank trained on cuda:local_rank: the current device's entry is that one when the
+            # node shows the same GPUs. Otherwise (one GPU per process now, or fewer GPUs) the current
+            # device's entry or else the first: the run goes on, but its CUDA stream may differ from the
+            # uninterrupted run's.
+            cuda = cuda[device] if device < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _as_tuples(x: Any) -> Any:

@@ -22,6 +22,7 @@ from ..data.augment import parse_augment
 from ..config import ConfigError
 from ..data.loader import RankShardDataset, make_loader
 from ..data.layout import RankLayout
+from ..engine.device import select_device
 from .metrics_log import tensorboard_missing
 from .parts import build_parts
 from ..models.pretrained import load_initial_backbone
@@ -39,11 +40,8 @@ def rank_threads(local_size: int) -> int:
 
 
 def pick_device(cfg, comm) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(comm.local_rank)
-        return torch.device("cuda", comm.local_rank)
-    return torch.device("cpu")
+    """This rank's device for ``train.device`` (engine/device.py's rule, which the engine applied already)."""
+    return select_device(cfg.train.device, comm.rank, comm.local_rank)
 
 
 def check_runtime_options(cfg, kind: str) -> None:

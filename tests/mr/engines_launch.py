@@ -9,7 +9,8 @@ folder ``OUT/<name>``:
   Horovod matches by name and would wait). Writes ``rank-<r>.log``;
 * ``{"scenario": "primitives"}``: each primitive against what it must compute, on inputs that differ by
   rank (a broadcast from ranks that start different; an all-gather of unequal row counts; sums, maxima,
-  averages of several dtypes; the vote). Writes ``rank-<r>.log``.
+  averages of several dtypes; the vote). Writes ``rank-<r>.log``. ``primitives-cuda``: the same on the
+  current GPU's tensors (tests/test_gpu_smoke.py).
 
     python engines_launch.py SPEC.json      # SPEC: {"out": ..., "items": [...]}
 
@@ -58,27 +59,35 @@ def _mismatch(comm, out):
             return True
 
 
-def _primitives(comm, out):
-    """Every primitive of the engine against an independent computation (raises AssertionError)."""
+def _primitives(comm, out, device="cpu"):
+    """Every primitive of the engine against an independent computation (raises AssertionError), on tensors
+    of ``device`` ("cuda": the current GPU, which the engine's start made current); results stay there."""
     import torch
     r, n = comm.rank, comm.size
+    dev = torch.device(device)
+    on = lambda x: x.to(dev)  # noqa: E731
     torch.manual_seed(100 + r)                     # every rank starts different
-    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    m = on(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)))
     m[1].running_mean.fill_(float(r))
     torch.manual_seed(100)
     ref = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))   # rank 0's start
     comm.broadcast_module(m, name="prim")
-    assert torch.equal(m[0].weight, ref[0].weight) and torch.equal(m[1].running_mean, torch.zeros(3))
+    assert torch.equal(m[0].weight.cpu(), ref[0].weight) and torch.equal(m[1].running_mean.cpu(), torch.zeros(3))
+    assert m[0].weight.device.type == dev.type
     assert len(set(comm.backbone_digests(m, name="prim"))) == 1
-    rows = torch.arange(float(r + 1) * 3).reshape(r + 1, 3) + 10 * r          # r + 1 rows on rank r
+    rows = on(torch.arange(float(r + 1) * 3).reshape(r + 1, 3) + 10 * r)     # r + 1 rows on rank r
     want = torch.cat([torch.arange(float(k + 1) * 3).reshape(k + 1, 3) + 10 * k for k in range(n)])
-    assert torch.equal(comm.allgather_tensor(rows, "prim.rows"), want)
-    x = torch.tensor([1.0, -2.0, 3.5]) * (r + 1)
-    assert torch.equal(comm.allreduce_tensor(x, "sum", "prim.sum"), torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)))
-    assert torch.equal(comm.allreduce_tensor(x, "max", "prim.max"), torch.tensor([1.0, -2.0, 3.5]) * torch.tensor([n, 1, n]))
-    avg = comm.grouped_average([x, x.double(), torch.full((2,), float(r))], "prim.avg")
-    assert torch.equal(avg[0], torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)) * (1.0 / n))
-    assert avg[1].dtype == torch.float64 and torch.equal(avg[2], torch.full((2,), sum(range(n)) / n))
+    got = comm.allgather_tensor(rows, "prim.rows")
+    assert got.device == rows.device and torch.equal(got.cpu(), want)
+    x = on(torch.tensor([1.0, -2.0, 3.5]) * (r + 1))
+    got = comm.allreduce_tensor(x, "sum", "prim.sum")
+    assert got.device == x.device and torch.equal(got.cpu(), torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)))
+    got = comm.allreduce_tensor(x, "max", "prim.max")
+    assert torch.equal(got.cpu(), torch.tensor([1.0, -2.0, 3.5]) * torch.tensor([n, 1, n]))
+    avg = comm.grouped_average([x, x.double(), on(torch.full((2,), float(r)))], "prim.avg")
+    assert torch.equal(avg[0].cpu(), torch.tensor([1.0, -2.0, 3.5]) * sum(range(1, n + 1)) * (1.0 / n))
+    assert avg[1].dtype == torch.float64 and torch.equal(avg[2].cpu(), torch.full((2,), sum(range(n)) / n))
+    assert all(a.device == x.device for a in avg)
     assert comm.allreduce_scalar(r + 1, "min", "prim.min") == 1.0
     assert comm.allreduce_scalar(r + 1, "average", "prim.average") == sum(range(1, n + 1)) / n
     assert comm.vote_async([float(r), 0.0], "prim.vote").result() == [float(n - 1), 0.0]
@@ -91,6 +100,8 @@ def _primitives(comm, out):
 def _scenario(name, comm, out):
     if name == "primitives":
         _primitives(comm, out)
+    elif name == "primitives-cuda":
+        _primitives(comm, out, "cuda")
     elif not _mismatch(comm, out):
         raise RuntimeError("the collective names differed and nothing was raised")
 
