@@ -168,6 +168,57 @@ def _cpu_seconds() -> float:
     return total
 
 
+def write_face_shards(out: str, n: int, num_shards: int = 4) -> str:
+    """An encoded shard set of ``n`` 112x112x3 JPEG faces (``face_jpegs``) in ``out``; returns ``out``."""
+    from hvd_partialfc.data.partition import even_slices
+    from data_tools.shard_writer import write_shard_set
+    blobs, labels = face_jpegs(n)
+    classes = int(labels[-1]) + 1
+    write_shard_set(out, "encoded", blobs, labels, even_slices(classes, num_shards), classes,
+                    sample_shape=[112, 112, 3])
+    return out
+
+
+def measure_loader_rate(shards: str, batch_size: int = 128, workers: int = 2, seconds: float = 5.0,
+                        decode: str = "cpu", augment=("flip",), device: str = "cpu",
+                        warmup_batches: int = -1) -> dict:
+    """The loader's sustained rate: batches made model input on ``device`` (``prepare_batch`` included, so
+    ``decode="gpu"`` counts its decode on the device), from a new loader (a cold prefetch queue).
+
+    Warm-up, excluded explicitly: the workers' start and the first ``warmup_batches`` batches (-1: 2 per
+    worker, at least 1). Workers start together, so when the timer starts at most ~``workers`` batches are
+    queued: the bias is at most ``workers`` batches over the timed ones. Then batches for ``seconds`` of
+    wall time. Returns samples/s (wall) and samples per CPU-second of this process and its workers together
+    (psutil): what dedicated cores deliver on a shared machine, per worker-core when divided by nothing
+    else (one worker, one core; docs/data.md §7.2)."""
+    import torch
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch
+    dev = torch.device(device)
+    ds = RankShardDataset(shards, 0, 1)
+    loader, _ = make_loader(ds, batch_size, seed=0, workers=workers, augment=list(augment), decode=decode,
+                            pin_memory=dev.type == "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    it = iter(loader)
+    warm = max(1, 2 * workers) if warmup_batches < 0 else warmup_batches
+    t_start = time.perf_counter()
+    for _ in range(warm):
+        prepare_batch(*next(it), dev, ds.kind)
+    sync()
+    t, cpu, n = time.perf_counter(), _cpu_seconds(), 0
+    while True:
+        x, _y = prepare_batch(*next(it), dev, ds.kind)
+        n += 1
+        if time.perf_counter() - t >= seconds:
+            break
+    sync()
+    wall, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
+    del it, loader
+    return {"samples_per_s": n * batch_size / wall, "samples_per_cpu_s": n * batch_size / max(cpu, 1e-9),
+            "batches_timed": n, "seconds": wall, "warmup_batches": warm, "warmup_s": t - t_start,
+            "batch_size": batch_size, "workers": workers, "decode": decode, "augment": list(augment),
+            "device": str(dev), "input_shape": list(x.shape)}
+
+
 def bench_faces(tmp: str, n: int, batches: int) -> dict:
     """Loader samples/s on 112x112 JPEGs for 0/1/2 workers x {none, flip, all} augmentation, plus the bare
     ``decode_image`` rate on one core."""
