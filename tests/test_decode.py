@@ -1,7 +1,7 @@
 """data.decode=gpu (data/device_decode.py), run here on the CPU: the workers send JPEG bytes and the flip
 decisions, the batch is decoded and flipped where it is used. Against the CPU path (PIL in the workers) for
 the same seed and batch index: the same samples, the same mirrors, the same normalisation; PNG and resized
-sets through PIL; what falls back, what is an error; data.workers=-1; the loader-rate measurement."""
+sets through PIL; what falls back, what is an error; data.workers=-1; the GPU check's decode benchmark."""
 import io
 
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data_tools.bench_loader import measure_loader_rate, write_face_shards
+from data_tools.bench_loader import run_gpu_decode
 from data_tools.shard_writer import write_shard_set
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.data import device_decode as dd
@@ -17,6 +17,7 @@ from hvd_partialfc.data.augment import BatchAugment
 from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch, resolve_workers
 from hvd_partialfc.data.partition import even_slices
 from hvd_partialfc.data.shards import ShardError, decode_image
+from helpers_face import one_thread  # noqa: F401  (autouse: one intra-op thread on the shared cores)
 
 CPU = torch.device("cpu")
 # torchvision's own tests accept a mean absolute difference below 2 levels (of 255) between its decoders
@@ -108,9 +109,12 @@ def test_flip_coins_are_the_cpu_flips():
 
 
 def _pil_decoder(blobs, channels, device):
-    """A stand-in for nvJPEG here: (C, H, W) at the image's own size, as torchvision returns it."""
-    return [torch.from_numpy(decode_image(b.numpy(), None)).reshape(-1, *decode_image(b.numpy(), None).shape[:2])
-            if channels == 1 else torch.from_numpy(decode_image(b.numpy(), None)).permute(2, 0, 1) for b in blobs]
+    """A stand-in for nvJPEG here: uint8 (C, H, W) at the image's own size, as torchvision returns it."""
+    out = []
+    for b in blobs:
+        img = Image.open(io.BytesIO(b.numpy().tobytes())).convert("L" if channels == 1 else "RGB")
+        out.append(torch.from_numpy(np.array(img)).reshape(img.height, img.width, channels).permute(2, 0, 1))
+    return out
 
 
 def test_decoder_branch_sizes_and_errors(sets):
@@ -189,10 +193,15 @@ def test_torchvision_cpu_decode_against_pil(sets):
         assert float((img.float() - ref.float()).abs().mean()) < MEAN_LEVELS
 
 
-def test_measure_loader_rate_cpu(tmp_path):
-    """A new loader each call, warm-up batches excluded and reported; both decodes on the CPU."""
-    shards = write_face_shards(str(tmp_path / "faces"), 160, num_shards=2)
-    for decode in ("cpu", "gpu"):
-        r = measure_loader_rate(shards, batch_size=16, workers=0, seconds=0.3, decode=decode)
+def test_gpu_decode_benchmark_cpu_path(tmp_path):
+    """``bench_loader --gpu-decode``'s function on the CPU: the JSON the GPU check reads, its figures sane; on
+    PIL (torchvision not loading) the two decodes' inputs are equal."""
+    res = run_gpu_decode(str(tmp_path / "out"), 96, workers=0, seconds=0.05, device="cpu", batch_size=16)
+    d = res["difference"]
+    assert d["samples"] == 96 and (d["max_levels"] == 0 if d["decoder"].startswith("PIL") else
+                                    d["worst_image_mean_levels"] < MEAN_LEVELS)
+    assert [(r["decode"], r["workers"]) for r in res["rates"]] == [("cpu", 0), ("cpu", 1), ("gpu", 0), ("gpu", 1)]
+    for r in res["rates"]:       # measure_loader_rate: a new loader each row, its warm-up excluded and reported
         assert r["samples_per_s"] > 0 and r["samples_per_cpu_s"] > 0 and r["batches_timed"] >= 1
-        assert (r["warmup_batches"], r["decode"], r["input_shape"]) == (1, decode, [16, 3, 112, 112])
+        assert (r["warmup_batches"], r["input_shape"]) == (max(1, 2 * r["workers"]), [16, 3, 112, 112])
+    assert (tmp_path / "out" / "gpu_decode.json").is_file()
