@@ -236,7 +236,8 @@ def decode_difference(shards: str, device: str = "cuda", batches: int = 8, batch
     d = torch.cat(diffs)
     counts = torch.bincount(d.round().long().flatten())             # pixels per whole level of difference
     p999 = int(torch.searchsorted(counts.cumsum(0), 0.999 * d.numel()))
-    return {"device": str(dev), "decoder": "torchvision" if torchvision_decoder()[0] else "PIL (torchvision does not load)",
+    decoder = "torchvision" if torchvision_decoder()[0] else "PIL (torchvision does not load)"
+    return {"device": str(dev), "decoder": decoder,
             "samples": int(d.shape[0]), "max_levels": float(d.max()), "p999_levels": p999,
             "worst_image_mean_levels": float(d.mean(1).max()), "mean_levels": float(d.mean()),
             "pixels_per_level": counts.tolist()}
@@ -248,7 +249,8 @@ def run_gpu_decode(out: str, n: int, workers: int, seconds: float, device: str, 
     tmp = tempfile.mkdtemp(prefix="bench-decode-")
     try:
         shards = write_face_shards(os.path.join(tmp, "faces"), n)
-        res = {"command": "python -m data_tools.bench_loader --gpu-decode OUT", "samples": n, "cpu_count": os.cpu_count(),
+        res = {"command": "python -m data_tools.bench_loader --gpu-decode OUT", "samples": n,
+               "cpu_count": os.cpu_count(),
                "difference": decode_difference(shards, device, max(1, min(8, n // batch_size)), batch_size),
                "rates": [measure_loader_rate(shards, batch_size, w, seconds, d, device=device)
                          for d in ("cpu", "gpu") for w in sorted({1, workers})]}

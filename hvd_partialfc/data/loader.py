@@ -11,7 +11,8 @@ Contract:
 * h5py handles are opened lazily in the process that reads (DataLoader workers are forked after
   construction, and an HDF5 handle must not cross a fork);
 * samples leave the loader as stored (uint8 images, float32 features): normalisation happens on the
-  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images;
+  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images; under
+  ``data.decode: gpu`` JPEG shards leave it still encoded, with their flip decisions (device_decode.py);
 * ``data.augment`` (augment.py) runs in the workers, on uint8, with randomness drawn from (seed, rank,
   batch index): the sampler numbers its batches, so a batch's augmentation does not depend on the worker
   that reads it, on the number of workers, or on a resume.
