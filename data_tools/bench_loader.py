@@ -2,6 +2,7 @@
 
     python -m data_tools.bench_loader [--out runs/bench_data.json] [--fonts-chars 300] [--quick]
     python -m data_tools.bench_loader --faces OUT [--samples 6000] [--quick]     # section 5 only
+    python -m data_tools.bench_loader --gpu-decode OUT [--workers 8] [--seconds 10] [--device cuda]  # section 6 only
 
 
 1. storage: random-batch read speed of one raw shard for chunk sizes x compression (how the defaults of
@@ -12,7 +13,9 @@
    SGD step at batch 128 on one thread; the loader/trainer ratio must be >= 5;
 5. faces (``--faces OUT``: this section alone, JSON in OUT/faces_loader.json): the loader on an encoded shard
    set of 112x112x3 JPEGs (quality 95, as InsightFace's .rec), 0/1/2 workers, without augmentation, with
-   ``flip`` and with every augmentation; one worker's rate is one core's, which sizes the workers a GPU needs.
+   ``flip`` and with every augmentation; one worker's rate is one core's, which sizes the workers a GPU needs;
+6. ``data.decode=gpu`` (``--gpu-decode OUT``): its input's distance to PIL's in levels of 255, and the loader's
+   sustained rate (``measure_loader_rate``: a new loader each row, warm-up excluded) with either decode.
 """
 from __future__ import annotations
 
@@ -168,6 +171,100 @@ def _cpu_seconds() -> float:
     return total
 
 
+def write_face_shards(out: str, n: int, num_shards: int = 4) -> str:
+    """An encoded shard set of ``n`` 112x112x3 JPEG faces (``face_jpegs``) in ``out``; returns ``out``."""
+    from hvd_partialfc.data.partition import even_slices
+    from data_tools.shard_writer import write_shard_set
+    blobs, labels = face_jpegs(n)
+    classes = int(labels[-1]) + 1
+    write_shard_set(out, "encoded", blobs, labels, even_slices(classes, num_shards), classes,
+                    sample_shape=[112, 112, 3])
+    return out
+
+
+def measure_loader_rate(shards: str, batch_size: int = 128, workers: int = 2, seconds: float = 5.0,
+                        decode: str = "cpu", augment=("flip",), device: str = "cpu",
+                        warmup_batches: int = -1) -> dict:
+    """The loader's sustained rate: batches made model input on ``device`` (``prepare_batch`` included, so
+    ``decode="gpu"`` counts its decode on the device), from a new loader (a cold prefetch queue).
+
+    Warm-up, excluded explicitly: the workers' start and the first ``warmup_batches`` batches (-1: 2 per
+    worker, at least 1). Workers start together, so when the timer starts at most ~``workers`` batches are
+    queued: the bias is at most ``workers`` batches over the timed ones. Then batches for ``seconds`` of
+    wall time. Returns samples/s (wall) and samples per CPU-second of this process and its workers together
+    (psutil): what dedicated cores deliver on a shared machine, one worker being one core (docs/data.md §7.2)."""
+    import torch
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch
+    dev = torch.device(device)
+    ds = RankShardDataset(shards, 0, 1)
+    loader, _ = make_loader(ds, batch_size, seed=0, workers=workers, augment=list(augment), decode=decode,
+                            pin_memory=dev.type == "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    it = iter(loader)
+    warm = max(1, 2 * workers) if warmup_batches < 0 else warmup_batches
+    t_start = time.perf_counter()
+    for _ in range(warm):
+        prepare_batch(*next(it), dev, ds.kind)
+    sync()
+    t, cpu, n = time.perf_counter(), _cpu_seconds(), 0
+    while True:
+        x, _y = prepare_batch(*next(it), dev, ds.kind)
+        n += 1
+        if time.perf_counter() - t >= seconds:
+            break
+    sync()
+    wall, cpu = time.perf_counter() - t, _cpu_seconds() - cpu
+    del it, loader
+    return {"samples_per_s": n * batch_size / wall, "samples_per_cpu_s": n * batch_size / max(cpu, 1e-9),
+            "batches_timed": n, "seconds": wall, "warmup_batches": warm, "warmup_s": t - t_start,
+            "batch_size": batch_size, "workers": workers, "decode": decode, "augment": list(augment),
+            "device": str(dev), "input_shape": list(x.shape)}
+
+
+def decode_difference(shards: str, device: str = "cuda", batches: int = 8, batch_size: int = 128) -> dict:
+    """How far ``data.decode=gpu``'s model input is from the CPU path's (PIL) on the same batches (seed 0,
+    flip): |difference| in levels of 255, per pixel (max, 99.9th percentile) and per image (largest mean)."""
+    import torch
+    from hvd_partialfc.data.device_decode import torchvision_decoder
+    from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch
+    dev, ds = torch.device(device), RankShardDataset(shards, 0, 1)
+    its = [iter(make_loader(ds, batch_size, seed=0, augment=["flip"], decode=d)[0]) for d in ("cpu", "gpu")]
+    diffs = []
+    for _ in range(batches):
+        (x0, _), (x1, _) = (prepare_batch(*next(it), dev, ds.kind) for it in its)
+        diffs.append(((x1 - x0).abs() * 127.5).flatten(1).cpu())
+    d = torch.cat(diffs)
+    counts = torch.bincount(d.round().long().flatten())             # pixels per whole level of difference
+    p999 = int(torch.searchsorted(counts.cumsum(0), 0.999 * d.numel()))
+    decoder = "torchvision" if torchvision_decoder()[0] else "PIL (torchvision does not load)"
+    return {"device": str(dev), "decoder": decoder,
+            "samples": int(d.shape[0]), "max_levels": float(d.max()), "p999_levels": p999,
+            "worst_image_mean_levels": float(d.mean(1).max()), "mean_levels": float(d.mean()),
+            "pixels_per_level": counts.tolist()}
+
+
+def run_gpu_decode(out: str, n: int, workers: int, seconds: float, device: str, batch_size: int = 128) -> dict:
+    """``--gpu-decode OUT``: on ``n`` synthetic faces, nvJPEG's distance to PIL and the loader's sustained rate
+    with either decode (JSON in OUT/gpu_decode.json)."""
+    tmp = tempfile.mkdtemp(prefix="bench-decode-")
+    try:
+        shards = write_face_shards(os.path.join(tmp, "faces"), n)
+        res = {"command": "python -m data_tools.bench_loader --gpu-decode OUT", "samples": n,
+               "cpu_count": os.cpu_count(),
+               "difference": decode_difference(shards, device, max(1, min(8, n // batch_size)), batch_size),
+               "rates": [measure_loader_rate(shards, batch_size, w, seconds, d, device=device)
+                         for d in ("cpu", "gpu") for w in sorted({1, workers})]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(res["difference"]))
+    _table("loader sustained rate (a new loader each row, warm-up excluded)", res["rates"],
+           ["decode", "workers", "samples_per_s", "samples_per_cpu_s"])
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "gpu_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 def bench_faces(tmp: str, n: int, batches: int) -> dict:
     """Loader samples/s on 112x112 JPEGs for 0/1/2 workers x {none, flip, all} augmentation, plus the bare
     ``decode_image`` rate on one core."""
@@ -247,7 +344,16 @@ def main(argv=None) -> int:
     p.add_argument("--fonts-chars", type=int, default=200, help="characters of the fonts build (all fonts)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--faces", metavar="OUT", help="run only the faces loader benchmark; JSON in OUT/faces_loader.json")
+    p.add_argument("--gpu-decode", metavar="OUT", help="only data.decode=gpu against cpu: pixels and loader rates "
+                   "(OUT/gpu_decode.json); with --workers, --seconds, --device")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
+    if args.gpu_decode:
+        run_gpu_decode(args.gpu_decode, 1200 if args.quick else args.samples // 2, args.workers,
+                       0.5 if args.quick else args.seconds, args.device)
+        return 0
     if args.faces:
         run_faces(args.faces, 1200 if args.quick else args.samples // 2, 3 if args.quick else 60)
         return 0

@@ -21,11 +21,16 @@ import yaml
 class DataConfig:
     shards: str = ""            # shard set directory (manifest.json + shard-*.h5)
     batch_size: int = 128       # per rank, per backward pass
-    workers: int = 0            # DataLoader worker processes per rank (h5py is opened per worker)
+    # DataLoader worker processes per rank (h5py is opened per worker); -1: the rank's cores minus one, at
+    # most 8 (data/loader.py resolve_workers; one worker-core decodes ~3,200 faces/s with flip, docs/data.md)
+    workers: int = 0
     verify_sha256: bool = False  # hash every shard file before training (slow on big sets)
     # training-time augmentation, applied in this order (hvd_partialfc/data/augment.py: flip, lowres, blur,
     # jitter, gray; "name" or "name:key=value,..."). Empty: glyph classes change under a flip; faces: [flip]
     augment: List[str] = field(default_factory=list)
+    # where encoded JPEG shards are decoded: cpu (PIL in the loader's workers) | gpu (nvJPEG on the training
+    # device, batched, flip there too; PNG, resized sets and CPU devices fall back to cpu: docs/gpu.md)
+    decode: str = "cpu"
 
 
 @dataclass
@@ -149,7 +154,7 @@ class Config:
                    ("train", "on_nonfinite"): ("stop", "skip"),
                    ("train", "engine"): ("auto", "horovod", "torch"),
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
-                   ("optim", "classifier_grad_mean"): ("global", "local")}
+                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:
@@ -159,6 +164,8 @@ class Config:
         for sec, key in positive:
             if getattr(getattr(self, sec), key) < 1:
                 raise ConfigError(f"{sec}.{key} must be >= 1")
+        if self.data.workers < -1:
+            raise ConfigError(f"data.workers={self.data.workers}: expected >= 0, or -1 (the rank's cores minus one)")
         if not self.data.shards:
             raise ConfigError("data.shards is required (a shard set directory)")
         if not 0.0 < self.head.sample_rate <= 1.0:

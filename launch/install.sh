@@ -123,6 +123,18 @@ if [ ${#PIP_PKGS[@]} -gt 0 ]; then
   $PIP install "${PIP_PKGS[@]}"
 fi
 
+# torchvision (data.decode=gpu: its decode_jpeg runs nvJPEG; also the extra `hvd_partialfc[torchvision]`): 0.28.0
+# is the release built against torch 2.13.0. Installed only beside a CUDA torch: PyPI's Linux torchvision wheels
+# are CUDA builds, which fail at import against a +cpu torch ("operator torchvision::nms does not exist"), and
+# the CPU path needs none. --no-deps: its exact torch pin must never replace the torch installed above.
+TORCHVISION_VERSION="0.28.0"
+if ! "$PY" -c "import torch, sys; sys.exit(torch.version.cuda is None)" 2>/dev/null; then
+  log "CPU torch: no torchvision (data.decode=gpu needs a CUDA torch; data.decode=cpu needs none)"
+elif ! "$PY" -c "import torchvision, sys; sys.exit(torchvision.__version__.split('+')[0] != '$TORCHVISION_VERSION')" 2>/dev/null; then
+  log "pip install torchvision==$TORCHVISION_VERSION"
+  $PIP install --no-deps "torchvision==$TORCHVISION_VERSION"
+fi
+
 # --- Horovod (skipped with --no-horovod) -----------------------------------------------------------
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
 

@@ -157,10 +157,29 @@ class BatchAugment:
     def __bool__(self) -> bool:
         return bool(self.ops)
 
+    def _rng(self, batch_index: int) -> np.random.Generator:
+        return np.random.default_rng(stream_entropy(self.seed, self.rank, batch_index, AUGMENT))
+
+    @property
+    def flip_only(self) -> bool:
+        """True for an empty list or a list of one ``flip``: all ``data.decode: gpu`` can apply (on the device)."""
+        return [name for name, _, _ in self.ops] in ([], ["flip"])
+
+    def flip_coins(self, batch_index: int, n: int) -> np.ndarray:
+        """The flip decisions (bool (n,)) that ``self(batch_index, samples)`` takes on a batch of ``n``, drawn
+        from the same generator, for a ``flip_only`` list: ``data.decode: gpu`` flips on the device with them,
+        so a seed and a resume point mean the same batches under either decode."""
+        if not self.flip_only:
+            raise ValueError(f"only flip can be applied on the device; data.augment has "
+                             f"{', '.join(name for name, _, _ in self.ops)}")
+        if not self.ops:
+            return np.zeros(n, bool)
+        return _coins(self._rng(batch_index), n, self.ops[0][2]["p"])
+
     def __call__(self, batch_index: int, samples: np.ndarray) -> np.ndarray:
         if not self.ops:
             return samples
-        rng = np.random.default_rng(stream_entropy(self.seed, self.rank, batch_index, AUGMENT))
+        rng = self._rng(batch_index)
         x = np.array(samples, dtype=np.uint8, copy=True)   # (B, H, W[, C]), ours to modify
         for _, fn, params in self.ops:
             x = fn(x, rng, **params)

@@ -11,7 +11,8 @@ Contract:
 * h5py handles are opened lazily in the process that reads (DataLoader workers are forked after
   construction, and an HDF5 handle must not cross a fork);
 * samples leave the loader as stored (uint8 images, float32 features): normalisation happens on the
-  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images;
+  training device (`prepare_batch`), which keeps worker-to-trainer traffic 4x smaller for images; under
+  ``data.decode: gpu`` JPEG shards leave it still encoded, with their flip decisions (device_decode.py);
 * ``data.augment`` (augment.py) runs in the workers, on uint8, with randomness drawn from (seed, rank,
   batch index): the sampler numbers its batches, so a batch's augmentation does not depend on the worker
   that reads it, on the number of workers, or on a resume.
@@ -27,9 +28,13 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .augment import BatchAugment
+from .device_decode import EncodedBatch, EncodedBatches, decode_batch
 from ..seeds import LOADER_WORKERS, derive_seed
 from .shards import (Manifest, ShardError, decode_image, open_shard, rank_layout, read_manifest, read_shard_labels,
                      unreadable_shard)
+
+# data.workers = -1: at most this many (resolve_workers): 8 x ~3,200 faces/s with flip, >5x what a GPU consumes
+AUTO_WORKERS_CAP = 8
 
 
 class RankShardDataset:
@@ -78,8 +83,13 @@ class RankShardDataset:
             self._pid = os.getpid()
         return self._handles
 
-    def __getitem__(self, positions: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(samples as stored, local labels) for a batch of positions, in the order given."""
+    def where(self, position: int) -> str:
+        """``rank r: FILE: sample s``: where the rank's sample at ``position`` is stored (for error messages)."""
+        s = int(np.searchsorted(self.offsets, position, side="right") - 1)
+        return f"rank {self.rank}: {self.files[s]}: sample {position - int(self.offsets[s])}"
+
+    def read_stored(self, positions: Sequence[int]) -> Tuple[List[np.ndarray], np.ndarray]:
+        """(the samples as stored, in the order given: arrays, or encoded bytes as uint8 arrays; local labels)."""
         positions = np.asarray(positions, dtype=np.int64)
         handles = self._open()
         shard_of = np.searchsorted(self.offsets, positions, side="right") - 1
@@ -95,19 +105,22 @@ class RankShardDataset:
                 raise unreadable_shard(self.files[s], "samples", e, self.rank) from e
             for k, w in enumerate(where[order]):
                 out[w] = block[inverse[k]]
+        return out, self.labels[positions] - self.label_slice.start
+
+    def __getitem__(self, positions: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(samples as stored, encoded ones decoded with PIL; local labels) for a batch of positions, in the
+        order given."""
+        out, local_labels = self.read_stored(positions)
         if self.kind == "encoded":
             decoded = []
-            for pos, blob in zip(positions.tolist(), out):
+            for pos, blob in zip(positions, out):
                 try:
                     decoded.append(decode_image(blob, self.manifest.sample_shape))
                 except Exception as e:  # name what is broken: the rank, the file, the sample
-                    s = int(np.searchsorted(self.offsets, pos, side="right") - 1)
-                    raise ShardError(f"rank {self.rank}: {self.files[s]}: sample {pos - int(self.offsets[s])} "
-                                     f"cannot be decoded ({type(e).__name__}: {e})") from e
+                    raise ShardError(f"{self.where(pos)} cannot be decoded ({type(e).__name__}: {e})") from e
             samples = np.stack(decoded)
         else:
             samples = np.stack(out)
-        local_labels = self.labels[positions] - self.label_slice.start
         return torch.from_numpy(samples), torch.from_numpy(local_labels)
 
 
@@ -172,12 +185,16 @@ class AugmentedBatches:
 
 
 def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: int = 0,
-                start: int = 0, pin_memory: bool = False, augment: Sequence[str] = ()) -> Tuple[DataLoader, int]:
+                start: int = 0, pin_memory: bool = False, augment: Sequence[str] = (),
+                decode: str = "cpu") -> Tuple[DataLoader, int]:
     """(endless DataLoader over the rank's samples, steps per epoch on this rank). ``augment``: the
-    ``data.augment`` list (augment.py), seeded by (``seed``, rank, batch index)."""
+    ``data.augment`` list (augment.py), seeded by (``seed``, rank, batch index). ``decode``: ``cpu`` (the
+    workers decode and augment) or ``gpu`` (they send the encoded bytes and the flip decisions, decoded by
+    ``prepare_batch`` on the device: device_decode.py; ``device_decode.choose_decode`` says when it applies)."""
     batches = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
     sampler = NumberedBatches(batches)
-    source = AugmentedBatches(dataset, BatchAugment(augment, seed, dataset.rank, dataset.kind))
+    batch_augment = BatchAugment(augment, seed, dataset.rank, dataset.kind)
+    source = EncodedBatches(dataset, batch_augment) if decode == "gpu" else AugmentedBatches(dataset, batch_augment)
     # Its own generator: ``iter(loader)`` draws the workers' base seed from it, not from torch's global
     # one, which then stays exactly where a checkpoint restored it (dropout, sampled heads resume bitwise).
     generator = torch.Generator().manual_seed(derive_seed(seed, dataset.rank, start, LOADER_WORKERS))
@@ -187,15 +204,38 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
     return loader, batches.steps_per_epoch
 
 
-def prepare_batch(samples: torch.Tensor, labels: torch.Tensor, device: torch.device,
+def resolve_workers(workers: int, local_size: int) -> int:
+    """``data.workers``, with -1 (auto) resolved: the cores of one local rank minus one (its trainer process),
+    at most ``AUTO_WORKERS_CAP``, at least 0. A rank's cores: ``SLURM_CPUS_PER_TASK`` under Slurm (srun binds
+    each task to its own), else the cores this process may run on shared by the ``local_size`` ranks.
+
+    Measured reason (docs/data.md §7.2): one worker-core decodes ~3,200 112x112 JPEG faces/s with flip, and
+    an iresnet50 in fp16 consumes ~2,500-4,000 samples/s per GPU: the recipes' former 2 workers gave ~6,400
+    at best, no margin on a busy node; 8-16 cores per GPU (64-128-core 8-GPU nodes) give 7 workers, ~22,000/s.
+    """
+    if workers >= 0:
+        return workers
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        cores = int(slurm)
+    else:
+        visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = visible // max(1, local_size)
+    return max(0, min(AUTO_WORKERS_CAP, cores - 1))
+
+
+def prepare_batch(samples, labels: torch.Tensor, device: torch.device,
                   kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Move a batch to the device and make it model input.
 
-    Images: uint8 (B, H, W[, C]) -> float (B, C, H, W) in [-1, 1] (the InsightFace normalisation).
+    Images: uint8 (B, H, W[, C]) -> float (B, C, H, W) in [-1, 1] (the InsightFace normalisation); an
+    ``EncodedBatch`` (``data.decode: gpu``) is decoded, flipped and normalised on the device the same way.
     Features: float32 as they are.
     """
-    samples = samples.to(device, non_blocking=True)
     labels = labels.to(device, non_blocking=True)
+    if isinstance(samples, EncodedBatch):
+        return decode_batch(samples, device), labels
+    samples = samples.to(device, non_blocking=True)
     if kind in ("images", "encoded"):
         if samples.dim() == 3:                      # (B, H, W) grayscale
             samples = samples.unsqueeze(1)

@@ -18,9 +18,11 @@ from ..config import config_from_dict, diff_configs
 from ..classifier.modes import get_mode
 from ..seeds import RESHARD_RESEED, derive_seed
 
-# Config keys that may change between a checkpoint and its resume (they do not change the numbers).
+# Config keys that may change between a checkpoint and its resume (they do not change the numbers; train.device
+# and data.decode change them as a device does: nvJPEG's pixels are within a few levels of PIL's, docs/gpu.md).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
+                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size",
+                    "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
                     "train.heartbeat_timeout", "train.share_gpu")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,

@@ -20,7 +20,9 @@ import torch
 from . import checkpoint as ckpt
 from ..data.augment import parse_augment
 from ..config import ConfigError
-from ..data.loader import RankShardDataset, make_loader
+from ..data.augment import BatchAugment
+from ..data.device_decode import choose_decode
+from ..data.loader import RankShardDataset, make_loader, resolve_workers
 from ..data.layout import RankLayout
 from ..engine.device import select_device
 from .metrics_log import tensorboard_missing
@@ -55,6 +57,15 @@ def check_runtime_options(cfg, kind: str) -> None:
         missing = tensorboard_missing()
         if missing:
             raise ConfigError(f"train.tensorboard: {missing}")
+
+
+def _choose_decode(cfg, device, dataset):
+    """``data.decode`` on this rank (device_decode.choose_decode): (cpu | gpu, the fallback's log line)."""
+    try:
+        return choose_decode(cfg.data.decode, device, dataset,
+                             BatchAugment(cfg.data.augment, cfg.train.seed, dataset.rank, dataset.kind))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _read_data(cfg, comm) -> RunData:
@@ -96,8 +107,10 @@ def start_trainer(cfg, comm) -> Trainer:
     elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
         torch.set_num_threads(rank_threads(comm.local_size))
     error = data = parts = evaluator = None
+    decode, decode_note = "cpu", ""
     try:
         data = _read_data(cfg, comm)
+        decode, decode_note = _choose_decode(cfg, device, data.dataset)
         parts = build_parts(cfg, comm, data.layout, data.manifest.sample_shape, device)
         # Verification during training: every rank holds the evaluator (it averages BatchNorm buffers, a
         # collective), rank 0 reads and checks the pair sets here, so a bad path fails before training.
@@ -107,6 +120,8 @@ def start_trainer(cfg, comm) -> Trainer:
     except Exception as e:  # reported with the rank, agreed below
         error = f"{type(e).__name__}: {e}"
     comm.agree(error, name="setup")
+    if decode_note and comm.is_main:
+        print(decode_note, flush=True)
     resumed_from = resume(cfg, comm, parts, data.layout, data.identity) if cfg.checkpoint.resume else None
     start_step = resumed_from["step"] if resumed_from else 0
     if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
@@ -117,9 +132,10 @@ def start_trainer(cfg, comm) -> Trainer:
     steps_per_epoch = data.local_batches // cfg.optim.backward_passes_per_step
     min_spe = int(comm.allreduce_scalar(steps_per_epoch, "min", name="steps_per_epoch"))
     total_steps = cfg.train.steps or max(1, int(cfg.train.epochs * min_spe))
-    loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed, cfg.data.workers,
+    loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed,
+                            resolve_workers(cfg.data.workers, comm.local_size),
                             start=start_step * cfg.optim.backward_passes_per_step,
-                            pin_memory=device.type == "cuda", augment=cfg.data.augment)
+                            pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode)
     m = data.manifest
     run_info = {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
                 "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
