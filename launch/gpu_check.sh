@@ -7,7 +7,8 @@
 #
 # Stages (each timed, in OUT/stages.tsv):
 #   env       torch, CUDA, the GPU, nvcc, NCCL: what the build and the runs will use (OUT/env.txt)
-#   prepare   two JPEG shard sets (125,000 and 1,000 classes) and the loader's sustained rate (cold queue)
+#   prepare   two JPEG shard sets (125,000 and 1,000 classes) and the loader's sustained rate (cold queue);
+#             data.decode=gpu against PIL and both decodes' rates (OUT/gpu_decode.json)
 #   torch     the trainer under torchrun (torch.distributed + NCCL; needs no build): iresnet50, batch 128,
 #             fp16 and bf16, a 125k-class local head against a 1k-class one, peak memory per precision
 #   build     Horovod from its sdist with NCCL (launch/build_horovod.sh), `horovodrun --check-build` must
@@ -51,6 +52,10 @@ fi
 
 stage prepare
 "$PY" launch/gpu_face_check.py prepare "$WORK" "${TINY_ARG[@]}"
+
+if [ "$TINY" != 1 ]; then   # data.decode=gpu: nvJPEG's distance to PIL, and the loader's rate with either decode
+  "$PY" -m data_tools.bench_loader --gpu-decode "$OUT" --workers "$(( $(nproc) > 10 ? 8 : 1 ))" --seconds 5 --device cuda
+fi
 
 stage torch
 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 launch/gpu_face_check.py measure "$WORK" \

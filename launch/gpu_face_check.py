@@ -16,8 +16,9 @@ What is measured (GPU; ``--tiny`` is the same code at toy sizes on the CPU, so t
   (wall clock between log lines, after warm-up), so no timer inside the step is trusted.
 * **Peak GPU memory per precision**: ``torch.cuda.reset_peak_memory_stats`` before each run, the previous
   run's objects freed first; the memory still allocated at each start is recorded beside it (it should be ~0).
-* **The loader's sustained rate** (``prepare``): a new loader (cold: no queue filled by earlier runs), the
-  realistic worker count, flip on; the rate over the batches after the prefetch queue's depth.
+* **The loader's sustained rate** (``prepare``): ``data_tools.bench_loader.measure_loader_rate``, a new loader
+  (cold: no queue filled by earlier runs), the realistic worker count (cores - 2, at most 12), flip on, its
+  warm-up excluded, 10 s timed.
 
 Nothing uses a fixed temporary path: WORK comes from the caller (``mktemp -d`` in gpu_check.sh).
 """
@@ -37,7 +38,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_tools.bench_loader import face_jpegs  # noqa: E402
+from data_tools.bench_loader import face_jpegs, measure_loader_rate  # noqa: E402
 from data_tools.shard_writer import write_shard_set  # noqa: E402
 from hvd_partialfc.atomic import write_text  # noqa: E402
 from hvd_partialfc.data.partition import even_slices  # noqa: E402
@@ -53,9 +54,9 @@ def sizes(tiny: bool) -> Dict[str, Any]:
     """The run's sizes: GPU figures, or the CPU smoke's (a small resnet, a few steps)."""
     if tiny:
         return {"sets": TINY, "model": "resnet", "kwargs": {"width": 8}, "batch": 4, "steps": 4,
-                "log_every": 2, "workers": 1, "device": "cpu", "loader_batches": 12}
+                "log_every": 2, "workers": 1, "device": "cpu", "loader_seconds": 0.5}
     return {"sets": FULL, "model": "iresnet50", "kwargs": {}, "batch": 128, "steps": 120, "log_every": 10,
-            "workers": max(1, min(12, (os.cpu_count() or 4) - 2)), "device": "cuda", "loader_batches": 300}
+            "workers": max(1, min(12, (os.cpu_count() or 4) - 2)), "device": "cuda", "loader_seconds": 10.0}
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -77,34 +78,15 @@ def build_sets(work: str, sets: Dict[str, Any]) -> Dict[str, str]:
     return out
 
 
-def loader_rate(shards: str, batch: int, workers: int, batches: int) -> Dict[str, float]:
-    """Samples/s of a new loader (flip on) over ``batches`` batches, timed after the first
-    ``workers x prefetch_factor`` batches, which a prefetch queue may already hold."""
-    from hvd_partialfc.data.loader import RankShardDataset, make_loader
-    loader, _ = make_loader(RankShardDataset(shards, 0, 1), batch, seed=0, workers=workers, augment=["flip"])
-    queued = workers * (loader.prefetch_factor or 0)
-    it = iter(loader)
-    t_start = time.perf_counter()
-    for _ in range(queued + 1):
-        next(it)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        next(it)
-    dt = time.perf_counter() - t0
-    del it, loader
-    return {"workers": workers, "batch": batch, "batches_timed": batches, "batches_skipped": queued + 1,
-            "samples_per_s": batches * batch / dt, "per_worker": batches * batch / dt / max(1, workers),
-            "start_s": t0 - t_start}
-
-
 def prepare(work: str, tiny: bool) -> int:
     s = sizes(tiny)
     t0 = time.time()
     sets = build_sets(work, s["sets"])
     built_s = time.time() - t0
-    rate = loader_rate(sets["head125k"], s["batch"], s["workers"], s["loader_batches"])
-    write_json(os.path.join(work, "prepare.json"), {"sets": sets, "build_s": built_s, "loader": rate,
-                                                    "cpu_count": os.cpu_count()})
+    rate = measure_loader_rate(sets["head125k"], s["batch"], s["workers"], s["loader_seconds"])
+    write_json(os.path.join(work, "prepare.json"), {"sets": {k: {"classes": c, "per_class": n} for k, (c, n)
+                                                             in s["sets"].items()},
+                                                    "build_s": built_s, "loader": rate, "cpu_count": os.cpu_count()})
     print(f"shards built in {built_s:.0f} s; loader {rate['samples_per_s']:,.0f} samples/s with "
           f"{rate['workers']} workers (cold queue)", flush=True)
     return 0
@@ -187,7 +169,7 @@ def report(work: str, out: str, engines: List[str]) -> int:
     if prep:
         r = prep["loader"]
         lines.append(f"loader (cold queue, flip): {r['samples_per_s']:,.0f} samples/s with {r['workers']} workers "
-                     f"({r['per_worker']:,.0f} per worker), batch {r['batch']}")
+                     f"({r['samples_per_cpu_s']:,.0f} per CPU-second), batch {r['batch_size']}")
     head_share = "head's share"
     lines.append(f"{'engine':8} {'prec':5} {'125k head ms':>13} {'1k head ms':>11} {head_share:>12} "
                  f"{'125k samples/s':>15} {'data share':>10} {'peak GiB':>9}")
