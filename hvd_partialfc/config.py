@@ -42,7 +42,8 @@ class ModelConfig:
     # statistics updated once (models/recompute.py). iresnet* and mobilefacenet only
     checkpoint_activations: bool = False
     # BatchNorm statistics over all ranks' batches together (syncbn.py): what one process on the global
-    # batch computes, for small or class-homogeneous per-rank batches; one small collective per layer
+    # batch computes, for small or class-homogeneous per-rank batches; two small blocking all-reduces per
+    # layer per step (forward and backward: 158 for iresnet50; docs/gpu.md)
     sync_batchnorm: bool = False
     # start the backbone from this file (an exported backbone or arcface_torch's backbone.pth); applied
     # at a fresh start only, never over a checkpoint being resumed (pretrained.py)
@@ -70,6 +71,10 @@ class HeadConfig:
     # growing with N (0: no cap). 8192 = 1,024 a rank at N=8, where the default was measured; iresnet50:
     # 0.11% of its gradient's traffic at any N (docs/accuracy.md, "At 64-256 ranks")
     negatives_pool: int = 8192
+    # precision of the head's matrix products (run/speed.py): auto (tf32 on CUDA, fp32 elsewhere) | fp32 |
+    # tf32 (CUDA's TF32 units; CPU: fp32) | bf16 (bf16 operands, float32 sums). The softmax's sums stay
+    # float32 in every case (fp16 overflows past 65k columns). bf16's accuracy: docs/gpu.md
+    matmul: str = "auto"
 
 
 @dataclass
@@ -118,6 +123,10 @@ class TrainConfig:
     # a rank that hears nothing from its ring neighbour for this many seconds (a cut link, a lost node)
     # ends the job naming it, instead of waiting in a collective for Gloo's 30 minutes; 0: off
     heartbeat_timeout: float = 20.0
+    cudnn_benchmark: bool = True   # CUDA: cuDNN picks its fastest convolution algorithms at the first step
+    # CUDA: backbone and image batches in channels_last (NHWC) layout, for Tensor Cores under fp16 / bf16.
+    # Also runs on CPU, where its numbers may differ from the default layout's in the last bits
+    channels_last: bool = False
 
 
 @dataclass
@@ -154,6 +163,7 @@ class Config:
                    ("train", "on_nonfinite"): ("stop", "skip"),
                    ("train", "engine"): ("auto", "horovod", "torch"),
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
+                   ("head", "matmul"): ("auto", "fp32", "tf32", "bf16"),
                    ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)

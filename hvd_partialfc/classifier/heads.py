@@ -45,7 +45,7 @@ class LocalHead(LocalClassifier):
         self.sample_rate = float(sample_rate)
         self.sparse_step = bool(sparse_step)   # False: a dense (W, D) gradient, zero outside the sampled rows
         # called as before_gather(weight, rows) on the sampled rows before they are scored (the trainer sets
-        # it to the exact sampled-rows optimizer's catch_up)
+        # it to the sampled-rows optimizer's catch_up)
         self.before_gather = None
 
     def sampling_warning(self) -> Optional[str]:
@@ -72,7 +72,7 @@ class LocalHead(LocalClassifier):
         if self.sample_rate >= 1.0:
             return self.weight, labels
         index, remapped = sample_rows(labels, self.width, self.sample_rate, self.weight.device)
-        if self.before_gather is not None:   # the exact sampled step's catch-up of these rows (rowsparse.py)
+        if self.before_gather is not None:   # the sampled step's catch-up of these rows (rowsparse.py)
             self.before_gather(self.weight, index)
         if not self.sparse_step:   # head.sampled_step=dense: PartialFC v2's step (every row moves by momentum)
             return self.weight.index_select(0, index), remapped
@@ -80,7 +80,7 @@ class LocalHead(LocalClassifier):
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         weight, labels = self.scored_rows(labels)
-        return margin_cross_entropy(features, weight, labels, self.margin)
+        return margin_cross_entropy(features, weight, labels, self.margin, matmul=self.matmul)
 
 
 class ReplicatedHead(LocalClassifier):
@@ -92,7 +92,7 @@ class ReplicatedHead(LocalClassifier):
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         glob = labels + self.label_start                                   # (B,) global labels
-        return margin_cross_entropy(features, self.weight, glob, self.margin)
+        return margin_cross_entropy(features, self.weight, glob, self.margin, matmul=self.matmul)
 
 
 class GlobalSoftmaxHead(LocalClassifier):
@@ -114,7 +114,7 @@ class GlobalSoftmaxHead(LocalClassifier):
         if self.sample_rate < 1.0:
             weight, local = self._sample(local)
         # softmax over all ranks' columns (allreduce of row max, of sums of exponentials and targets)
-        return margin_cross_entropy(feats, weight, local, self.margin, comm, self.name)
+        return margin_cross_entropy(feats, weight, local, self.margin, comm, self.name, matmul=self.matmul)
 
     def _sample(self, local: torch.Tensor):
         """PartialFC v2's sampling: every positive centre, then random negatives up to rate x width rows.

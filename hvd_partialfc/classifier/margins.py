@@ -15,6 +15,7 @@ Losses (s = scale, m = margin, cos = normalised feature . normalised class centr
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from typing import Callable, Dict, Optional
 
 import torch
@@ -103,6 +104,7 @@ class LocalClassifier(nn.Module):
         self.width, self.dim = width, dim
         self.weight = nn.Parameter(torch.empty(width, dim).normal_(0, 0.01))
         self.margin = create_margin(loss, scale, margin)
+        self.matmul = "fp32"      # the precision of the head's matrix products (``MATMUL``; the run sets it)
 
     def logits(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """(B, D) features, (B,) local labels -> (B, width) logits with the margin applied (the unfused
@@ -114,7 +116,7 @@ class LocalClassifier(nn.Module):
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy over the batch, on local labels (``F.cross_entropy(self.logits(...))``, fused)."""
-        return margin_cross_entropy(features, self.weight, labels, self.margin)
+        return margin_cross_entropy(features, self.weight, labels, self.margin, matmul=self.matmul)
 
     def before_step(self, step: int) -> None:
         """Called by the loop on every rank before each step; heads with periodic work override it."""
@@ -133,6 +135,46 @@ class LocalClassifier(nn.Module):
 
     def load_extra_state(self, state: dict) -> None:
         pass
+
+
+# The precisions of the head's matrix products (``head.matmul``; run/speed.py resolves ``auto``). Only the
+# products change: the cosines, the softmax's exponentials and its sums over the columns stay float32
+# whatever the products' precision, since a sum over more than 65,504 columns of values up to 1 overflows
+# fp16's range, and bf16 keeps 8 bits of a sum (a 125k-column sum would lose every term below 1/256 of it).
+MATMUL = ("fp32", "tf32", "bf16")
+
+
+@contextmanager
+def _products_in(precision: str):
+    """``tf32``: CUDA's TF32 units for the float32 products inside (10-bit mantissa products, float32
+    sums; no effect on CPU); ``fp32`` and ``bf16`` change nothing here (``bf16`` rounds operands itself)."""
+    if precision != "tf32":
+        yield
+        return
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+def _bf16_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b from bf16-rounded operands, summed and returned in float32. CUDA: one bf16 GEMM with a float32
+    result (``out_dtype``, torch >= 2.8); elsewhere (CPU, older torch) the rounded operands multiplied in
+    float32: the same rounding, so a CPU run measures the bf16 head's accuracy, not its speed."""
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if a.is_cuda:
+        try:
+            return torch.mm(a16, b16, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return torch.mm(a16.float(), b16.float())
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
+    """a @ b (2-D) in ``precision``; ``fp32`` and ``tf32`` are torch's own product (bitwise today's on CPU)."""
+    return _bf16_mm(a, b) if precision == "bf16" else a.matmul(b)
 
 
 class _MarginSoftmaxCE(torch.autograd.Function):
@@ -158,35 +200,46 @@ class _MarginSoftmaxCE(torch.autograd.Function):
 
     Exact up to rounding, except that the clamp of the cosines to [-1, 1] passes gradient everywhere but
     at the targets (non-target cosines leave [-1, 1] only by rounding error).
+
+    The targets are written through a row mask, not a ``nonzero`` list of the rows holding one: every row
+    writes its column (label -1: column 0, its own value back), so no shape depends on the labels and
+    the step needs no host synchronisation here (``nonzero`` waits for the device). Each target's value is
+    computed as before, elementwise, so the numbers are bitwise those of the row list.
+    ``precision`` (``MATMUL``) is that of the three (M, W)-sized products only.
     """
 
     @staticmethod
-    def forward(ctx, xn, weight, frozen, labels, margin, normalized, comm, name):
+    def forward(ctx, xn, weight, frozen, labels, margin, normalized, comm, name, precision="fp32"):
         # xn: (M, D) normalised features (raw for 'softmax'); weight: (W, D); frozen: (R, D) or None;
         # labels: (M,) column, -1: elsewhere
         m, w = xn.shape[0], weight.shape[0]
-        if frozen is None:
-            out = xn.matmul(weight.t())                                           # (M, W), the one buffer
-        else:
-            out = xn.new_empty(m, w + frozen.shape[0])                            # (M, W + R), the one buffer
-            torch.matmul(xn, weight.t(), out=out[:, :w])                          # BLAS writes the strided views
-            torch.matmul(xn, frozen.t(), out=out[:, w:])
+        with _products_in(precision):
+            if frozen is None:
+                out = _mm(xn, weight.t(), precision)                              # (M, W), the one buffer
+            else:
+                out = xn.new_empty(m, w + frozen.shape[0])                        # (M, W + R), the one buffer
+                if precision == "bf16":
+                    out[:, :w].copy_(_bf16_mm(xn, weight.t()))
+                    out[:, w:].copy_(_bf16_mm(xn, frozen.t()))
+                else:
+                    torch.matmul(xn, weight.t(), out=out[:, :w])                  # BLAS writes the strided views
+                    torch.matmul(xn, frozen.t(), out=out[:, w:])
         norm = None
         if normalized:
             norm = weight.norm(dim=1) if frozen is None else torch.cat([weight.norm(dim=1), frozen.norm(dim=1)])
             norm = norm.clamp_min(1e-12)                                          # (W + R,)
-        rows = torch.nonzero(labels >= 0, as_tuple=True)[0]
-        cols = labels[rows]
+        has = labels >= 0                                                         # (M,) rows with a target here
+        rows = torch.arange(m, device=labels.device)
+        cols = labels.clamp_min(0)                                                # -1: column 0, left as it is
         scale = margin.scale if normalized else 1.0
         if normalized:
             out.div_(norm).clamp_(-1.0, 1.0)                                      # cosines
             t_cos = out[rows, cols]
-            out[rows, cols] = margin.target_logit(t_cos)
+            out[rows, cols] = torch.where(has, margin.target_logit(t_cos), t_cos)
         else:
             t_cos = out[rows, cols]
         out.mul_(scale)                                                           # logits
-        target = torch.zeros(m, dtype=out.dtype, device=out.device)
-        target[rows] = out[rows, cols]
+        target = torch.where(has, out[rows, cols], 0.0)
         row_max = out.max(dim=1).values                                           # (M,)
         if comm is not None:
             row_max = comm.allreduce_tensor(row_max, "max", f"{name}.max")
@@ -196,43 +249,54 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             sums = comm.allreduce_tensor(sums, "sum", f"{name}.sum")
         out.div_(sums[0][:, None])                                                # softmax (this rank's columns)
         ctx.save_for_backward(out, xn, weight, xn.new_empty(0) if frozen is None else frozen,
-                              norm if normalized else xn.new_empty(0), rows, cols, t_cos)
-        ctx.margin, ctx.normalized, ctx.scale, ctx.m = margin, normalized, scale, m
+                              norm if normalized else xn.new_empty(0), has, cols, t_cos)
+        ctx.margin, ctx.normalized, ctx.scale, ctx.m, ctx.precision = margin, normalized, scale, m, precision
         return (sums[0].log() + row_max - sums[1]).mean()
 
     @staticmethod
     def backward(ctx, grad_out):
-        prob, xn, weight, frozen, norm, rows, cols, t_cos = ctx.saved_tensors
-        w = weight.shape[0]
+        prob, xn, weight, frozen, norm, has, cols, t_cos = ctx.saved_tensors
+        w, precision = weight.shape[0], ctx.precision
+        rows = torch.arange(ctx.m, device=cols.device)
         g = prob.clone() if torch.is_grad_enabled() else prob   # reuse the buffer unless double backward
-        g[rows, cols] -= 1.0
+        g[rows, cols] -= has.to(g.dtype)                         # 1 at the targets, 0 (no change) elsewhere
         g.mul_(grad_out * ctx.scale / ctx.m)                     # d loss / d (logit / s), (M, W)
         if ctx.normalized:
             with torch.enable_grad():                            # the margin's slope at the targets (small)
                 t = t_cos.detach().requires_grad_(True)
                 slope, = torch.autograd.grad(ctx.margin.target_logit(t).sum(), t)
-            g[rows, cols] *= slope
-        grad_w = g[:, :w].t().matmul(xn)                         # d / d (w / |w|) or d / d w, (W, D)
-        if ctx.normalized:
+            g[rows, cols] *= torch.where(has, slope, 1.0)
+        with _products_in(precision):
+            return _MarginSoftmaxCE._grads(g, xn, weight, frozen, norm, w, ctx.normalized, precision)
+
+    @staticmethod
+    def _grads(g, xn, weight, frozen, norm, w: int, normalized: bool, precision: str):
+        """The weight's and the features' gradients from ``g`` = d loss / d raw logit (M, W + R)."""
+        grad_w = _mm(g[:, :w].t(), xn, precision)                # d / d (w / |w|) or d / d w, (W, D)
+        if normalized:
             g.div_(norm)                                         # d / d raw product = d / d cos / |w_j|
             # d/dw of w/|w|: (G - w (G.w) / |w|^2) / |w|, in place; the row dots by a batched matmul
             nw = norm[:w]
             dots = torch.bmm(grad_w.unsqueeze(1), weight.unsqueeze(2)).view(-1)   # (W,)
             grad_w.addcmul_(weight, (dots / (nw * nw))[:, None], value=-1.0).div_(nw[:, None])
-        grad_x = g[:, :w].matmul(weight)                         # (M, D)
+        grad_x = _mm(g[:, :w], weight, precision)                # (M, D)
         if frozen.numel():
-            grad_x.addmm_(g[:, w:], frozen)                      # the frozen columns' share
-        return grad_x, grad_w, None, None, None, None, None, None
+            if precision == "bf16":
+                grad_x.add_(_bf16_mm(g[:, w:], frozen))
+            else:
+                grad_x.addmm_(g[:, w:], frozen)                  # the frozen columns' share
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
 def margin_cross_entropy(features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          margin: "MarginLoss", comm=None, name: str = "head",
-                         frozen: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         frozen: Optional[torch.Tensor] = None, matmul: str = "fp32") -> torch.Tensor:
     """Mean CE of ``margin`` logits of (M, D) features against (W, D) rows, then the (R, D) ``frozen`` rows
     (no gradient, never a target); labels index the rows (-1: the class lives on another rank, ``comm``
-    given). Equals ``F.cross_entropy(logits, labels)`` over the W + R columns."""
+    given). Equals ``F.cross_entropy(logits, labels)`` over the W + R columns. ``matmul``: the precision
+    of the products (``MATMUL``)."""
     normalized = margin.normalized
     x = F.normalize(features.float()) if normalized else features.float()
     if frozen is not None:
         frozen = frozen.detach().float().contiguous()
-    return _MarginSoftmaxCE.apply(x, weight.float(), frozen, labels, margin, normalized, comm, name)
+    return _MarginSoftmaxCE.apply(x, weight.float(), frozen, labels, margin, normalized, comm, name, matmul)

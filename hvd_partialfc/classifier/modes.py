@@ -134,7 +134,7 @@ class LocalMode(ClassifierMode):
         o, rule = cfg.optim, self.sampled_rule(cfg)
         opt = make_optimizer([classifier_group(head, o)], o.name, o.classifier_lr, o.classifier_momentum,
                              o.classifier_weight_decay, sampled_rows=rule)
-        if rule == "exact":
+        if rule:   # the exact rule's catch-up; both rules note the gathered rows (no host read, rowsparse.py)
             head.before_gather = opt.catch_up
         return opt
 

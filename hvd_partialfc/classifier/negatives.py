@@ -98,7 +98,7 @@ class CrossShardNegativesHead(LocalHead):
         # touches this rank's own columns.
         frozen = self.remote if self.remote.numel() else None
         weight, labels = self.scored_rows(labels)                         # own rows: all, or the sample
-        return margin_cross_entropy(features, weight, labels, self.margin, frozen=frozen)
+        return margin_cross_entropy(features, weight, labels, self.margin, frozen=frozen, matmul=self.matmul)
 
     def extra_state_for_checkpoint(self) -> dict:
         return {"remote": self.remote.detach().cpu(), "exchanges": self.exchanges, "rows": "raw"}

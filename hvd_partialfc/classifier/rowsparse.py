@@ -69,11 +69,19 @@ def sample_rows(labels: torch.Tensor, width: int, rate: float, device) -> Tuple[
 
     Returns (index (K,) sorted unique rows, labels remapped to positions in ``index``, -1 kept). One
     ``torch.rand(width)`` draw from the global stream per call (a sampled run resumes bitwise).
+
+    No shape depends on the labels unless the sample is smaller than the batch: the positives are marked
+    by a scatter (a ``unique`` of the labels waited for the device), and their count, a host read, is
+    needed only when it may exceed ``int(rate x width)``, i.e. when that is below the batch's size.
     """
-    positive = torch.unique(labels[labels >= 0])                         # sorted row indices
-    keep = max(int(rate * width), positive.numel())
-    score = torch.rand(width, device=device)
-    score[positive] = 2.0                                                # positives always win
+    has = labels >= 0
+    score = torch.rand(width, device=device)                             # in [0, 1)
+    # positives always win: 2 at every row a label names (a max, so repeated labels agree; a -1 label
+    # leaves row 0 as it is)
+    score.scatter_reduce_(0, labels.clamp_min(0), torch.where(has, 2.0, 0.0).to(score.dtype), "amax")
+    keep = int(rate * width)
+    if keep < labels.numel():
+        keep = max(keep, int((score == 2.0).sum()))                      # the positives' count: a host read
     index = torch.sort(torch.topk(score, keep).indices).values           # (K,) rows, increasing
     remapped = torch.searchsorted(index, labels.clamp_min(0))
     remapped = torch.where(labels >= 0, remapped, labels)                # -1 stays -1
@@ -107,8 +115,11 @@ def sparse_rows(grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     Autograd's accumulation drops the coalesced flag of ``gather_rows``' gradient, and ``coalesce()`` then
     sorts again: 19 ms at K = 5 x 10^4 on one thread, about the whole sparse step. The rows are checked
     instead (strictly increasing: O(K)); only a gradient summed over several backward passes (duplicated
-    or unordered rows) is coalesced."""
+    or unordered rows) is coalesced. A gradient flagged coalesced is taken as it is: the check is a host
+    read, and ``SampledRowsOptimizer`` flags the gradient of its head's one gather."""
     rows = grad._indices()[0]
+    if grad.is_coalesced():
+        return rows, grad._values()
     if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
         grad = grad.coalesce()
         rows = grad._indices()[0]
@@ -122,6 +133,11 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
         dst.detach().numpy()[rows.numpy()] = src.detach().numpy()
     else:
         dst.index_copy_(0, rows, src)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements in the same memory (so equal without reading them: no host synchronisation)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def grad_values(grad: torch.Tensor) -> torch.Tensor:
@@ -156,7 +172,22 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         self.kind, self.rule, self.sweep_every = kind, rule, int(sweep_every)
         self._scratch: Dict[str, torch.Tensor] = {}
         self._caught = None   # (param, rows, weight rows, momentum rows) of the last catch_up, for its step
+        self._gathered = None  # (param, rows) of the last catch_up call, whatever the rule
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas, eps=eps))
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.register_post_accumulate_grad_hook(self._flag_one_gather)
+
+    def _flag_one_gather(self, p: torch.Tensor) -> None:
+        """Autograd's hook after ``p.grad`` was accumulated: a gradient whose row list *is* (same memory)
+        the rows the head just gathered (``catch_up`` was told them) is that one gather's, whose rows are
+        sorted and unique: it is flagged coalesced, so ``sparse_rows`` needs no check (a host read).
+        Autograd's accumulation drops the flag the gather set; a sum of several passes is never flagged."""
+        g, seen = p.grad, self._gathered
+        if g is None or not g.is_sparse or g.is_coalesced() or seen is None or seen[0] is not p:
+            return
+        if _same_tensor(g._indices()[0], seen[1]):
+            g._coalesced_(True)
 
     def _rows(self, name: str, k: int, like: torch.Tensor) -> torch.Tensor:
         """A (k, D) scratch buffer kept between steps. Fresh (K, D) arrays cost more than the step itself:
@@ -180,18 +211,19 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
                 # index_select / index_copy_: ~4x / 2x faster than p[rows] / p[rows] = w (5 x 10^4 of
                 # 5 x 10^5 rows, D = 128, one thread: 25 -> 6 ms, 18 -> 9 ms)
                 caught, self._caught = self._caught, None
-                if caught is not None and (caught[0] is not p or not torch.equal(caught[1], rows)):
+                if caught is not None and (caught[0] is not p or not
+                                           (_same_tensor(caught[1], rows) or torch.equal(caught[1], rows))):
                     caught = None
                 # the rows the head's catch_up just brought up are in its scratch: no second gather
                 w = caught[2] if caught is not None else \
                     torch.index_select(p, 0, rows, out=self._rows("w", rows.numel(), p))   # (K, D) copy
                 if self.kind == "sgd":
-                    self._sgd(p, rows, w, g, group, None if caught is None else caught[3])
+                    self._sgd(p, rows, w, g, group, None if caught is None else caught[3], caught is not None)
                 else:
                     self._adamw(p, rows, w, g, group)
                 scatter_rows(p, rows, w)
 
-    def _sgd(self, p, rows, w, g, group, m_rows=None) -> None:
+    def _sgd(self, p, rows, w, g, group, m_rows=None, current: bool = False) -> None:
         # torch's own fused SGD kernel (what SGD(fused=True) runs) on the K gathered rows: one pass instead
         # of three elementwise ones
         lr, mu, wd = group["lr"], group.get("momentum", 0.0), group["weight_decay"]
@@ -205,7 +237,8 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         if self.rule == "exact":
             if "since_base" not in state:   # (W,): steps after the last sweep through which each row is current
                 state.update(since_base=torch.zeros(p.shape[0], dtype=torch.float32, device=p.device), lrs=[])
-            coef = self._lagging(state, rows, mu, wd, p.dtype)   # rows the head's catch_up did not bring up
+            # rows the head's catch_up did not bring up (``current``: it brought up all of them)
+            coef = None if current else self._lagging(state, rows, mu, wd, p.dtype)
             if coef is not None:
                 _apply_catch_up(coef, w, bufs[0] if mu else None, self._rows("t", rows.numel(), p))
         torch._fused_sgd_([w], [g.contiguous()], bufs, weight_decay=wd, momentum=mu, lr=lr, dampening=0.0,
@@ -223,16 +256,20 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
     def catch_up(self, p: torch.Tensor, rows: torch.Tensor) -> None:
         """The exact rule's catch-up of rows ``rows`` (sorted, unique) of ``p`` to the last step, weight and
         momentum. The head calls it on the rows it samples *before* its forward, so the logits see the
-        weights the dense step would have (a row's zero-gradient steps move it: momentum, weight decay)."""
-        self._caught = None
+        weights the dense step would have (a row's zero-gradient steps move it: momentum, weight decay).
+        Every rule records the rows (``_flag_one_gather``).
+
+        All K rows are mapped, those already current by the identity (as before whenever one row lagged):
+        asking first whether any row lags was a host read, and its answer is yes but right after a sweep
+        (no steps since it: returned above, without a read)."""
+        self._caught, self._gathered = None, (p, rows)
         state = self.state.get(p)
         if self.rule != "exact" or not state or "since_base" not in state or not state["lrs"]:
             return
         group = self.param_groups[0]
         mu, wd, k = group.get("momentum", 0.0), group["weight_decay"], rows.numel()
-        coef = self._lagging(state, rows, mu, wd, p.dtype)
-        if coef is None:
-            return
+        since = state["since_base"].index_select(0, rows).long()                  # (K,)
+        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)[since]
         w = torch.index_select(p, 0, rows, out=self._rows("cw", k, p))
         m = torch.index_select(state["momentum_buffer"], 0, rows, out=self._rows("cm", k, p)) if mu else None
         _apply_catch_up(coef, w, m, self._rows("ct", k, p))
@@ -244,6 +281,8 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
 
     def _lagging(self, state, rows: torch.Tensor, mu: float, wd: float, dtype):
         """(K, 4) catch-up maps of ``rows``, or None when every one of them is current already."""
+        if not state["lrs"]:                     # no step since the sweep: every row is current (no host read)
+            return None
         since = state["since_base"].index_select(0, rows).long()                  # (K,)
         if not bool((since < len(state["lrs"])).any()):
             return None

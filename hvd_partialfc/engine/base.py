@@ -147,7 +147,7 @@ class _AllGatherSum(torch.autograd.Function):
         n = torch.tensor([tensor.shape[0]], dtype=torch.int64)
         counts = comm.allgather_tensor(n, f"{name}.rows")                          # (N,) rows per rank
         ctx.comm, ctx.name, ctx.grad_scale = comm, name, grad_scale
-        ctx.counts = [int(c) for c in counts]
+        ctx.counts = counts.tolist()                                               # one host read
         return comm.allgather_tensor(tensor.contiguous(), name)                    # (M, ...)
 
     @staticmethod

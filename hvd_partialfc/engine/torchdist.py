@@ -123,7 +123,7 @@ class TorchComm(CommBase):
             n = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)  # (1,)
             counts = [torch.empty_like(n) for _ in range(self.size)]
             dist.all_gather(counts, n)
-            rows = [int(c) for c in counts]
+            rows = torch.cat(counts).tolist()          # one host read (NCCL: the counts are on the GPU)
             top = max(rows)
             if x.shape[0] < top:
                 x = torch.cat([x, x.new_zeros((top - x.shape[0],) + tuple(x.shape[1:]))])

@@ -24,6 +24,7 @@ from ..models.recompute import set_activation_checkpointing
 from ..classifier.optimizers import NoOptimizer, classifier_group, make_optimizer
 from ..seeds import classifier_block_seed, rank_process_seed
 from ..engine.syncbn import convert_sync_batchnorm
+from .speed import resolve_matmul, to_channels_last
 
 
 def init_classifier_rows(weight: torch.Tensor, start: int, seed: int, block: int = 4096) -> None:
@@ -126,12 +127,14 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
     torch.manual_seed(cfg.train.seed)  # same backbone init everywhere (and broadcast anyway)
     backbone = create_model(cfg.model.name, in_shape=list(sample_shape), embedding_dim=cfg.model.embedding_dim,
                             **cfg.model.kwargs).to(device)
+    to_channels_last(backbone, cfg)
     if cfg.model.checkpoint_activations:
         set_activation_checkpointing(backbone, True)
     if cfg.model.sync_batchnorm:
         convert_sync_batchnorm(backbone, comm)
     head = mode.create_head(cfg, layout, comm.rank, comm)
     init_classifier_rows(head.weight, head.row_start, cfg.train.seed)
+    head.matmul = resolve_matmul(cfg.head.matmul, device)
     head.to(device)
     torch.manual_seed(rank_process_seed(cfg.train.seed, comm.rank))  # per-rank stream (dropout, sampling)
     backbone_opt = make_optimizer(backbone.parameters(), o.name, o.backbone_lr, o.backbone_momentum,

@@ -24,7 +24,8 @@ RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "tr
                     "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size",
                     "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
-                    "train.heartbeat_timeout", "train.share_gpu")
+                    "train.heartbeat_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
+                    "head.matmul")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")

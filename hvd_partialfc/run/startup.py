@@ -30,6 +30,7 @@ from .parts import build_parts
 from ..models.pretrained import load_initial_backbone
 from .resume import DataIdentity, resume
 from ..data.shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
+from .speed import set_device_flags
 from .step import Step
 from .trainer import RunData, Trainer
 from ..verification.evaluator import Evaluator
@@ -102,6 +103,7 @@ def _init_backbone(cfg, comm, parts) -> None:
 def start_trainer(cfg, comm) -> Trainer:
     """Build this rank's run and agree on it with the other ranks (see the module's docstring)."""
     device = pick_device(cfg, comm)
+    set_device_flags(cfg, device)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
