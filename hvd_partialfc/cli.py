@@ -60,8 +60,9 @@ def _train(args) -> int:
     from .run.startup import start_trainer
     from .config import ConfigError
     try:
-        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device)
-    except ConfigError as e:   # before any work: the engine does not fit the launcher, or is not installed
+        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, cfg.train.allow_host_allreduce)
+    except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed, or
+        # (Horovod) has no NCCL for a CUDA run
         print(f"hvd-partialfc train: error: {e}", file=sys.stderr, flush=True)
         return 2
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)

@@ -110,6 +110,9 @@ class TrainConfig:
     # a rank that hears nothing from its ring neighbour for this many seconds (a cut link, a lost node)
     # ends the job naming it, instead of waiting in a collective for Gloo's 30 minutes; 0: off
     heartbeat_timeout: float = 20.0
+    # Horovod engine on CUDA with a Horovod built without NCCL: false stops at start-up (every gradient would
+    # go GPU -> host -> Gloo/MPI -> GPU, several times slower); true goes on at that speed (docs/gpu.md)
+    allow_host_allreduce: bool = False
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The Horovod build's decisions (launch/horovod_build_env.py) on fake inputs: ``horovodrun --check-build`` as
 Horovod 0.28.1 prints it, nvcc's version and architecture lists, a fake pip NCCL and system NCCL, fake
-device capabilities; launch/build_horovod.sh's refusals; No GPU, no toolkit, no build: seconds."""
+device capabilities; launch/build_horovod.sh's refusals; and the engine's refusal of a Horovod without NCCL
+on a CUDA run. No GPU, no toolkit, no build: seconds."""
 from __future__ import annotations
 
 import os
@@ -200,3 +201,30 @@ def test_build_script_refuses_bad_arguments_loudly(tmp_path):
                                                          "no such file"), (["--frobnicate"], "unknown option")]:
         r = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=30)
         assert r.returncode != 0 and msg in r.stderr and r.stdout == ""
+
+
+# --- the engine: a Horovod without NCCL on a CUDA run ------------------------------------------------------
+def test_a_cuda_run_on_horovod_without_nccl_is_refused_unless_allowed():
+    from hvd_partialfc.config import ConfigError
+    from hvd_partialfc.engine.select import check_gpu_operations
+    with pytest.raises(ConfigError, match="built without NCCL"):
+        check_gpu_operations("cuda", cuda_available=True, nccl_version=0, allow_host_allreduce=False)
+    with pytest.raises(ConfigError, match="allow_host_allreduce"):
+        check_gpu_operations("auto", cuda_available=True, nccl_version=0, allow_host_allreduce=False)
+    check_gpu_operations("cuda", True, 0, allow_host_allreduce=True)       # the explicit opt-in
+    check_gpu_operations("cuda", True, 22703, False)                       # an NCCL build
+    check_gpu_operations("cpu", True, 0, False)
+    check_gpu_operations("auto", False, 0, False)
+
+
+def test_train_on_cuda_with_this_cpu_horovod_stops_with_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    hvd = pytest.importorskip("horovod.torch")
+    if hvd.nccl_built():
+        pytest.skip("this Horovod has NCCL")
+    for k in [k for k in os.environ if k.startswith(("HOROVOD_", "OMPI_", "PMI", "TORCHELASTIC_"))]:
+        monkeypatch.delenv(k)
+    from hvd_partialfc.cli import main
+    rc = main(["train", "--shards", str(tmp_path), "--out", str(tmp_path / "run"), "--set", "train.device=cuda",
+               "--set", "train.engine=horovod"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "built without NCCL" in err[0], err

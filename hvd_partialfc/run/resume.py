@@ -22,7 +22,7 @@ from ..seeds import RESHARD_RESEED, derive_seed
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
                     "data.verify_sha256", "data.shards", "eval.batch_size", "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
-                    "train.heartbeat_timeout")
+                    "train.heartbeat_timeout", "train.allow_host_allreduce")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
