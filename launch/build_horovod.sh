@@ -55,6 +55,8 @@ ARGS=(env --link-dir "$WORK/nccl-lib")
 [ "$CPU_ONLY" != 0 ] && ARGS+=(--cpu-only)
 BUILD_ENV="$("$PY" "$HERE/horovod_build_env.py" "${ARGS[@]}")" || die "see the error above"
 eval "$BUILD_ENV"
+# Horovod's cmake/build_utils.py runs the first `nvcc` on PATH before $HOROVOD_CUDA_HOME's: make them one.
+if [ -n "${HOROVOD_CUDA_HOME:-}" ]; then export PATH="$HOROVOD_CUDA_HOME/bin:$PATH"; fi
 
 if [ -z "$SDIST" ]; then
   "$PY" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
