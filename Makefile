@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install test test-unit test-multirank test-bigbuild demo clean-venv
 
 # Re-run the installer when its inputs change; it skips what is already there.
-$(STAMP): launch/install.sh setup.cfg pyproject.toml
+$(STAMP): launch/install.sh launch/build_horovod.sh launch/horovod_build_env.py setup.cfg pyproject.toml
 	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash launch/install.sh
 	touch $(STAMP)
 

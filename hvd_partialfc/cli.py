@@ -60,9 +60,10 @@ def _train(args) -> int:
     from .run.startup import start_trainer
     from .config import ConfigError
     try:
-        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, cfg.train.share_gpu)
-    except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed, or
-        # a rank has no GPU of its own (engine/device.py)
+        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, share_gpu=cfg.train.share_gpu,
+                            allow_host_allreduce=cfg.train.allow_host_allreduce)
+    except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
+        # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         print(f"hvd-partialfc train: error: {e}", file=sys.stderr, flush=True)
         return 2
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)

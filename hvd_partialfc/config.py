@@ -127,6 +127,9 @@ class TrainConfig:
     # CUDA: backbone and image batches in channels_last (NHWC) layout, for Tensor Cores under fp16 / bf16.
     # Also runs on CPU, where its numbers may differ from the default layout's in the last bits
     channels_last: bool = False
+    # Horovod engine on CUDA with a Horovod built without NCCL: false stops at start-up (every gradient would
+    # go GPU -> host -> Gloo/MPI -> GPU, several times slower); true goes on at that speed (docs/gpu.md)
+    allow_host_allreduce: bool = False
 
 
 @dataclass

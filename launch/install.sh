@@ -12,13 +12,17 @@
 # The venv is $HVD_PARTIALFC_VENV (default .venv in the repository root, the Makefile's VENV).
 #
 # Why Horovod is built by hand: Horovod 0.28.1 (its last release) sets CMAKE_CXX_STANDARD 14 in its root and
-# horovod/torch CMakeLists.txt, and torch >= 2.1 headers need C++17. We fetch the sdist, patch 14 -> 17, and
-# build once (about 5 minutes on 2 cores). The wheel is kept in a cache folder outside the repository
-# ($HVD_PARTIALFC_CACHE, default ~/.cache/hvd_partialfc), so a fresh clone installs it in seconds.
+# horovod/torch CMakeLists.txt, torch >= 2.1 headers need C++17, and gcc >= 13 needs includes that upstream
+# added after the release. launch/build_horovod.sh fetches the sdist, patches it and builds the wheel (about
+# 5 minutes on 2 cores). The wheel is kept in a cache folder outside the repository ($HVD_PARTIALFC_CACHE,
+# default ~/.cache/hvd_partialfc), so a fresh clone installs it in seconds.
 #
-# GPU users: export HOROVOD_GPU_OPERATIONS=NCCL (and HOROVOD_CUDA_HOME / HOROVOD_NCCL_HOME if needed) before
-# running this script; every HOROVOD_* variable passes through to the build. The cached wheel's name carries
-# a hash of those variables, so a CPU wheel is never reused for a GPU build.
+# GPUs (docs/gpu.md, "Building Horovod for GPUs"): when torch has CUDA and a CUDA toolkit of the same major
+# version is found (CUDA_HOME, HOROVOD_CUDA_HOME or nvcc on PATH), or HOROVOD_GPU_OPERATIONS=NCCL is set, the
+# build has NCCL, and an installed Horovod without it is rebuilt. HVD_PARTIALFC_HOROVOD_CPU_ONLY=1 builds
+# without. Every HOROVOD_* variable passes through to the build (HOROVOD_NCCL_HOME, HOROVOD_BUILD_CUDA_CC_LIST,
+# ...). The cached wheel's name carries a hash of those variables, of torch's CUDA version, the GPU operations
+# and the compute capabilities, so a CPU wheel is never reused for a GPU build, nor one GPU's for another.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -136,52 +140,50 @@ elif ! "$PY" -c "import torchvision, sys; sys.exit(torchvision.__version__.split
 fi
 
 # --- Horovod (skipped with --no-horovod) -----------------------------------------------------------
+# The build itself is launch/build_horovod.sh (the one recipe, also the GPU check's); launch/horovod_build_env.py
+# decides its GPU operations, and reads `horovodrun --check-build` for the check below.
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
+HVD_ENV="$ROOT/launch/horovod_build_env.py"
 
 horovod_ok() {
-  # True when the installed Horovod has PyTorch + Gloo (+ MPI when mpicc exists).
-  local out
+  # True when the installed Horovod has PyTorch + Gloo (+ MPI when mpicc exists, + NCCL when a build here
+  # would have it: HOROVOD_GPU_OPERATIONS=NCCL, or torch with CUDA and a CUDA toolkit found).
+  local out flags=()
   out="$("$VENV/bin/horovodrun" --check-build 2>/dev/null)" || return 1
-  echo "$out" | grep -q "\[X\] PyTorch" || return 1
-  echo "$out" | grep -q "\[X\] Gloo" || return 1
-  if [ "$HAVE_MPI" = 1 ]; then echo "$out" | grep -q "\[X\] MPI" || return 1; fi
+  [ "$HAVE_MPI" = 1 ] && flags+=(--mpi)
+  [ "$GPU_OPS" = NCCL ] && flags+=(--nccl)
+  echo "$out" | "$PY" "$HVD_ENV" check-build "${flags[@]}" || return 1
   "$PY" -c "import horovod.torch" 2>/dev/null || return 1
 }
 
 if [ "$WITH_HOROVOD" = 0 ]; then
   log "--no-horovod: Horovod not built (the torch.distributed engine, torchrun, needs none)"
-elif horovod_ok; then
-  log "Horovod $HOROVOD_VERSION already built with PyTorch/Gloo$( [ $HAVE_MPI = 1 ] && echo /MPI)"
 else
-  # The wheel's cache key: torch version, Python, MPI or not, and every HOROVOD_* build variable.
-  KEY="$( { echo "torch=$TORCH_VERSION mpi=$HAVE_MPI py=$("$PY" -c 'import sys;print(sys.version_info[:2])')"; \
-            { env | grep '^HOROVOD_' || true; } | sort; } | sha256sum | cut -c1-12)"
-  WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-$KEY"
-  WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -1 || true)"
-  if [ -z "$WHEEL" ]; then
-    log "building Horovod $HOROVOD_VERSION from source (about 5 minutes on 2 cores); cache: $WHEEL_DIR"
-    BUILD="$(mktemp -d)"
-    trap 'rm -rf "$BUILD"' EXIT
-    $PIP download --no-deps --no-binary :all: "horovod==$HOROVOD_VERSION" -d "$BUILD"
-    tar -xzf "$BUILD"/horovod-"$HOROVOD_VERSION".tar.gz -C "$BUILD"
-    SRC="$BUILD/horovod-$HOROVOD_VERSION"
-    # torch >= 2.1 needs C++17 (see the header of this script).
-    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-    grep -q "CMAKE_CXX_STANDARD 17" "$SRC/horovod/torch/CMakeLists.txt"
-    $PIP install wheel setuptools
-    export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-           HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)"
-    if [ "$HAVE_MPI" = 1 ]; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
-    # Debian's cmake (3.25) builds the bundled Gloo; PyPI's cmake 4.x needs this policy floor.
-    export CMAKE_POLICY_VERSION_MINIMUM=3.5
-    mkdir -p "$WHEEL_DIR"
-    (cd "$SRC" && "$PY" -m pip wheel --no-deps --no-build-isolation -w "$WHEEL_DIR" . )
-    WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl | head -1)"
+  GPU_OPS="$("$PY" "$HVD_ENV" gpu-ops)"     # NCCL | none (exits with its one-line reason if asked for both)
+  HVD_WHAT="PyTorch/Gloo"
+  if [ "$HAVE_MPI" = 1 ]; then HVD_WHAT+="/MPI"; fi
+  if [ "$GPU_OPS" = NCCL ]; then HVD_WHAT+="/NCCL"; fi
+  if horovod_ok; then
+    log "Horovod $HOROVOD_VERSION already built with $HVD_WHAT"
   else
-    log "installing cached Horovod wheel $WHEEL"
+    # The wheel's cache key: torch version, Python, MPI or not, torch's CUDA with the GPU operations and
+    # compute capabilities (nothing for a CPU torch built without them, so the CPU key is unchanged), and every
+    # HOROVOD_* build variable.
+    GPU_KEY="$("$PY" "$HVD_ENV" key)"
+    KEY="$( { echo "torch=$TORCH_VERSION mpi=$HAVE_MPI py=$("$PY" -c 'import sys;print(sys.version_info[:2])')"; \
+              if [ -n "$GPU_KEY" ]; then echo "$GPU_KEY"; fi; \
+              { env | grep '^HOROVOD_' || true; } | sort; } | sha256sum | cut -c1-12)"
+    WHEEL_DIR="$CACHE/horovod-$HOROVOD_VERSION-$KEY"
+    WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -1 || true)"
+    if [ -z "$WHEEL" ]; then
+      log "building Horovod $HOROVOD_VERSION with $HVD_WHAT from source (about 5 minutes on 2 cores); cache: $WHEEL_DIR"
+      WHEEL="$(bash "$ROOT/launch/build_horovod.sh" --python "$PY" --wheel-dir "$WHEEL_DIR" | tail -1)"
+    else
+      log "installing cached Horovod wheel $WHEEL"
+    fi
+    $PIP install --no-deps --force-reinstall "$WHEEL"
+    horovod_ok || { echo "[install] Horovod installed but 'horovodrun --check-build' lacks some of $HVD_WHAT" >&2; exit 1; }
   fi
-  $PIP install --no-deps --force-reinstall "$WHEEL"
-  horovod_ok || { echo "[install] Horovod installed but 'horovodrun --check-build' lacks PyTorch/Gloo$( [ $HAVE_MPI = 1 ] && echo /MPI)" >&2; exit 1; }
 fi
 
 # --- the package itself (editable), with its console scripts --------------------------------------

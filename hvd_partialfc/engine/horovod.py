@@ -99,6 +99,11 @@ class Comm(CommBase):
 CPU_CYCLE_TIME_MS = "10"
 
 
+def nccl_version() -> int:
+    """NCCL's version code when this Horovod was built with GPU operations (NCCL), else 0. Not a collective."""
+    return int(hvd.nccl_built())
+
+
 def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1).
 

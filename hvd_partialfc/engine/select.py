@@ -15,6 +15,9 @@ none (one process) nothing of the above                                         
 An explicit choice that does not fit the launcher (``torch`` under horovodrun/mpirun, ``horovod`` under
 torchrun) is a ``ConfigError`` before any work: each engine would start a world of its own and train
 alone. Alone, both engines run a world of one. The key is resume-free: checkpoints are the same files.
+
+A Horovod built without NCCL on a CUDA run is also a ``ConfigError`` before any work
+(``check_gpu_operations``), unless ``train.allow_host_allreduce`` says to go on.
 """
 from __future__ import annotations
 
@@ -64,12 +67,31 @@ def choose_engine(want: str, env: Mapping[str, str]) -> str:
     return want
 
 
-def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_gpu: bool = False):
+def check_gpu_operations(device: str, cuda_available: bool, nccl_version: int, allow_host_allreduce: bool) -> None:
+    """ConfigError when a Horovod without GPU operations (``hvd.nccl_built()`` is 0) would serve a CUDA run
+    (``device`` as ``train.device``: ``cuda``, or ``auto`` with CUDA available), unless the user allowed it.
+
+    Such a build copies every gradient bucket GPU -> host, reduces it with Gloo/MPI on the CPU, and copies
+    it back: several times slower than NCCL, and nothing else would say so. Not a collective: every rank
+    has the same build, so every rank stops alike."""
+    cuda = device == "cuda" or (device == "auto" and cuda_available)
+    if cuda and not nccl_version and not allow_host_allreduce:
+        raise ConfigError("train.device is CUDA but this Horovod was built without NCCL (horovodrun --check-build: "
+                          "[ ] NCCL), so every gradient would go through the host: rebuild it with NCCL "
+                          "(launch/build_horovod.sh, docs/gpu.md), use train.engine=torch under torchrun, or set "
+                          "train.allow_host_allreduce=true")
+
+
+def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_gpu: bool = False,
+                 allow_host_allreduce: bool = False):
     """Choose (``choose_engine``) and start the engine; its ``Comm``. A collective across the launched ranks.
-    ``device`` and ``share_gpu``: ``train.device`` and ``train.share_gpu`` (device.py: the GPU's choice, and
-    ranks sharing one refused unless ``share_gpu``)."""
+    ``device``, ``share_gpu``, ``allow_host_allreduce``: the ``train.*`` keys of those names (device.py: the
+    GPU's choice, and ranks sharing one refused unless ``share_gpu``; Horovod without NCCL on a CUDA run
+    refused unless ``allow_host_allreduce``)."""
     if choose_engine(want, env) == "torch":
         from . import torchdist
         return torchdist.init(device, share_gpu)
+    import torch
     from . import horovod
+    check_gpu_operations(device, torch.cuda.is_available(), horovod.nccl_version(), allow_host_allreduce)
     return horovod.init(device, share_gpu)
