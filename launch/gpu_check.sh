@@ -73,6 +73,9 @@ else
            2> "$OUT/build.log" | tail -1)" || { tail -40 "$OUT/build.log" >&2; false; }
   "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/hvd" "$WHEEL"
   export PYTHONPATH="$PYTHONPATH:$WORK/hvd" PATH="$WORK/hvd/bin:$PATH"
+  # Horovod's NCCL operations load libnccl.so.2 at run time: the pip package's, where torch has it from
+  NCCL_LIB="$("$PY" -c "import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], 'lib'))" 2>/dev/null || true)"
+  [ -z "$NCCL_LIB" ] || export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   HOROVODRUN="$WORK/hvd/bin/horovodrun"
   wait "$SMOKE" || { tail -30 "$OUT/smoke_torch.log" >&2; false; }
   tail -3 "$OUT/smoke_torch.log"
