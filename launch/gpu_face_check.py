@@ -45,6 +45,7 @@ from hvd_partialfc.data.partition import even_slices  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "configs", "ms1mv3_r50.yaml")
 PRECISIONS = ("fp16", "bf16")
+TINY_PRECISIONS = ("bf16",)   # the CPU smoke: the same loop, without fp16 (no fast fp16 kernels on CPU)
 # name -> (classes, samples per class) of the two shard sets
 FULL = {"head125k": (125_000, 1), "head1k": (1_000, 8)}
 TINY = {"head125k": (600, 1), "head1k": (20, 8)}
@@ -54,8 +55,10 @@ def sizes(tiny: bool) -> Dict[str, Any]:
     """The run's sizes: GPU figures, or the CPU smoke's (a small resnet, a few steps)."""
     if tiny:
         return {"sets": TINY, "model": "resnet", "kwargs": {"width": 8}, "batch": 4, "steps": 4,
+                "precisions": TINY_PRECISIONS,
                 "log_every": 2, "workers": 1, "device": "cpu", "loader_seconds": 0.5}
     return {"sets": FULL, "model": "iresnet50", "kwargs": {}, "batch": 128, "steps": 120, "log_every": 10,
+            "precisions": PRECISIONS,
             "workers": max(1, min(12, (os.cpu_count() or 4) - 2)), "device": "cuda", "loader_seconds": 10.0}
 
 
@@ -86,7 +89,8 @@ def prepare(work: str, tiny: bool) -> int:
     rate = measure_loader_rate(sets["head125k"], s["batch"], s["workers"], s["loader_seconds"])
     write_json(os.path.join(work, "prepare.json"), {"sets": {k: {"classes": c, "per_class": n} for k, (c, n)
                                                              in s["sets"].items()},
-                                                    "build_s": built_s, "loader": rate, "cpu_count": os.cpu_count()})
+                                                    "build_s": built_s, "loader": rate, "cpu_count": os.cpu_count(),
+                                                    "tiny": tiny})
     print(f"shards built in {built_s:.0f} s; loader {rate['samples_per_s']:,.0f} samples/s with "
           f"{rate['workers']} workers (cold queue)", flush=True)
     return 0
@@ -140,7 +144,7 @@ def measure(work: str, engine: str, tiny: bool) -> int:
     comm = start_engine(engine, os.environ, s["device"])
     device = torch.device(s["device"], torch.cuda.current_device()) if s["device"] == "cuda" else torch.device("cpu")
     rows: List[Dict[str, Any]] = []
-    for precision in PRECISIONS:
+    for precision in s["precisions"]:
         for head in ("head125k", "head1k"):
             cfg = run_config(work, engine, precision, head, s)
             r = one_run(cfg, comm, device, warm_logs=1 if tiny else 3)
@@ -165,6 +169,7 @@ def report(work: str, out: str, engines: List[str]) -> int:
     problems: List[str] = []
     prep = _read(os.path.join(work, "prepare.json"), problems)
     runs = {e: _read(os.path.join(work, f"measure-{e}.json"), problems) for e in engines}
+    precisions = TINY_PRECISIONS if prep and prep.get("tiny") else PRECISIONS
     lines = []
     if prep:
         r = prep["loader"]
@@ -177,7 +182,7 @@ def report(work: str, out: str, engines: List[str]) -> int:
         if not info:
             continue
         by = {(r["precision"], r["head"]): r for r in info["rows"]}
-        for p in PRECISIONS:
+        for p in precisions:
             full, small = by.get((p, "head125k")), by.get((p, "head1k"))
             if not full or not small:
                 problems.append(f"{engine} {p}: a run is missing")
