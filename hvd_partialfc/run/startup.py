@@ -18,9 +18,8 @@ import os
 import torch
 
 from . import checkpoint as ckpt
-from ..data.augment import parse_augment
+from ..data.augment import BatchAugment, parse_augment
 from ..config import ConfigError
-from ..data.augment import BatchAugment
 from ..data.device_decode import choose_decode
 from ..data.loader import RankShardDataset, make_loader, resolve_workers
 from ..data.layout import RankLayout
