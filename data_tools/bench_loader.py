@@ -171,11 +171,13 @@ def _cpu_seconds() -> float:
     return total
 
 
-def write_face_shards(out: str, n: int, num_shards: int = 4) -> str:
-    """An encoded shard set of ``n`` 112x112x3 JPEG faces (``face_jpegs``) in ``out``; returns ``out``."""
+def write_face_shards(out: str, n: int, num_shards: int = 4, per_class: int = 20) -> str:
+    """An encoded shard set of ``n`` 112x112x3 JPEG faces (``face_jpegs``), ``per_class`` samples a class, in
+    ``out``; returns ``out``."""
     from hvd_partialfc.data.partition import even_slices
     from data_tools.shard_writer import write_shard_set
-    blobs, labels = face_jpegs(n)
+    blobs, _ = face_jpegs(n)
+    labels = np.arange(n) // per_class
     classes = int(labels[-1]) + 1
     write_shard_set(out, "encoded", blobs, labels, even_slices(classes, num_shards), classes,
                     sample_shape=[112, 112, 3])

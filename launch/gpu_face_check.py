@@ -38,10 +38,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from data_tools.bench_loader import face_jpegs, measure_loader_rate  # noqa: E402
-from data_tools.shard_writer import write_shard_set  # noqa: E402
+from data_tools.bench_loader import measure_loader_rate, write_face_shards  # noqa: E402
 from hvd_partialfc.atomic import write_text  # noqa: E402
-from hvd_partialfc.data.partition import even_slices  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "configs", "ms1mv3_r50.yaml")
 PRECISIONS = ("fp16", "bf16")
@@ -70,15 +68,8 @@ def write_json(path: str, obj: Any) -> None:
 
 def build_sets(work: str, sets: Dict[str, Any]) -> Dict[str, str]:
     """One shard (one rank's slice) per set: every class has its samples (no empty class is allowed)."""
-    out = {}
-    for name, (classes, per_class) in sets.items():
-        d = os.path.join(work, name)
-        n = classes * per_class
-        blobs, _ = face_jpegs(n, unique=min(n, 2000))
-        labels = np.arange(n) // per_class
-        write_shard_set(d, "encoded", blobs, labels, even_slices(classes, 1), classes, sample_shape=[112, 112, 3])
-        out[name] = d
-    return out
+    return {name: write_face_shards(os.path.join(work, name), classes * per_class, num_shards=1, per_class=per_class)
+            for name, (classes, per_class) in sets.items()}
 
 
 def prepare(work: str, tiny: bool) -> int:
