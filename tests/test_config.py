@@ -76,3 +76,21 @@ def test_face_recipes_translate_arcface_torch(name):
     assert o.backbone_weight_decay == o.classifier_weight_decay == wd
     assert (o.schedule, o.poly_power, o.warmup_steps, o.clip_grad_norm) == ("poly", 1.0, 0, 5.0)
     assert f"arcface_torch's configs/{name}.py" in open(path).read()     # the comment names what it reproduces
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_face_recipes_run_the_method_and_say_how_to_get_partialfc(name):
+    """Issue 37: a face recipe trains `local` with its defaults (cross-shard negatives; wf42m_pfc02 sampled at
+    0.2), its header names the override to arcface_torch's exact method and what the evidence for the default
+    is, and the fp16 loss scale grows as arcface_torch's GradScaler does."""
+    from hvd_partialfc.config import HeadConfig
+    path = os.path.join(CONFIG_DIR, name + ".yaml")
+    c, d = load_config(path, ["data.shards=/x"]), HeadConfig()
+    assert (c.head.mode, c.head.negatives_every, c.head.negatives_share, c.head.negatives_pool,
+            c.head.sampled_step) == ("local", d.negatives_every, d.negatives_share, d.negatives_pool, d.sampled_step)
+    assert c.train.loss_scale_growth == 100
+    header = open(path).read().split("\ndata:")[0]
+    for phrase in ("`--set head.mode=global`", "docs/accuracy.md", "CJK", "24,758 classes", "256 simulated ranks",
+                   "not faces", "loss_scale_growth 100"):
+        assert phrase in header, phrase
+    assert "1,000 good steps" not in header
