@@ -12,7 +12,13 @@ $(STAMP): launch/install.sh launch/build_horovod.sh launch/horovod_build_env.py 
 
 install: $(STAMP)
 
+# `hvd-partialfc doctor` first: what the machine has and lacks, one line each (docs/engines.md). make test goes on
+# whatever it says (the tests name what fails; a missing font or GPU is only a note); make demo stops on a
+# missing requirement of the demo's engine (Horovod with Gloo), before any data is built.
+DOCTOR := $(PY) -m hvd_partialfc.cli doctor
+
 test: install
+	$(DOCTOR) || true
 	$(PY) -m pytest tests -q
 
 # A -m on the command line replaces setup.cfg's -m "not bigbuild": keep it out here too.
@@ -28,6 +34,7 @@ test-bigbuild: install
 
 # The main job on the embedded default data (fonts): data, training on 2 ranks, evaluation, report.
 demo: install
+	$(DOCTOR) --engine horovod --out runs/demo
 	bash launch/demo.sh
 
 clean-venv:

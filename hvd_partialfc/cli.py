@@ -11,6 +11,7 @@
                          [--batch-size N] [--workers N] [--threads N] [--out DIR]   (docs/evaluation.md)
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
+    hvd-partialfc doctor [--engine E] [--out RUN] [--config FILE] [--shards DIR [--np N]]
 """
 from __future__ import annotations
 
@@ -302,6 +303,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "0: no cap; default: training's head.negatives_pool)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_estimate)
+    from .tools.doctor import add_arguments as doctor_arguments, run_doctor
+    d = sub.add_parser("doctor", help="what this machine has and lacks for a run (torch, GPUs, Horovod, "
+                                      "torch.distributed, mpirun, fonts, run folder, a shard set); exit 1 when a "
+                                      "requirement is missing")
+    doctor_arguments(d)
+    d.set_defaults(fn=run_doctor)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

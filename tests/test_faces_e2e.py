@@ -1,7 +1,7 @@
 """The face workload end to end (issue 13's "done when"): a face recipe with iresnet18 on 3 x 112 x 112 RGB
-shards under ``horovodrun -np 2``: it trains with flip augmentation, verifies on an LFW-style ``.bin``
-during training, checkpoints, is killed, resumes bitwise, and exports to ONNX (the CLI's check, the
-dynamic batch and the embeddings against PyTorch).
+shards under ``horovodrun -np 2``, in the recipe's ``head.mode: local`` with cross-shard negatives: it trains
+with flip augmentation, verifies on an LFW-style ``.bin`` during training, checkpoints, is killed, resumes
+bitwise, and exports to ONNX (the CLI's check, the dynamic batch and the embeddings against PyTorch).
 
 The one test that trains an iresnet under real Horovod (its frozen ``features.weight``, PReLU and BatchNorm
 buffers through the averaging optimizer, the broadcast and the buffer averaging before evaluation), so it
@@ -88,6 +88,7 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
 
     cfg = json.load(open(os.path.join(whole, "checkpoints", "step-00000002", "meta.json")))["config"]
     assert cfg["model"]["name"] == "iresnet18" and cfg["data"]["augment"] == ["flip"] and cfg["eval"]["flip"]
+    assert cfg["head"]["mode"] == "local" and cfg["head"]["negatives_every"] > 0   # the recipe runs the method
     for run in (whole, resumed):
         evals = [r for r in read_json_lines(os.path.join(run, "metrics.jsonl")) if "eval" in r]
         assert sorted({r["step"] for r in evals}) == [1, 2]              # verified during training, on the .bin

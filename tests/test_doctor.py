@@ -1,0 +1,80 @@
+"""``hvd-partialfc doctor`` (issue 37): its exit codes with a bad shard set and with Horovod's import blocked."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, launch_env
+
+FEATURES = os.path.join(ROOT, "tests", "fixtures", "pins", "data", "features")   # 2 shards, 40 classes
+SMALL = ["--set", "model.name=mlp", "--set", "model.embedding_dim=16"]
+
+
+def _doctor(capsys, *args):
+    from hvd_partialfc.cli import main
+    capsys.readouterr()
+    rc = main(["doctor", *map(str, args)])
+    return rc, capsys.readouterr().out
+
+
+def _line(out, start):
+    return next(line for line in out.splitlines() if line.strip().startswith(start))
+
+
+def test_shard_set_that_fits_reports_layout_and_memory(capsys, tmp_path):
+    """2 ranks on 2 shards: ok, and the memory line is the estimator's figure for that config."""
+    from hvd_partialfc.tools.estimate import estimate, human
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run", "--shards", FEATURES, "--np", 2, *SMALL)
+    assert rc == 0, out
+    assert "20-20 classes a rank" in _line(out, "ok    2 ranks: 1 shard(s) a rank, equal blocks")
+    want = estimate(40, 2, 16, 128, "mlp", "local", in_shape=[16], negatives_every=50, negatives_share=1024,
+                    negatives_pool=8192)["memory_total"]
+    assert f"): {human(want)}, classifier" in _line(out, "ok    memory per rank")
+
+
+def test_bad_shard_sets_exit_1(capsys, tmp_path):
+    """More ranks than shards, a folder without a manifest, a backbone that does not take the samples: each
+    a FAIL line naming it, exit 1."""
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path, "--shards", FEATURES, "--np", 3, *SMALL)
+    assert rc == 1 and "maximum world size is 2, not 3" in _line(out, "FAIL  3 ranks"), out
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path, "--shards", tmp_path, "--np", 2)
+    assert rc == 1 and "no manifest.json" in _line(out, "FAIL  shards"), out
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path, "--shards", FEATURES, "--np", 2,
+                      "--set", "model.name=iresnet18")
+    assert rc == 1 and "112x112" in _line(out, "FAIL  model iresnet18"), out
+    rc, out = _doctor(capsys, "--np", 2)                    # --np without a set: a usage error
+    assert rc == 2
+
+
+def test_unwritable_run_folder_exits_1(capsys, tmp_path):
+    """A run folder under a plain file (writable by no one, root included): FAIL, exit 1."""
+    (tmp_path / "file").write_text("")
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "file" / "run")
+    assert rc == 1 and "cannot write" in _line(out, "FAIL  run folder"), out
+
+
+BLOCKED = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "horovod" or name.startswith("horovod."):
+            raise ImportError("horovod is blocked in this test")
+sys.meta_path.insert(0, Block())
+from hvd_partialfc.cli import main
+for argv in (["doctor", "--out", sys.argv[1]], ["doctor", "--engine", "horovod", "--out", sys.argv[1]]):
+    print("rc", main(argv), flush=True)
+"""
+
+
+def test_horovod_blocked_is_a_note_for_auto_and_a_failure_for_the_horovod_engine(tmp_path):
+    """``import horovod`` refused (an install with --no-horovod): ``auto`` resolves to the torch engine and Horovod
+    is a note (exit 0); ``--engine horovod`` fails on it with the install command (exit 1). One process for both."""
+    p = subprocess.run([sys.executable, "-c", BLOCKED, str(tmp_path)], env=launch_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    auto, horovod = p.stdout.split("rc 0\n") if "rc 0\n" in p.stdout else (p.stdout, "")
+    assert p.returncode == 0 and auto.startswith("hvd-partialfc doctor: engine torch"), p.stdout + p.stderr
+    assert "blocked in this test" in _line(auto, "note  Horovod: not importable")
+    assert "every requirement of the torch engine is met" in auto
+    assert horovod.startswith("hvd-partialfc doctor: engine horovod") and horovod.rstrip().endswith("rc 1"), p.stdout
+    assert "launch/install.sh" in _line(horovod, "FAIL  Horovod: not importable")
