@@ -15,8 +15,9 @@ else torch), when the run folder is not writable, or when the shard set is missi
 missing optional engine, ``mpirun``, fonts or GPUs (on a CPU run) are notes, exit 0.
 
 Horovod is read through its Python API (``horovod.torch.gloo_built()``, ``mpi_built()``, ``nccl_built()``),
-not ``horovodrun --check-build``, which starts a process per framework: 9 s measured on the project's
-2-core machine, against 0.1 s for the import once torch is loaded (torch's own import is ~2 s of the whole).
+not ``horovodrun --check-build``, which starts a process per framework: 9.8 s of CPU measured on the
+project's shared 2-core machine (43.7 s wall at a load of 10), against 0.1 s for the import once torch is
+loaded (torch's own import is ~2 s of doctor's whole run).
 """
 from __future__ import annotations
 
