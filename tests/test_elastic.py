@@ -24,6 +24,9 @@ import pytest
 from conftest import BIN, ROOT, SMALL_RUN, launch_env, run_job, simulate_here, small_run_argv as train_cmd
 import pins
 
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+import twonode  # noqa: E402
+
 pytestmark = pytest.mark.multirank
 TORCHRUN = os.path.join(BIN, "torchrun")
 # c10d rendezvous: a lost agent is dropped after keep_alive_interval x keep_alive_max_attempt seconds without
@@ -75,6 +78,11 @@ def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(small_run_sha
     assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(_uninterrupted(small_run_shards, tmp_path / "whole", 40, sets))
 
 
+# Where network namespaces work (root), tests/test_twonode.py's lost node covers this case with real network
+# stacks (4 ranks -> 2, re-sharded, the loss going on from the checkpoint): this one-host version (19 s) is
+# the fallback for machines without them.
+@pytest.mark.skipif(twonode.unavailable_reason() is None,
+                    reason="covered by test_twonode.py's lost node (network namespaces work here)")
 def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_shards, tmp_path):
     """Two torchrun agents on localhost (1 worker each); agent 2 and its worker are killed after a
     checkpoint; agent 1 re-forms the group alone and finishes from that checkpoint, re-sharded to 1 rank."""
