@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 
 from hvd_partialfc.atomic import recover_folder, write_text
-from hvd_partialfc.data.shards import ShardError
+from hvd_partialfc.data.shards import MANIFEST, ShardError
 
 from .assemble import assemble
 from .stream_index import INDEXERS, load_index_cache, save_index_cache
@@ -141,7 +141,10 @@ def _write_part(fmt, source, opts, part, index, plan, labels, item, fp, publishe
     if not summary["index_cached"]:
         save_index_cache(folders[0], fmt, source, index)
     write_text(os.path.join(folders[0], PLAN), json.dumps(plan, ensure_ascii=False))
-    mine = [j for j in range(len(plan["items"])) if j % m == k - 1 and plan["items"][j]["set"] in building]
+    # A set whose work folder holds its manifest was checked and is being published by assemble: its done
+    # records may be gone already, and its shards need no writing.
+    writing = [s for s in building if not os.path.isfile(os.path.join(folders[s], MANIFEST))]
+    mine = [j for j in range(len(plan["items"])) if j % m == k - 1 and plan["items"][j]["set"] in writing]
     todo = [j for j in mine if done_record(folders[plan["items"][j]["set"]], plan["items"][j]) is None]
     for j in todo:       # a killed writer's temporary file (only this part's shards: parts may run at once)
         remove_partial(folders[plan["items"][j]["set"]], plan["items"][j]["file"])
