@@ -90,7 +90,7 @@ def killed_at(k: int, fn) -> bool:
 
 @pytest.mark.parametrize("old_sets", [False, True], ids=["fresh", "overwrite"])
 def test_assemble_killed_at_every_step_then_rerun_gives_the_same_bytes(parts_done, old_sets):
-    """Killed before each of its changes on disk in turn (14 kills fresh, 20 over old sets), then re-run
+    """Killed before each of its changes on disk in turn (13 kills fresh, 19 over old sets), then re-run
     (``assemble`` again, or the build's own command with part 1/1): every file of both sets is byte-identical to an uninterrupted assemble's,
     nothing else is left (work folders, ``.old``, locks, temporaries), and a third run says ``already``."""
     root = parts_done
@@ -111,7 +111,7 @@ def test_assemble_killed_at_every_step_then_rerun_gives_the_same_bytes(parts_don
             assert build_streaming("recordio", str(root / "src"), opts(root))["shards_written"] == 0
         assert tree(root) == ref, f"killed before change {k}"
         assert assemble(str(root / "set"))["already"]
-    assert k > 12, k            # every step was hit: manifests, removals, renames, the old sets' removal
+    assert k - 1 >= (19 if old_sets else 13), k     # kills: manifests, removals, renames, old sets' removal
 
 
 def test_assemble_refuses_an_existing_set_without_overwrite(parts_done):
@@ -175,6 +175,12 @@ def test_running_copies_of_a_part_or_assemble_are_refused(parts_done):
     with pytest.raises(ShardError, match="cannot assemble .* pid 77 on host nodeB"):
         assemble(str(root / "set"))
     other.close()
+    pid = os.fork()                 # a copy killed while it holds the part's lock leaves no stale lock
+    if pid == 0:
+        flock(work / ".lock-part-1-of-2", text="pid of a dead copy")
+        os.kill(os.getpid(), signal.SIGKILL)
+    assert os.WIFSIGNALED(os.waitpid(pid, 0)[1])
+    assert (work / ".lock-part-1-of-2").read_text() == "pid of a dead copy"
     r = build_streaming("recordio", str(root / "src"), opts(root), (1, 2))
     assert r["shards_written"] == 1 and not partial.exists()
     assert not assemble(str(root / "set"))["already"]
