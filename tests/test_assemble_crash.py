@@ -91,8 +91,9 @@ def killed_at(k: int, fn) -> bool:
 @pytest.mark.parametrize("old_sets", [False, True], ids=["fresh", "overwrite"])
 def test_assemble_killed_at_every_step_then_rerun_gives_the_same_bytes(parts_done, old_sets):
     """Killed before each of its changes on disk in turn (13 kills fresh, 19 over old sets), then re-run
-    (``assemble`` again, or the build's own command with part 1/1): every file of both sets is byte-identical to an uninterrupted assemble's,
-    nothing else is left (work folders, ``.old``, locks, temporaries), and a third run says ``already``."""
+    (``assemble`` again, or the build's own command with part 1/1): every file of both sets is
+    byte-identical to an uninterrupted assemble's, nothing else is left (work folders, ``.old``, locks,
+    temporaries), and a third run says ``already``."""
     root = parts_done
     reset(root, old_sets)
     assemble(str(root / "set"), overwrite=old_sets)
