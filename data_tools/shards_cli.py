@@ -7,7 +7,7 @@
         fonts only: [--charset gb2312-1|jis-1|cjk|FILE] [--samples-per-font K] [--font-dir D]
                     [--max-fonts K] [--max-chars K] [--min-fonts K] [--min-families K]
                     [--faces-per-family K] [--near-duplicate T] [--min-samples N]
-    hvd-partialfc-shards assemble OUT                 (after a build in parts)
+    hvd-partialfc-shards assemble OUT [--overwrite]   (after a build in parts)
     hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
     hvd-partialfc-shards pairs FILE.bin|FILE.h5 --out OTHER.h5|OTHER.bin      (conversion)
@@ -55,6 +55,10 @@ def _build(args) -> int:
     if args.format in INDEXERS:
         part = parse_part(args.part)           # streaming: bounded memory, restartable, parts (data_tools/stream.py)
         r = build_streaming(args.format, args.source, opts, part)
+        if r["already"]:
+            print(f"{args.out}: already built by this command (same inputs and options as its fingerprint.json); "
+                  f"nothing to do")
+            return 0
         print(f"part {part[0]}/{part[1]}: wrote {r['shards_written']} shards ({r['samples_written']} samples), "
               f"{r['shards_resumed']} already done; index {r['index_bytes_per_sample']:.1f} bytes/sample, "
               f"{r['index_seconds']:.1f} s{' (saved by an earlier run)' if r['index_cached'] else ''}")
@@ -95,7 +99,10 @@ def _print_written(r, out, holdout_out) -> None:
 
 def _assemble(args) -> int:
     from .assemble import assemble
-    r = assemble(args.out)
+    r = assemble(args.out, overwrite=args.overwrite)
+    if r["already"]:
+        print(f"{args.out}: already assembled (every set of the build is in place); nothing to do")
+        return 0
     _print_written(r, args.out, r["holdout"] and os.path.normpath(
         os.path.join(args.out, r["manifest"].source["holdout"]["path"])))
     return 0
@@ -240,6 +247,8 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=_build)
     a = sub.add_parser("assemble", help="write the manifests of a build done in parts (--part K/M)")
     a.add_argument("out", help="the --out of the build")
+    a.add_argument("--overwrite", action="store_true", help="replace an existing set at OUT (or its held-out "
+                   "set's place) that is not this build's")
     a.set_defaults(fn=_assemble)
     i = sub.add_parser("inspect", help="validate a shard set and print its per-shard figures")
     i.add_argument("dir")
