@@ -26,7 +26,7 @@ def dirty(tmp_path_factory):
                              dirty={EMPTY: b"", TRUNCATED: bytes(blobs[TRUNCATED][:300])})
 
 
-def sim(shards, out, steps, sets=(), fault=None):
+def sim(shards, out, steps, sets=(), fault=None, ranks=1):
     from hvd_partialfc.config import load_config
     from hvd_partialfc.run.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
@@ -34,7 +34,7 @@ def sim(shards, out, steps, sets=(), fault=None):
     if fault:
         os.environ[ENV] = fault
     try:
-        return simulate_here(cfg, 1)
+        return simulate_here(cfg, ranks)
     finally:
         os.environ.pop(ENV, None)
 
@@ -109,20 +109,20 @@ def test_skip_trains_counts_and_resumes_bitwise(dirty, tmp_path, capsys):
 
 
 def test_too_many_bad_samples_stop_naming_the_shards(dirty, tmp_path):
-    """max_bad_samples=1: both bad samples are drawn in the first epoch, so the log step 8 finds 2 > 1 and
-    the run stops, naming both shards, after writing step 8's checkpoint. A fraction counts against the
-    set's 64 samples."""
+    """Two ranks, one bad sample each, max_bad_samples=1: each rank draws its own in its first epoch (4
+    steps), so the log step 4 agrees on 2 > 1 and the run stops, naming both ranks' shards, after writing
+    step 4's checkpoint. A fraction counts against the set's 64 samples."""
     from hvd_partialfc.engine.local import LocalComm
     from hvd_partialfc.run.sample_watch import SampleWatch
     from hvd_partialfc.run.simulate import SimFailure
     run = tmp_path / "run"
     with pytest.raises(SimFailure) as e:
-        sim(dirty, run, 16, ["data.on_bad_sample=skip", "data.max_bad_samples=1", "train.log_every=8"])
+        sim(dirty, run, 16, ["data.on_bad_sample=skip", "data.max_bad_samples=1", "train.log_every=4"], ranks=2)
     msg = str(e.value.error)
-    assert type(e.value.error).__name__ == "ShardError" and msg.startswith("step 8: 2 distinct samples")
-    for shard in ("shard-00000-of-00002.h5 (1)", "shard-00001-of-00002.h5 (1)"):
-        assert shard in msg
-    assert os.path.isdir(run / "checkpoints" / "step-00000008") and "checkpoint" in msg
+    assert type(e.value.error).__name__ == "ShardError" and msg.startswith("step 4: 2 distinct samples")
+    for shard in ("rank 0: {}/shard-00000-of-00002.h5 (1)", "rank 1: {}/shard-00001-of-00002.h5 (1)"):
+        assert shard.format(dirty) in msg
+    assert os.path.isdir(run / "checkpoints" / "step-00000004") and "checkpoint" in msg
     for fraction, stops in [(0.02, True), (0.05, False)]:           # 1.28 and 3.2 of 64 samples
         watch = SampleWatch("skip", fraction, 64)
         watch.found = {("a", 1): "", ("b", 2): ""}
