@@ -26,17 +26,11 @@ def dirty(tmp_path_factory):
                              dirty={EMPTY: b"", TRUNCATED: bytes(blobs[TRUNCATED][:300])})
 
 
-def sim(shards, out, steps, sets=(), fault=None, ranks=1):
+def sim(shards, out, steps, sets=(), ranks=1):
+    """``steps`` steps of BASE and ``sets`` on ``ranks`` virtual ranks, in this process (conftest.simulate_here)."""
     from hvd_partialfc.config import load_config
-    from hvd_partialfc.run.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
-    os.environ.pop(ENV, None)
-    if fault:
-        os.environ[ENV] = fault
-    try:
-        return simulate_here(cfg, ranks)
-    finally:
-        os.environ.pop(ENV, None)
+    return simulate_here(cfg, ranks)
 
 
 def same(a, b) -> bool:

@@ -9,19 +9,20 @@ Contract:
   error (the set is broken beyond skipping). A function of the stored data alone, with no random stream (so
   nothing for seeds.py to derive): the same stand-in in every worker, at any ``data.workers`` and after a
   resume, so a skip run resumes bitwise.
-* ``Batch``: what the loader yields (imports no torch: data_tools' scan uses this module): it unpacks as ``(samples, labels)`` (the contract every caller holds)
+* ``Batch``: what the loader yields: it unpacks as ``(samples, labels)`` (the contract every caller holds)
   and carries ``bad``, the ``BadSample``s replaced in it. The count travels with the batch because the
   loader's workers are other processes: the trainer sums and agrees it at log steps (run/sample_watch.py),
   with no host synchronisation and no collective per step.
 * ``looks_whole``: the check the workers can afford under ``data.decode: gpu`` (they do not decode): an
   empty blob, unknown magic bytes, or a JPEG / PNG without its end marker (a truncated file) is suspect,
   and only a suspect blob is decoded with PIL in the worker to decide.
+Imports no torch: ``hvd-partialfc-shards inspect --decode`` (data_tools/decode_scan.py) uses ``describe``.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
