@@ -171,12 +171,15 @@ def _cpu_seconds() -> float:
     return total
 
 
-def write_face_shards(out: str, n: int, num_shards: int = 4, per_class: int = 20) -> str:
+def write_face_shards(out: str, n: int, num_shards: int = 4, per_class: int = 20, dirty=None) -> str:
     """An encoded shard set of ``n`` 112x112x3 JPEG faces (``face_jpegs``), ``per_class`` samples a class, in
-    ``out``; returns ``out``."""
+    ``out``; returns ``out``. ``dirty``: {sample: bytes} stored in those samples' place (an empty or
+    truncated image: what a ``--no-check`` build keeps)."""
     from hvd_partialfc.data.partition import even_slices
     from data_tools.shard_writer import write_shard_set
     blobs, _ = face_jpegs(n)
+    for i, b in (dirty or {}).items():
+        blobs[i] = np.frombuffer(b, np.uint8)
     labels = np.arange(n) // per_class
     classes = int(labels[-1]) + 1
     write_shard_set(out, "encoded", blobs, labels, even_slices(classes, num_shards), classes,

@@ -8,7 +8,7 @@
                     [--max-fonts K] [--max-chars K] [--min-fonts K] [--min-families K]
                     [--faces-per-family K] [--near-duplicate T] [--min-samples N]
     hvd-partialfc-shards assemble OUT [--overwrite]   (after a build in parts)
-    hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png]
+    hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png] [--decode [--workers W]]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
     hvd-partialfc-shards pairs FILE.bin|FILE.h5 --out OTHER.h5|OTHER.bin      (conversion)
     hvd-partialfc-shards ijb SHARDS_DIR --out DIR [--name IJBC|IJBB] [--templates K] [--impostor-pairs P]
@@ -159,9 +159,15 @@ def _inspect(args) -> int:
     info = inspect_shard_set(args.dir, verify_sha256=not args.no_sha256)
     if args.plot:
         plot_shards(info, args.plot)
+    if args.decode:
+        from .decode_scan import rebuild_command, undecodable
+        from .storage import default_workers
+        from hvd_partialfc.data.shards import read_manifest
+        info["undecodable"] = undecodable(args.dir, args.workers or default_workers(), progress=not args.json)
+        info["rebuild"] = rebuild_command(read_manifest(args.dir), args.dir) if info["undecodable"] else ""
     if args.json:
         print(json.dumps(info, indent=1))
-        return 0
+        return 1 if info.get("undecodable") else 0
     print(f"{info['path']}: {info['num_classes']} classes, {info['num_samples']} samples, {info['kind']} "
           f"{info['sample_shape']}, {len(info['shards'])} shards: valid")
     for r in info["shards"]:
@@ -171,7 +177,22 @@ def _inspect(args) -> int:
         print(f"  {info['skipped']} samples were skipped at build time (manifest 'skipped')")
     if args.plot:
         print(f"  plot: {args.plot}")
-    return 0
+    return _print_undecodable(info) if args.decode else 0
+
+
+def _print_undecodable(info: dict) -> int:
+    """The ``--decode`` listing; 1 when a sample does not decode (for scripts), else 0."""
+    bad = info["undecodable"]
+    if not bad:
+        print(f"  every one of the {info['num_samples']} samples decodes")
+        return 0
+    print(f"  {len(bad)} of the {info['num_samples']} samples cannot be decoded:")
+    for r in bad:
+        print(f"    {r['file']}: sample {r['sample']} (label {r['label']}, {r['bytes']} bytes): {r['reason']}")
+    print(f"  rebuild without them (the build decodes every image and leaves these out; add the set's other "
+          f"build options):\n    {info['rebuild']}\n  or train on this set with data.on_bad_sample=skip "
+          f"(each replaced by the next decodable sample of its class)")
+    return 1
 
 
 def _pairs(args) -> int:
@@ -255,6 +276,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--no-sha256", action="store_true", help="skip hashing the shard files")
     i.add_argument("--plot", help="write a per-shard distribution plot (PNG)")
+    i.add_argument("--decode", action="store_true",
+                   help="encoded sets: decode every sample, list those that fail and the build without them "
+                        "(exit status 1 when there are some)")
+    i.add_argument("--workers", type=int, default=0, help="--decode: processes (default: all cores)")
     i.set_defaults(fn=_inspect)
     q = sub.add_parser("pairs", help="verification pairs from held-out classes; .bin/.h5 conversion")
     q.add_argument("source", help="a shard set (held-out classes), or a .bin/.h5 pair file to convert")

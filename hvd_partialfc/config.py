@@ -31,6 +31,14 @@ class DataConfig:
     # where encoded JPEG shards are decoded: cpu (PIL in the loader's workers) | gpu (nvJPEG on the training
     # device, batched, flip there too; PNG, resized sets and CPU devices fall back to cpu: docs/gpu.md)
     decode: str = "cpu"
+    # an encoded sample that cannot be decoded or is empty (a set built with --no-check, or damaged later):
+    # stop (the run ends naming it) | skip (the next decodable sample of its class stands in, named once in
+    # the log, counted in metrics.jsonl; data/bad_samples.py)
+    on_bad_sample: str = "stop"
+    # skip: the most distinct bad samples, over all ranks, before the run stops naming their shards (after
+    # the step's checkpoint; checked at log steps): a count (>= 1) or a fraction (< 1) of the set's samples;
+    # 0: no limit
+    max_bad_samples: float = 0.001
 
 
 @dataclass
@@ -167,7 +175,8 @@ class Config:
                    ("train", "engine"): ("auto", "horovod", "torch"),
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("head", "matmul"): ("auto", "fp32", "tf32", "bf16"),
-                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu")}
+                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu"),
+                   ("data", "on_bad_sample"): ("stop", "skip")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:
@@ -179,6 +188,9 @@ class Config:
                 raise ConfigError(f"{sec}.{key} must be >= 1")
         if self.data.workers < -1:
             raise ConfigError(f"data.workers={self.data.workers}: expected >= 0, or -1 (the rank's cores minus one)")
+        if self.data.max_bad_samples < 0:
+            raise ConfigError(f"data.max_bad_samples={self.data.max_bad_samples}: expected a count (>= 1), a "
+                              f"fraction of the set's samples (< 1), or 0 (no limit)")
         if not self.data.shards:
             raise ConfigError("data.shards is required (a shard set directory)")
         if not 0.0 < self.head.sample_rate <= 1.0:

@@ -119,7 +119,8 @@ def _pil_decoder(blobs, channels, device):
 
 def test_decoder_branch_sizes_and_errors(sets):
     """Through a batched decoder (PIL standing in for nvJPEG): JPEGs of the stored size are its output, the
-    28x28 ones are resized through PIL as the CPU path does; a broken JPEG is named (rank, file, sample)."""
+    28x28 ones are resized through PIL as the CPU path does; a JPEG the device refuses goes through PIL (the
+    same pixels); one PIL cannot decode either is named (rank, file, sample)."""
     for name in ("jpeg", "resized"):
         ds = RankShardDataset(sets[name], 0, 2)
         src = dd.EncodedBatches(ds, BatchAugment(["flip"], 3, 0, "encoded"))
@@ -128,14 +129,17 @@ def test_decoder_branch_sizes_and_errors(sets):
                                 "encoded")
         assert torch.equal(dd.decode_batch(batch, CPU, decoder=_pil_decoder), want)
     blobs, _ = ds.read_stored([0, 1, 2])
-    broken = [blobs[0], blobs[1][:40], blobs[2]]
+    refused = len(blobs[2])                     # a whole JPEG the device refuses: PIL decodes it instead
 
     def strict(bs, channels, device):
-        if any(len(b) < 100 for b in bs):
+        if any(len(b) < 100 or len(b) == refused for b in bs):
             raise RuntimeError("Not a JPEG file: starts with 0xff 0xd8")
         return _pil_decoder(bs, channels, device)
+    whole = dd.EncodedBatch.pack(blobs, np.zeros(3, bool), [24, 24, 3], [ds.where(p) for p in (0, 1, 2)])
+    assert torch.equal(dd.decode_batch(whole, CPU, decoder=strict), dd.decode_batch(whole, CPU, decoder=_pil_decoder))
+    broken = [blobs[0], blobs[1][:40], blobs[2]]
     batch = dd.EncodedBatch.pack(broken, np.zeros(3, bool), [24, 24, 3], [ds.where(p) for p in (0, 1, 2)])
-    with pytest.raises(ShardError, match=r"rank 0: .*shard-00000-of-00002.h5: sample 1 cannot be decoded on cpu"):
+    with pytest.raises(ShardError, match=r"rank 0: .*shard-00000-of-00002.h5: sample 1 cannot be decoded \(OSError"):
         dd.decode_batch(batch, CPU, decoder=strict)
 
 

@@ -8,6 +8,9 @@ Contract:
 * ``decode_batch`` (called by ``loader.prepare_batch`` on the trainer's side) decodes the batch with one
   ``torchvision.io.decode_jpeg(list, device=...)`` call (nvJPEG on CUDA, libjpeg-turbo on the CPU), mirrors
   the flipped samples, and normalises exactly as the CPU path does (``x / 127.5 - 1``, fp32, (B, C, H, W));
+* ``data.on_bad_sample: skip``: the workers replace an empty or truncated blob (``bad_samples.looks_whole``,
+  then PIL on the suspect ones only); a sample the device refuses is decoded with PIL like the others below,
+  and one PIL refuses too stops the run naming it (docs/gpu.md says what waits for a GPU here);
 * what nvJPEG cannot give as the CPU path would is decoded with PIL on the host, per sample, and put in
   the batch: bytes that are not JPEG (PNG), and images whose size differs from the manifest's
   ``sample_shape`` (the CPU path resizes them bilinearly). Where torchvision cannot load (a CPU machine
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from .augment import BatchAugment
+from .bad_samples import BadSample, Batch, describe, looks_whole
 from .shards import ShardError, decode_image
 
 DECODES = ("cpu", "gpu")
@@ -97,22 +101,25 @@ def _pil(batch: EncodedBatch, i: int, blob: torch.Tensor, c: int) -> torch.Tenso
     try:
         img = decode_image(blob.numpy(), batch.shape)
     except Exception as e:
-        raise ShardError(f"{batch.where[i]} cannot be decoded ({type(e).__name__}: {e})") from e
+        raise ShardError(f"{batch.where[i]} cannot be decoded ({describe(blob.numpy(), e)}); on the GPU path "
+                         f"data.on_bad_sample=skip replaces only empty or truncated images: see docs/gpu.md") from e
     return torch.from_numpy(np.array(img).reshape(batch.shape[0], batch.shape[1], c)).permute(2, 0, 1)
 
 
-def _device_decode(decoder: Callable, batch: EncodedBatch, blobs: List[torch.Tensor], idx: List[int],
-                   device: torch.device, c: int) -> List[torch.Tensor]:
-    """One batched decode of samples ``idx``; on an error, sample by sample to name the broken one."""
+def _device_decode(decoder: Callable, blobs: List[torch.Tensor], idx: List[int], device: torch.device,
+                   c: int) -> List[Optional[torch.Tensor]]:
+    """One batched decode of samples ``idx``; on an error, sample by sample, and None for each sample the
+    device refuses: those go through PIL as the CPU path would (``_pil`` names one that fails there too)."""
     try:
         return decoder([blobs[i] for i in idx], c, device)
     except RuntimeError:
+        out: List[Optional[torch.Tensor]] = []
         for i in idx:
             try:
-                decoder([blobs[i]], c, device)
-            except RuntimeError as e:
-                raise ShardError(f"{batch.where[i]} cannot be decoded on {device} ({e})") from e
-        raise
+                out.append(decoder([blobs[i]], c, device)[0])
+            except RuntimeError:
+                out.append(None)
+        return out
 
 
 def decode_batch(batch: EncodedBatch, device: torch.device, decoder: Optional[Callable] = None) -> torch.Tensor:
@@ -128,8 +135,8 @@ def decode_batch(batch: EncodedBatch, device: torch.device, decoder: Optional[Ca
     out: List[Optional[torch.Tensor]] = [None] * len(blobs)
     jpeg = [i for i, b in enumerate(blobs) if is_jpeg(b)] if decoder is not None else []
     if jpeg:
-        for i, img in zip(jpeg, _device_decode(decoder, batch, blobs, jpeg, device, c)):
-            if tuple(img.shape) == (c, h, w):
+        for i, img in zip(jpeg, _device_decode(decoder, blobs, jpeg, device, c)):
+            if img is not None and tuple(img.shape) == (c, h, w):
                 out[i] = img
     for i in [i for i, img in enumerate(out) if img is None]:
         out[i] = _pil(batch, i, blobs[i], c).to(device)
@@ -148,12 +155,31 @@ class EncodedBatches:
             raise ValueError("data.decode=gpu needs encoded shards and no augmentation but flip")
         self.dataset, self.augment = dataset, augment
 
-    def __getitem__(self, item: Tuple[int, Sequence[int]]) -> Tuple[EncodedBatch, torch.Tensor]:
+    def __getitem__(self, item: Tuple[int, Sequence[int]]) -> Batch:
         k, positions = item
         blobs, labels = self.dataset.read_stored(positions)
+        bad = self._replace_bad(positions, blobs, labels) if self.dataset.on_bad_sample == "skip" else []
         batch = EncodedBatch.pack(blobs, self.augment.flip_coins(k, len(positions)),
                                   self.dataset.manifest.sample_shape, [self.dataset.where(p) for p in positions])
-        return batch, torch.from_numpy(labels)
+        return Batch(batch, torch.from_numpy(labels), bad)
+
+    def _replace_bad(self, positions: Sequence[int], blobs: List[np.ndarray], labels: np.ndarray) -> List[BadSample]:
+        """``data.on_bad_sample: skip``: a blob that is not ``looks_whole`` is decoded with PIL here; one that
+        fails is replaced in ``blobs`` and ``labels`` (in place) by its stand-in's bytes. A whole-looking
+        JPEG corrupt inside is left to the device (``_device_decode``: PIL, then named)."""
+        shape, bad = self.dataset.manifest.sample_shape, []
+
+        def check(blob: np.ndarray) -> np.ndarray:
+            if not looks_whole(blob):
+                decode_image(blob, shape)
+            return blob
+        for i, (pos, blob) in enumerate(zip(positions, blobs)):
+            try:
+                check(blob)
+            except Exception as e:
+                blobs[i], labels[i], record = self.dataset.stand_in(int(pos), blob, e, check)
+                bad.append(record)
+        return bad
 
 
 def _first_sample_fits(dataset) -> str:

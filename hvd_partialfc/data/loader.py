@@ -8,6 +8,8 @@ Contract:
   rank, and a position (the number of batches drawn) is all that is needed to resume exactly;
 * the stream is endless (epochs follow each other), so the trainer decides the number of steps and every
   rank runs the same number regardless of how many samples it holds (no deadlock on uneven shards);
+* an encoded sample that does not decode (empty, corrupt) stops the run naming it, or under
+  ``data.on_bad_sample: skip`` is replaced by a stand-in and listed in the batch (bad_samples.py);
 * h5py handles are opened lazily in the process that reads (DataLoader workers are forked after
   construction, and an HDF5 handle must not cross a fork);
 * samples leave the loader as stored (uint8 images, float32 features): normalisation happens on the
@@ -20,7 +22,7 @@ Contract:
 from __future__ import annotations
 
 import os
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import h5py
 import numpy as np
@@ -28,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .augment import BatchAugment
+from .bad_samples import MAX_TRIES, BadSample, Batch, Replacements, decode_failure_hint, describe
 from .device_decode import EncodedBatch, EncodedBatches, decode_batch
 from ..seeds import LOADER_WORKERS, derive_seed
 from .shards import (Manifest, ShardError, decode_image, open_shard, rank_layout, read_manifest, read_shard_labels,
@@ -45,11 +48,12 @@ class RankShardDataset:
     """
 
     def __init__(self, shard_dir: str, rank: int, world_size: int, manifest: Optional[Manifest] = None,
-                 layout=None):
+                 layout=None, on_bad_sample: str = "stop"):
         """``layout``: the run's ``layout.RankLayout`` (computed from ``manifest`` and ``world_size`` if not
         given); the shards and the slice are rank ``rank``'s in it, so blocks of unequal size need nothing
-        here. A layout of another world size is refused (it would read another rank's shards)."""
-        self.shard_dir = shard_dir
+        here. A layout of another world size is refused (it would read another rank's shards).
+        ``on_bad_sample``: ``data.on_bad_sample`` (``stand_in``)."""
+        self.shard_dir, self.on_bad_sample = shard_dir, on_bad_sample
         self.manifest = manifest or read_manifest(shard_dir)
         self.rank = rank
         layout = layout or rank_layout(self.manifest, world_size)
@@ -71,6 +75,7 @@ class RankShardDataset:
             sizes.append(len(y))
         self.labels = np.concatenate(labels) if labels else np.zeros(0, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._replacements = Replacements(self.labels)
         self._handles: Optional[List[h5py.File]] = None
         self._pid = -1
 
@@ -85,8 +90,8 @@ class RankShardDataset:
 
     def where(self, position: int) -> str:
         """``rank r: FILE: sample s``: where the rank's sample at ``position`` is stored (for error messages)."""
-        s = int(np.searchsorted(self.offsets, position, side="right") - 1)
-        return f"rank {self.rank}: {self.files[s]}: sample {position - int(self.offsets[s])}"
+        file, sample = self.locate(position)
+        return f"rank {self.rank}: {file}: sample {sample}"
 
     def read_stored(self, positions: Sequence[int]) -> Tuple[List[np.ndarray], np.ndarray]:
         """(the samples as stored, in the order given: arrays, or encoded bytes as uint8 arrays; local labels)."""
@@ -107,21 +112,52 @@ class RankShardDataset:
                 out[w] = block[inverse[k]]
         return out, self.labels[positions] - self.label_slice.start
 
-    def __getitem__(self, positions: Sequence[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, position: int) -> Tuple[str, int]:
+        """(the file, the index in it) of the rank's sample at ``position``."""
+        s = int(np.searchsorted(self.offsets, position, side="right") - 1)
+        return self.files[s], position - int(self.offsets[s])
+
+    def stand_in(self, position: int, blob: np.ndarray, error: BaseException,
+                 check: Callable[[np.ndarray], Any]) -> Tuple[Any, int, BadSample]:
+        """For the bad sample ``blob`` at ``position`` (``error``: why it failed): under ``data.on_bad_sample:
+        stop`` a ShardError naming it; under ``skip``, (``check(stored sample)`` of its stand-in, the stand-in's
+        local label, the ``BadSample`` record). ``check`` raises on a sample that does not decode."""
+        reason = describe(blob, error)
+        if self.on_bad_sample != "skip":
+            raise ShardError(f"{self.where(position)} cannot be decoded ({reason}); "
+                             f"{decode_failure_hint(self.shard_dir)}") from error
+        for p in self._replacements.candidates(position):
+            (blob,), label = self.read_stored([p])
+            try:
+                value = check(blob)
+            except Exception:
+                continue
+            file, sample = self.locate(position)
+            return value, int(label[0]), BadSample(self.rank, file, sample, reason, self.where(p))
+        raise ShardError(f"{self.where(position)} cannot be decoded ({reason}), nor can "
+                         f"the {MAX_TRIES} samples tried in its place: the set is broken; list its bad samples "
+                         f"with `hvd-partialfc-shards inspect {self.shard_dir} --decode` and rebuild it")
+
+    def __getitem__(self, positions: Sequence[int]) -> Batch:
         """(samples as stored, encoded ones decoded with PIL; local labels) for a batch of positions, in the
-        order given."""
+        order given; a sample that does not decode is named (stop) or replaced (skip: ``Batch.bad``)."""
         out, local_labels = self.read_stored(positions)
+        bad: List[BadSample] = []
         if self.kind == "encoded":
+            shape = self.manifest.sample_shape
             decoded = []
-            for pos, blob in zip(positions, out):
+            for i, (pos, blob) in enumerate(zip(positions, out)):
                 try:
-                    decoded.append(decode_image(blob, self.manifest.sample_shape))
+                    decoded.append(decode_image(blob, shape))
                 except Exception as e:  # name what is broken: the rank, the file, the sample
-                    raise ShardError(f"{self.where(pos)} cannot be decoded ({type(e).__name__}: {e})") from e
+                    image, local_labels[i], record = self.stand_in(int(pos), blob, e,
+                                                                   lambda b: decode_image(b, shape))
+                    decoded.append(image)
+                    bad.append(record)
             samples = np.stack(decoded)
         else:
             samples = np.stack(out)
-        return torch.from_numpy(samples), torch.from_numpy(local_labels)
+        return Batch(torch.from_numpy(samples), torch.from_numpy(local_labels), bad)
 
 
 class EpochBatchSampler(Sampler):
@@ -176,12 +212,12 @@ class AugmentedBatches:
     def __init__(self, dataset: RankShardDataset, augment: BatchAugment):
         self.dataset, self.augment = dataset, augment
 
-    def __getitem__(self, item: Tuple[int, Sequence[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, item: Tuple[int, Sequence[int]]) -> Batch:
         k, positions = item
-        samples, labels = self.dataset[positions]
+        batch = self.dataset[positions]
         if self.augment:
-            samples = torch.from_numpy(self.augment(k, samples.numpy()))
-        return samples, labels
+            batch.samples = torch.from_numpy(self.augment(k, batch.samples.numpy()))
+        return batch
 
 
 def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: int = 0,

@@ -72,7 +72,8 @@ def _read_data(cfg, comm) -> RunData:
     """The shard set, the layout on this world size, this rank's dataset (checked), the data's identity."""
     manifest = read_manifest(cfg.data.shards)
     layout: RankLayout = rank_layout(manifest, comm.size)
-    dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, manifest, layout=layout)
+    dataset = RankShardDataset(cfg.data.shards, comm.rank, comm.size, manifest, layout=layout,
+                               on_bad_sample=cfg.data.on_bad_sample)
     check_runtime_options(cfg, manifest.kind)
     if cfg.data.verify_sha256:
         for i in layout.shard_blocks[comm.rank]:

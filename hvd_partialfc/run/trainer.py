@@ -1,9 +1,10 @@
 """The loop: train to the last step, log, evaluate, checkpoint, stop on a signal. One loop for every mode
 and engine; the parts it trains and the step it runs are built once, before it (startup.py).
 
-Per step: the step (step.py); the stop vote started after the previous step is read (any rank's SIGTERM,
-rank 0's time-based checkpoint), so every rank stops at the same step; the log line (its figures agreed
-across ranks); evaluation on its schedule; the checkpoint when due, stopped or voted.
+Per step: the step (step.py); the names of the bad samples it replaced (sample_watch.py); the stop vote
+started after the previous step is read (any rank's SIGTERM, rank 0's time-based checkpoint), so every rank
+stops at the same step; the log line (its figures agreed across ranks); evaluation on its schedule; the
+checkpoint when due, stopped or voted, or before stopping on too many bad samples.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from ..engine.base import gradient_bytes
 from ..config import dump_config
 from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
+from .sample_watch import SampleWatch
+from ..data.shards import ShardError
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Trainer:
         self.total_steps = step.total_steps
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
         self.loader_watch = LoaderWatch(cfg.data.workers)
+        self.sample_watch = SampleWatch(cfg.data.on_bad_sample, cfg.data.max_bad_samples, data.manifest.num_samples)
 
     def train_step(self, step: int, batches) -> Dict[str, float]:
         """One optimizer step (step.py)."""
@@ -88,10 +92,13 @@ class Trainer:
         ckpt_dir, vote = None, None
         try:
             with StopSignals() as signals:
-                batches = iter(self.loader)   # after the handlers: forked workers inherit them
+                # after the handlers: forked workers inherit them
+                batches = self.sample_watch.batches(iter(self.loader))
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
                     out = self.train_step(step, batches)
+                    for line in self.sample_watch.new_lines():   # every rank names its own bad samples
+                        bar.write(line)
                     for key in interval:
                         interval[key] += out[key]
                     done = step + 1
@@ -105,9 +112,12 @@ class Trainer:
                                                      interval)
                     bar.update(1)
                     self.maybe_evaluate(done, final=final, bar=bar, metrics=metrics)
-                    if self.checkpointer.due(done, final) or stop or time_due:
+                    too_many = self.sample_watch.error   # set at a log step, the same on every rank
+                    if self.checkpointer.due(done, final) or stop or time_due or too_many:
                         ckpt_dir = self.save_checkpoint(done)
                         last_save = time.monotonic()
+                    if too_many:
+                        raise ShardError(f"step {done}: {too_many}; checkpoint {ckpt_dir} written")
                     if stop:
                         self.stopped_by = signals.received or "a stop signal on another rank"
                         bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
@@ -124,13 +134,15 @@ class Trainer:
 
     def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
              metrics, bar, interval: Dict[str, float]) -> Tuple[int, float]:
-        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks).
+        """The log line of step ``done`` (collectives: the mean loss, the classifier skips over ranks, the bad
+        samples over ranks under ``data.on_bad_sample: skip``).
         ``interval``: rank 0's data and step seconds summed since the last line (reset here); the record
         holds their means per step, and the first interval after a (re)start, which includes the workers'
         start-up, never warns."""
         cfg = self.cfg
         mean_loss = self.comm.allreduce_scalar(out["loss"], "average", name="log.loss")
         cls_skips = int(self.comm.allreduce_scalar(self.parts.counters.classifier_skipped_steps, "sum", name="log.cls_skips"))
+        bad = self.sample_watch.agree(self.comm) if self.sample_watch.active else {}   # data.on_bad_sample=skip
         now = time.perf_counter()
         sps = samples_per_step * (done - last_log) / max(now - last_t, 1e-9)
         lr = cfg.optim.backbone_lr * out["lr_factor"]
@@ -143,6 +155,7 @@ class Trainer:
                    "time": time.time()}
             if self.parts.loss_scale.enabled:
                 rec["loss_scale"] = self.parts.loss_scale.scale
+            rec.update(bad)
             metrics.write(rec)
         bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s")
         warning = self.loader_watch.check(done, data_t, step_t, first=last_log == self.start_step)
