@@ -1,6 +1,7 @@
 """Folder commits (`hvd_partialfc.atomic.commit_folder` / `recover_folder`): a crash at any rename leaves,
 after `recover_folder`, the whole old folder or the whole new one, never nothing; and the shard builders
-(in-memory and streaming) no longer delete an existing set before the new one is in place.
+(in-memory and streaming) no longer delete an existing set before the new one is in place. File commits
+(`atomic_path`) create their temporary file exclusively: a link planted at a guessable name is not followed.
 Plain pytest, CPU, seconds."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
+from hvd_partialfc import atomic
 from hvd_partialfc.atomic import commit_folder, recover_folder
 from hvd_partialfc.data.shards import ShardError, check_shard_file, read_manifest
 
@@ -142,6 +144,46 @@ def test_commit_over_a_stale_old_folder(tmp_path):
     write_tree(str(final) + ".partial", NEW)
     commit_folder(str(final) + ".partial", str(final))
     assert read_tree(final) == NEW and not os.path.exists(str(final) + ".old")
+
+
+# --- file commits ------------------------------------------------------------------------------------------
+
+def test_atomic_write_does_not_follow_a_planted_link(tmp_path):
+    """Another user of a shared output folder plants links at every name the old code could pick
+    (``.NAME.tmp-PID``) and at the new code's prefix: the victim's file is untouched, and the write lands
+    in a regular file of its own (the old code wrote the victim's file and renamed the link onto NAME)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"victim's data")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    pid = os.getpid()
+    for name in (f".ckpt.pt.tmp-{pid}", f".ckpt.pt.tmp-{pid}-0000000000000000"):
+        os.symlink(victim, shared / name)
+    atomic.write_bytes(str(shared / "ckpt.pt"), b"checkpoint")
+    assert victim.read_bytes() == b"victim's data"
+    assert not os.path.islink(shared / "ckpt.pt") and (shared / "ckpt.pt").read_bytes() == b"checkpoint"
+    assert sorted(os.listdir(shared)) == sorted(["ckpt.pt", f".ckpt.pt.tmp-{pid}",
+                                                 f".ckpt.pt.tmp-{pid}-0000000000000000"])
+
+
+def test_atomic_temporaries_are_exclusive(tmp_path, monkeypatch):
+    """A name already taken (a file or a link) is never reused: creation is O_EXCL, a new name is drawn."""
+    draws = iter(["taken", "free"])
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(draws))
+    taken = tmp_path / f".f.tmp-{os.getpid()}-taken"
+    os.symlink(tmp_path / "elsewhere", taken)                   # a dangling link: O_CREAT alone would follow it
+    with atomic.atomic_path(str(tmp_path / "f")) as tmp:
+        assert tmp.endswith("-free") and os.path.isfile(tmp) and not os.path.islink(tmp)
+        with open(tmp, "w") as f:
+            f.write("x")
+    assert not (tmp_path / "elsewhere").exists() and (tmp_path / "f").read_text() == "x"
+    assert (os.stat(tmp_path / "f").st_mode & 0o777) == (0o666 & ~_umask())   # as a plain open() gives
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 # --- the shard builders --------------------------------------------------------------------------------------
