@@ -275,3 +275,58 @@ def test_checkpointer_recovers_a_checkpoint_left_aside_by_a_crash(tmp_path):
     Checkpointer(str(tmp_path / "run"), 2, 2, LocalComm(), {}).prepare(4, log=lambda m: None)
     assert sorted(os.listdir(base)) == ["latest", "step-00000004"]
     assert find_resume(str(tmp_path / "run")).endswith("step-00000004")
+
+
+# --- hvd-partialfc reshard -----------------------------------------------------------------------------------
+
+def _two_rank_checkpoint(folder) -> str:
+    """A 2-rank checkpoint written by hand (meta.json, backbone, two classifier files with momentum)."""
+    import json
+    import torch
+    os.makedirs(folder)
+    slices, names = [[0, 4], [4, 10]], []
+    for r, (lo, hi) in enumerate(slices):
+        names.append(f"classifier-{r:05d}-of-00002.pt")
+        w = torch.arange(lo * 3, hi * 3, dtype=torch.float32).reshape(hi - lo, 3)
+        torch.save({"rank": r, "world_size": 2, "label_start": lo, "label_end": hi, "weight": w,
+                    "optimizer": {"state": {0: {"momentum_buffer": -w}}, "param_groups": [{"lr": 0.1}]}},
+                   os.path.join(folder, names[-1]))
+    torch.save({"state_dict": {"x": torch.ones(5)}}, os.path.join(folder, "backbone.pt"))
+    meta = {"format_version": 2, "step": 3, "world_size": 2, "slices": slices, "shard_slices": slices,
+            "classifier_files": names, "digests": ["d", "d"], "config": {"head": {"mode": "local"}}}
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("stage", ["copy", 1, 2, 3])
+def test_reshard_killed_at_any_stage_leaves_nothing_and_reruns(tmp_path, monkeypatch, stage):
+    """Killed while copying the backbone, or at the k-th rename (the classifier file's, meta.json's, the
+    folder's): no OUT, or a complete one; a later run removes the stale ``.partial`` (here also holding
+    another world size's file from an earlier attempt) instead of publishing it with its own files."""
+    import torch
+    from hvd_partialfc.run import reshard
+    src = _two_rank_checkpoint(tmp_path / "src")
+    clean = reshard.reshard_checkpoint(src, str(tmp_path / "clean"), 1)
+    out, partial = str(tmp_path / "out"), str(tmp_path / "out.partial")
+    os.makedirs(partial)
+    write_tree(partial, {"classifier-00003-of-00004.pt": b"an earlier attempt at 4 ranks"})
+    if stage == "copy":
+        def half_copy(a, b):
+            with open(a, "rb") as f, open(b, "wb") as g:
+                g.write(f.read()[:10])
+            raise Crash("killed while copying")
+        monkeypatch.setattr(reshard.shutil, "copyfile", half_copy)
+    else:
+        crashing_renames(monkeypatch, stage, kill=True)
+    with pytest.raises(Crash):
+        reshard.reshard_checkpoint(src, out, 1)
+    monkeypatch.undo()
+    assert not os.path.exists(out) and os.path.isdir(partial)
+    reshard.reshard_checkpoint(src, out, 1)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean)) == \
+        ["backbone.pt", "classifier-00000-of-00001.pt", "meta.json"]
+    assert not os.path.exists(partial)
+    assert read_tree(out)["backbone.pt"] == read_tree(clean)["backbone.pt"]
+    got, want = (torch.load(os.path.join(d, "classifier-00000-of-00001.pt"), weights_only=True) for d in (out, clean))
+    assert torch.equal(got["weight"], want["weight"]) and torch.equal(got["weight"][4:], torch.arange(12, 30.).reshape(6, 3))

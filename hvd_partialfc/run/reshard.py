@@ -102,6 +102,12 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
     shard count); in ``replicated`` mode every rank's file holds the full classifier (its optimizer state
     is the backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded
     from the run's seed, its rank and the step).
+
+    Crash-safe as a checkpoint save is: the files are written into ``OUT.partial`` and published by the
+    checkpoints' own folder commit (``atomic.commit_folder``: every file and folder fsynced, one rename,
+    the parent fsynced), so a kill at any point leaves no ``OUT`` or a complete one. A ``OUT.partial`` left
+    by a killed run is removed first, never reused: it may hold another world size's classifier files, or
+    a half-copied backbone, which the commit would publish with the new ones.
     """
     from ..classifier.modes import get_mode
     src = resolve_checkpoint(src)
@@ -111,7 +117,11 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
     if os.path.exists(out):
         raise FileExistsError(f"{out} already exists")
     tmp = out.rstrip("/") + ".partial"
-    os.makedirs(tmp, exist_ok=True)
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)
+    elif os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.makedirs(tmp)
     shutil.copyfile(os.path.join(src, "backbone.pt"), os.path.join(tmp, "backbone.pt"))
     digest = meta["digests"][0]
     full = load_file(os.path.join(src, meta["classifier_files"][0]), "classifier checkpoint") if replicated else None
