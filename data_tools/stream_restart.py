@@ -109,7 +109,7 @@ def done_record(folder: str, it: Dict, verify: bool = True) -> Optional[Dict[str
 
 
 def remove_partial(folder: str, file: str) -> None:
-    """Remove ``atomic_path``'s temporary files of ``file`` (``.FILE.tmp-PID``) left by a killed build."""
+    """Remove ``atomic_path``'s temporary files of ``file`` (``.FILE.tmp-PID-RANDOM``) left by a killed build."""
     for name in os.listdir(folder):
         if name.startswith(f".{file}.tmp-"):
             os.unlink(os.path.join(folder, name))

@@ -2,8 +2,11 @@
 flush and ``fsync`` it, ``os.replace`` it onto the final name, then ``fsync`` the folder.
 
 A crash (or SIGKILL, or a full disk) at any point leaves either the old file or the new one, never a
-truncated mix; the temporary name carries the process id, so two processes writing the same name (ranks
-on a shared file system) never write into one temporary file. Every file this package writes for a user
+truncated mix. The temporary file is created exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``) under a name with
+the process id and 64 random bits, in the target's folder: two processes writing the same name (ranks on a
+shared file system) never write into one temporary file, and in a shared output folder a link planted
+at a guessed name is never followed (before: ``.NAME.tmp-PID``, opened with ``O_TRUNC``, let another user
+have a checkpoint write overwrite one of the victim's files). Every file this package writes for a user
 (checkpoints, manifests, pair sets, reports) goes through here. Not a collective; no Horovod.
 
 A whole folder (a shard set, an IJB-shaped set) is committed the same way, one level up: written in full
@@ -14,6 +17,7 @@ folder is first moved aside (never deleted) and removed only once the new one is
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -41,14 +45,32 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+
+
+def _create_temporary(folder: str, name: str) -> str:
+    """Create an empty file ``.NAME.tmp-PID-RANDOM`` in ``folder`` that no other file or link was at
+    (``O_EXCL``), with the mode a plain ``open`` would give (0666 less the umask; ``mkstemp``'s 0600 would
+    make checkpoints unreadable to the group that shares the run folder). The ``.NAME.tmp-`` prefix is what
+    a killed build's clean-up looks for (data_tools/stream_restart.py)."""
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            os.close(os.open(tmp, _EXCLUSIVE, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{folder}: no free temporary name for {name} in 100 tries")
+
+
 @contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; write it (any library: h5py, torch, json); on a normal exit
-    it is fsynced and renamed onto ``path``. On an exception the temporary file is removed and ``path``
-    is left as it was."""
+    """Yield the path of a new empty temporary file beside ``path`` (created exclusively, see the module
+    docstring); write it (any library: h5py, torch, json); on a normal exit it is fsynced and renamed onto
+    ``path``. On an exception the temporary file is removed and ``path`` is left as it was."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = _create_temporary(folder, os.path.basename(path))
     try:
         yield tmp
         _fsync_file(tmp)

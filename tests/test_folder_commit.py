@@ -1,6 +1,7 @@
 """Folder commits (`hvd_partialfc.atomic.commit_folder` / `recover_folder`): a crash at any rename leaves,
 after `recover_folder`, the whole old folder or the whole new one, never nothing; and the shard builders
-(in-memory and streaming) no longer delete an existing set before the new one is in place.
+(in-memory and streaming) no longer delete an existing set before the new one is in place. File commits
+(`atomic_path`) create their temporary file exclusively: a link planted at a guessable name is not followed.
 Plain pytest, CPU, seconds."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
+from hvd_partialfc import atomic
 from hvd_partialfc.atomic import commit_folder, recover_folder
 from hvd_partialfc.data.shards import ShardError, check_shard_file, read_manifest
 
@@ -144,6 +146,46 @@ def test_commit_over_a_stale_old_folder(tmp_path):
     assert read_tree(final) == NEW and not os.path.exists(str(final) + ".old")
 
 
+# --- file commits ------------------------------------------------------------------------------------------
+
+def test_atomic_write_does_not_follow_a_planted_link(tmp_path):
+    """Another user of a shared output folder plants links at every name the old code could pick
+    (``.NAME.tmp-PID``) and at the new code's prefix: the victim's file is untouched, and the write lands
+    in a regular file of its own (the old code wrote the victim's file and renamed the link onto NAME)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"victim's data")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    pid = os.getpid()
+    for name in (f".ckpt.pt.tmp-{pid}", f".ckpt.pt.tmp-{pid}-0000000000000000"):
+        os.symlink(victim, shared / name)
+    atomic.write_bytes(str(shared / "ckpt.pt"), b"checkpoint")
+    assert victim.read_bytes() == b"victim's data"
+    assert not os.path.islink(shared / "ckpt.pt") and (shared / "ckpt.pt").read_bytes() == b"checkpoint"
+    assert sorted(os.listdir(shared)) == sorted(["ckpt.pt", f".ckpt.pt.tmp-{pid}",
+                                                 f".ckpt.pt.tmp-{pid}-0000000000000000"])
+
+
+def test_atomic_temporaries_are_exclusive(tmp_path, monkeypatch):
+    """A name already taken (a file or a link) is never reused: creation is O_EXCL, a new name is drawn."""
+    draws = iter(["taken", "free"])
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(draws))
+    taken = tmp_path / f".f.tmp-{os.getpid()}-taken"
+    os.symlink(tmp_path / "elsewhere", taken)                   # a dangling link: O_CREAT alone would follow it
+    with atomic.atomic_path(str(tmp_path / "f")) as tmp:
+        assert tmp.endswith("-free") and os.path.isfile(tmp) and not os.path.islink(tmp)
+        with open(tmp, "w") as f:
+            f.write("x")
+    assert not (tmp_path / "elsewhere").exists() and (tmp_path / "f").read_text() == "x"
+    assert (os.stat(tmp_path / "f").st_mode & 0o777) == (0o666 & ~_umask())   # as a plain open() gives
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 # --- the shard builders --------------------------------------------------------------------------------------
 
 def readable(path: str, num_classes: int) -> bool:
@@ -233,3 +275,59 @@ def test_checkpointer_recovers_a_checkpoint_left_aside_by_a_crash(tmp_path):
     Checkpointer(str(tmp_path / "run"), 2, 2, LocalComm(), {}).prepare(4, log=lambda m: None)
     assert sorted(os.listdir(base)) == ["latest", "step-00000004"]
     assert find_resume(str(tmp_path / "run")).endswith("step-00000004")
+
+
+# --- hvd-partialfc reshard -----------------------------------------------------------------------------------
+
+def _two_rank_checkpoint(folder) -> str:
+    """A 2-rank checkpoint written by hand (meta.json, backbone, two classifier files with momentum)."""
+    import json
+    import torch
+    os.makedirs(folder)
+    slices, names = [[0, 4], [4, 10]], []
+    for r, (lo, hi) in enumerate(slices):
+        names.append(f"classifier-{r:05d}-of-00002.pt")
+        w = torch.arange(lo * 3, hi * 3, dtype=torch.float32).reshape(hi - lo, 3)
+        torch.save({"rank": r, "world_size": 2, "label_start": lo, "label_end": hi, "weight": w,
+                    "optimizer": {"state": {0: {"momentum_buffer": -w}}, "param_groups": [{"lr": 0.1}]}},
+                   os.path.join(folder, names[-1]))
+    torch.save({"state_dict": {"x": torch.ones(5)}}, os.path.join(folder, "backbone.pt"))
+    meta = {"format_version": 2, "step": 3, "world_size": 2, "slices": slices, "shard_slices": slices,
+            "classifier_files": names, "digests": ["d", "d"], "config": {"head": {"mode": "local"}}}
+    with open(os.path.join(folder, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return str(folder)
+
+
+@pytest.mark.parametrize("stage", ["copy", 1, 2, 3])
+def test_reshard_killed_at_any_stage_leaves_nothing_and_reruns(tmp_path, monkeypatch, stage):
+    """Killed while copying the backbone, or at the k-th rename (the classifier file's, meta.json's, the
+    folder's): no OUT, or a complete one; a later run removes the stale ``.partial`` (here also holding
+    another world size's file from an earlier attempt) instead of publishing it with its own files."""
+    import torch
+    from hvd_partialfc.run import reshard
+    src = _two_rank_checkpoint(tmp_path / "src")
+    clean = reshard.reshard_checkpoint(src, str(tmp_path / "clean"), 1)
+    out, partial = str(tmp_path / "out"), str(tmp_path / "out.partial")
+    os.makedirs(partial)
+    write_tree(partial, {"classifier-00003-of-00004.pt": b"an earlier attempt at 4 ranks"})
+    if stage == "copy":
+        def half_copy(a, b):
+            with open(a, "rb") as f, open(b, "wb") as g:
+                g.write(f.read()[:10])
+            raise Crash("killed while copying")
+        monkeypatch.setattr(reshard.shutil, "copyfile", half_copy)
+    else:
+        crashing_renames(monkeypatch, stage, kill=True)
+    with pytest.raises(Crash):
+        reshard.reshard_checkpoint(src, out, 1)
+    monkeypatch.undo()
+    assert not os.path.exists(out) and os.path.isdir(partial)
+    reshard.reshard_checkpoint(src, out, 1)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(clean)) == \
+        ["backbone.pt", "classifier-00000-of-00001.pt", "meta.json"]
+    assert not os.path.exists(partial)
+    assert read_tree(out)["backbone.pt"] == read_tree(clean)["backbone.pt"]
+    got, want = (torch.load(os.path.join(d, "classifier-00000-of-00001.pt"), weights_only=True) for d in (out, clean))
+    assert torch.equal(got["weight"], want["weight"])
+    assert torch.equal(got["weight"][4:], torch.arange(12, 30.).reshape(6, 3))       # rank 1's rows

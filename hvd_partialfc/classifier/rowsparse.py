@@ -54,7 +54,8 @@ Cost per step: O(K x D) for gather, update and scatter (the K rows come sorted a
 for ``exact`` the catch-up (three more passes over the K rows) and the sweep (O(W x D) / 64). The per-row
 state ((W, D) moments, (W,) AdamW step, (W,) ``since_base`` of the exact rule: a row's step count since
 the last sweep, small integers exact in any float type) is allocated once, saved by ``state_dict`` and cut per
-row by ``checkpoint.gather_classifier_rows`` for re-sharding.
+row by ``reshard.gather_classifier_rows`` for re-sharding (which first brings the rows current with
+``sweep_rows`` when the old ranks' ``lrs`` differ: a rank-local classifier skip appends nothing).
 """
 from __future__ import annotations
 
@@ -157,6 +158,43 @@ def _apply_catch_up(coef: torch.Tensor, w: torch.Tensor, m, tmp: torch.Tensor) -
     tmp.copy_(w)
     w.mul_(a).addcmul_(m, b)
     m.mul_(d).addcmul_(tmp, c)
+
+
+def catch_up_table(state, mu: float, wd: float, dtype=torch.float32) -> torch.Tensor:
+    """(n + 1, 4): for a row current through step ``base + j`` (j = 0..n, n steps since the sweep), the
+    2 x 2 map [[a, b], [c, d]] of (weight, momentum) over the zero-gradient steps base + j + 1 .. base + n;
+    ``state``: the exact rule's ``lrs`` and ``since_base``.
+
+    A step with a zero gradient and lr_k is linear in (w, m): m' = mu m + wd w, w' = w - lr_k m', i.e.
+    A_k = [[1 - lr_k wd, -lr_k mu], [wd, mu]] on every element; products in float64, n <= sweep_every."""
+    lrs = state["lrs"]
+    n = len(lrs)
+    out = [None] * (n + 1)
+    a, b, c, d = 1.0, 0.0, 0.0, 1.0                 # identity: a row current through the last step
+    out[n] = (a, b, c, d)
+    for j in range(n - 1, -1, -1):                  # Q_j = Q_{j+1} @ A_{base + j + 1}
+        lr = lrs[j]
+        e, f, g, h = 1.0 - lr * wd, -lr * mu, wd, mu
+        a, b, c, d = a * e + b * g, a * f + b * h, c * e + d * g, c * f + d * h
+        out[j] = (a, b, c, d)
+    return torch.tensor(out, dtype=dtype, device=state["since_base"].device)
+
+
+def sweep_rows(weight: torch.Tensor, momentum, state, mu: float, wd: float, tmp: torch.Tensor) -> None:
+    """The exact rule's sweep, in place: every row of ``weight`` (W, D) and ``momentum`` (or None) brought
+    up through the steps of ``state["lrs"]`` from its ``state["since_base"]``; both are then reset (no
+    step since the sweep). In blocks of ``SWEEP_BLOCK`` rows, so the temporary ``tmp`` (at least
+    min(W, SWEEP_BLOCK) rows) is one block, not a second (W, D) matrix. The optimizer's sweep, and
+    re-sharding's catch-up of rows whose ranks have different histories (run/reshard.py)."""
+    table = catch_up_table(state, mu, wd, weight.dtype)
+    since = state["since_base"].long()
+    with torch.no_grad():
+        for lo in range(0, weight.shape[0], SWEEP_BLOCK):
+            hi = min(lo + SWEEP_BLOCK, weight.shape[0])
+            _apply_catch_up(table[since[lo:hi]], weight[lo:hi], None if momentum is None else momentum[lo:hi],
+                            tmp[:hi - lo])
+    state["since_base"].zero_()
+    state["lrs"] = []
 
 
 class SampledRowsOptimizer(torch.optim.Optimizer):
@@ -269,7 +307,7 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         mu, wd, k = group.get("momentum", 0.0), group["weight_decay"], rows.numel()
         since = state["since_base"].index_select(0, rows).long()                  # (K,)
-        coef = self._catch_up_coefficients(state, mu, wd, p.dtype)[since]
+        coef = catch_up_table(state, mu, wd, p.dtype)[since]
         w = torch.index_select(p, 0, rows, out=self._rows("cw", k, p))
         m = torch.index_select(state["momentum_buffer"], 0, rows, out=self._rows("cm", k, p)) if mu else None
         _apply_catch_up(coef, w, m, self._rows("ct", k, p))
@@ -286,41 +324,13 @@ class SampledRowsOptimizer(torch.optim.Optimizer):
         since = state["since_base"].index_select(0, rows).long()                  # (K,)
         if not bool((since < len(state["lrs"])).any()):
             return None
-        return self._catch_up_coefficients(state, mu, wd, dtype)[since]
-
-    @staticmethod
-    def _catch_up_coefficients(state, mu: float, wd: float, dtype=torch.float32) -> torch.Tensor:
-        """(n + 1, 4): for a row current through step ``base + j`` (j = 0..n, n steps since the sweep), the
-        2 x 2 map [[a, b], [c, d]] of (weight, momentum) over the zero-gradient steps base + j + 1 .. base + n.
-
-        A step with a zero gradient and lr_k is linear in (w, m): m' = mu m + wd w, w' = w - lr_k m', i.e.
-        A_k = [[1 - lr_k wd, -lr_k mu], [wd, mu]] on every element; products in float64, n <= sweep_every."""
-        lrs = state["lrs"]
-        n = len(lrs)
-        out = [None] * (n + 1)
-        a, b, c, d = 1.0, 0.0, 0.0, 1.0                 # identity: a row current through the last step
-        out[n] = (a, b, c, d)
-        for j in range(n - 1, -1, -1):                  # Q_j = Q_{j+1} @ A_{base + j + 1}
-            lr = lrs[j]
-            e, f, g, h = 1.0 - lr * wd, -lr * mu, wd, mu
-            a, b, c, d = a * e + b * g, a * f + b * h, c * e + d * g, c * f + d * h
-            out[j] = (a, b, c, d)
-        return torch.tensor(out, dtype=dtype, device=state["since_base"].device)
+        return catch_up_table(state, mu, wd, dtype)[since]
 
     def _sweep(self, p, state, mu: float, wd: float) -> None:
         """Bring every row up to the last step (every ``sweep_every`` steps: O(W D) / sweep_every per step),
-        so no row is ever more than ``sweep_every`` steps behind and the table stays short. In blocks of
-        ``SWEEP_BLOCK`` rows, so the temporary is one block, not a second (W, D) matrix."""
-        table = self._catch_up_coefficients(state, mu, wd, p.dtype)
-        since = state["since_base"].long()
-        buf = state["momentum_buffer"] if mu else None
-        with torch.no_grad():
-            for lo in range(0, p.shape[0], SWEEP_BLOCK):
-                hi = min(lo + SWEEP_BLOCK, p.shape[0])
-                _apply_catch_up(table[since[lo:hi]], p.data[lo:hi], None if buf is None else buf[lo:hi],
-                                self._rows("sweep", hi - lo, p))
-        state["since_base"].zero_()
-        state["lrs"] = []
+        so no row is ever more than ``sweep_every`` steps behind and the table stays short."""
+        sweep_rows(p.data, state["momentum_buffer"] if mu else None, state, mu, wd,
+                   self._rows("sweep", min(SWEEP_BLOCK, p.shape[0]), p))
 
     def _adamw(self, p, rows, w, g, group) -> None:
         lr, wd, (b1, b2), eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]

@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -185,6 +186,35 @@ def find_resume(run_dir: str) -> Optional[str]:
         return target
     names = list_checkpoints(run_dir)
     return os.path.join(base, names[-1]) if names else None
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def room_report(base: str) -> str:
+    """What a failed checkpoint write says about its disk: the folder, its free space, and how much the
+    previous checkpoint (``latest``'s, else the newest complete one) takes, i.e. what the next one needs."""
+    from ..tools.estimate import human
+    try:
+        free = f"{human(shutil.disk_usage(base).free)} free"
+    except OSError as e:
+        free = f"free space unknown ({e.strerror})"
+    try:
+        previous = _read_latest(base) or find_resume(os.path.dirname(base))
+    except CheckpointError:
+        previous = None
+    size = (f"the previous checkpoint {os.path.basename(previous)} takes {human(folder_bytes(previous))}"
+            if previous else "no previous checkpoint")
+    return f"{base}: {free}; {size}"
 
 
 def agree_on_resume(comm, path: Optional[str]) -> Optional[str]:

@@ -24,10 +24,20 @@ def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end:
 
     Rows of the new slice may come from several old files (fewer ranks) or from part of one (more
     ranks). Per-row optimizer state (SGD momentum, Adam moments: tensors shaped like the weight; the
-    sampled-rows AdamW's (W,) per-row step) is cut the same way; per-parameter scalars (Adam's step) are
-    equal on all old ranks and taken from the first.
+    sampled-rows AdamW's (W,) per-row step; the exact rule's (W,) ``since_base``) is cut the same way;
+    per-parameter scalars (Adam's step) are equal on all old ranks and taken from the first.
+
+    The exact rule's ``lrs`` (the lrs since the last sweep, which ``since_base`` counts into) is the one
+    per-parameter value that is rank-local: a rank whose classifier step was skipped (a non-finite
+    classifier gradient, ``train.max_consecutive_skips``) appended nothing, so its list is shorter and its
+    sweeps fall at other steps. When the old files' lists differ, each file's rows are brought current
+    with their own list (``rowsparse.sweep_rows``, on copies of the cut rows) and the new state has no
+    step since a sweep; the numbers are the dense step's to float32 round-off, as the exact rule's are.
+    Taken from the first file (before), another rank's rows were caught up over the wrong steps, or by a
+    table too short for them (IndexError at the first step). When the lists are equal (no rank-local
+    skip) the rows are cut as they are: bitwise what the old ranks held.
     """
-    weights, states, scalars, groups = [], [], {}, None
+    parts = []
     for (old_start, old_end), name in zip(meta["slices"], meta["classifier_files"]):
         lo, hi = max(start, old_start), min(end, old_end)
         if lo >= hi:
@@ -37,23 +47,42 @@ def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end:
         if (f["label_start"], f["label_end"]) != (old_start, old_end):
             raise CheckpointError(f"{path} covers [{f['label_start']}, {f['label_end']}), meta.json says "
                                   f"[{old_start}, {old_end})")
-        w = f["weight"]
-        weights.append(w[lo - old_start:hi - old_start])
-        opt = f["optimizer"]
+        parts.append((f, lo - old_start, hi - old_start))
+    if not parts or sum(b - a for _, a, b in parts) != end - start:
+        raise CheckpointError(f"{ckpt_dir}: the classifier files do not cover labels [{start}, {end})")
+    histories = {tuple(f["optimizer"].get("state", {}).get(0, {}).get("lrs", ())) for f, _, _ in parts}
+    weights, states, scalars, groups = [], [], {}, None
+    for f, a, b in parts:
+        shape, opt = f["weight"].shape, f["optimizer"]
         groups = groups or opt.get("param_groups")
         st = opt.get("state", {}).get(0, {})
-        states.append({k: v[lo - old_start:hi - old_start] for k, v in st.items() if _row_sliced(v, *w.shape)})
+        w, rows = f["weight"][a:b], {k: v[a:b] for k, v in st.items() if _row_sliced(v, *shape)}
+        if len(histories) > 1:
+            w, rows = _brought_current(w, rows, st["lrs"], opt["param_groups"][0])
+        weights.append(w)
+        states.append(rows)
         for k, v in st.items():
-            if not _row_sliced(v, *w.shape):
-                scalars.setdefault(k, v)
-    if not weights or sum(w.shape[0] for w in weights) != end - start:
-        raise CheckpointError(f"{ckpt_dir}: the classifier files do not cover labels [{start}, {end})")
+            if not _row_sliced(v, *shape):
+                scalars.setdefault(k, [] if k == "lrs" and len(histories) > 1 else v)
     state = {}
     if states and states[0]:
         state = {k: torch.cat([s[k] for s in states]) for k in states[0]}
     state.update(scalars)
     return {"weight": torch.cat(weights),
             "optimizer": {"state": {0: state} if state else {}, "param_groups": groups or []}}
+
+
+def _brought_current(weight, rows: Dict[str, Any], lrs, group: Dict[str, Any]):
+    """Copies of the cut rows ``weight`` and their per-row state, brought up through ``lrs`` (the exact
+    rule's sweep with the old rank's own history and hyper-parameters); ``since_base`` then 0."""
+    from ..classifier.rowsparse import SWEEP_BLOCK, sweep_rows
+    weight = weight.clone()
+    rows = {k: v.clone() for k, v in rows.items()}
+    mu = group.get("momentum", 0.0)
+    state = {"since_base": rows["since_base"], "lrs": list(lrs)}
+    tmp = weight.new_empty((min(SWEEP_BLOCK, weight.shape[0]), *weight.shape[1:]))
+    sweep_rows(weight, rows["momentum_buffer"] if mu else None, state, mu, group["weight_decay"], tmp)
+    return weight, rows
 
 
 def reshard_slices(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_dir: Optional[str] = None):
@@ -102,6 +131,12 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
     shard count); in ``replicated`` mode every rank's file holds the full classifier (its optimizer state
     is the backbone's), so each new rank gets a copy. RNG states do not carry over (each new rank is seeded
     from the run's seed, its rank and the step).
+
+    Crash-safe as a checkpoint save is: the files are written into ``OUT.partial`` and published by the
+    checkpoints' own folder commit (``atomic.commit_folder``: every file and folder fsynced, one rename,
+    the parent fsynced), so a kill at any point leaves no ``OUT`` or a complete one. A ``OUT.partial`` left
+    by a killed run is removed first, never reused: it may hold another world size's classifier files, or
+    a half-copied backbone, which the commit would publish with the new ones.
     """
     from ..classifier.modes import get_mode
     src = resolve_checkpoint(src)
@@ -111,7 +146,11 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
     if os.path.exists(out):
         raise FileExistsError(f"{out} already exists")
     tmp = out.rstrip("/") + ".partial"
-    os.makedirs(tmp, exist_ok=True)
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        shutil.rmtree(tmp)
+    elif os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.makedirs(tmp)
     shutil.copyfile(os.path.join(src, "backbone.pt"), os.path.join(tmp, "backbone.pt"))
     digest = meta["digests"][0]
     full = load_file(os.path.join(src, meta["classifier_files"][0]), "classifier checkpoint") if replicated else None

@@ -1,0 +1,151 @@
+"""A full disk while a checkpoint is written (issue 36 item 11), on a real file system: a small tmpfs as the
+run folder, filled up in the middle of the run. Every rank stops with one CheckpointError naming the folder,
+its free space and the previous checkpoint's size; the previous checkpoint and ``latest`` stay valid; the run
+resumed once there is room ends bitwise where the uninterrupted run does. ``simulate`` with 2 virtual ranks
+in this process (the agreement is the real one, engine/sim.py); the tmpfs needs root (skipped otherwise)."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import simulate_here
+
+BASE = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 256}", "data.batch_size=8",
+        "train.log_every=50", "data.workers=0", "head.negatives_every=0", "train.threads=1",
+        "checkpoint.every=2", "checkpoint.keep=1"]
+STEPS, FULL_AT = 6, 4          # checkpoints at 2, 4, 6; the disk fills up before (or while) the one of step 4
+LEAVE = 131072                  # free bytes left before the checkpoint: the backbone's torch.save fails half-way
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 4 MiB tmpfs (room for about six of these 640 KB checkpoints), unmounted after."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
+    if p.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture(scope="module")
+def straight(feature_shards, tmp_path_factory):
+    """The uninterrupted run's last checkpoint (on the ordinary disk)."""
+    return _sim(2, feature_shards, tmp_path_factory.mktemp("straight") / "run").checkpoint
+
+
+def fill(folder, leave: int = 0) -> str:
+    """Write a file in ``folder`` until the file system says ENOSPC, down to single bytes; then give
+    ``leave`` bytes back."""
+    path = os.path.join(folder, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 20, 1 << 16, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+        os.ftruncate(fd, os.fstat(fd).st_size - leave)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _sim(ranks, shards, out, *sets):
+    from hvd_partialfc.config import load_config
+    cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={STEPS}"])
+    return simulate_here(cfg, ranks, 120)
+
+
+def _state(ckpt):
+    """Every tensor of a checkpoint's files, by file and key path (meta.json's digests included)."""
+    import json
+    out = {"digests": json.load(open(os.path.join(ckpt, "meta.json")))["digests"]}
+
+    def walk(prefix, x):
+        if torch.is_tensor(x):
+            out[prefix] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(f"{prefix}/{i}", v)
+    for name in sorted(os.listdir(ckpt)):
+        if name.endswith(".pt"):
+            walk(name, torch.load(os.path.join(ckpt, name), weights_only=True))
+    return out
+
+
+@pytest.mark.parametrize("when", ["files", "meta"])
+def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_shards, straight, disk,
+                                                                         monkeypatch, when):
+    """``files``: the disk is full before the step's checkpoint (every rank's torch.save fails: RuntimeError);
+    ``meta``: it fills up after the ranks' files were written (rank 0's meta.json fails: OSError, after the
+    first agreement)."""
+    from hvd_partialfc.engine.sim import SimAbort
+    from hvd_partialfc.run import faults, simulate as sim_module
+    from hvd_partialfc.run.checkpoint_files import CheckpointError, find_resume, read_meta
+    from hvd_partialfc.run.simulate import SimFailure
+    run, errors, real_start, real_pause = disk / "run", {}, sim_module.start_trainer, faults.pause
+
+    def start(cfg, comm):
+        trainer = real_start(cfg, comm)
+        fit, step_fn = trainer.fit, trainer.train_step
+
+        def recorded():
+            try:
+                return fit()
+            except BaseException as e:
+                errors[comm.rank] = e
+                raise
+
+        def train_step(step, batches):
+            if when == "files" and comm.rank == 0 and step == FULL_AT - 1:
+                fill(disk, leave=LEAVE)
+            return step_fn(step, batches)
+        trainer.fit, trainer.train_step = recorded, train_step
+        return trainer
+
+    def pause(kind, step, rank):                 # the point between the ranks' files and meta.json
+        if when == "meta" and kind == "pause-in-ckpt" and step == FULL_AT and rank == 0:
+            fill(disk)
+        return real_pause(kind, step, rank)
+    monkeypatch.setattr(sim_module, "start_trainer", start)
+    monkeypatch.setattr(faults, "pause", pause)
+    with pytest.raises(SimFailure) as failed:
+        _sim(2, feature_shards, run)
+    base = str(run / "checkpoints")
+    first = failed.value.error
+    assert isinstance(first, CheckpointError), f"{type(first).__name__}: {first}"
+    msg = str(first)
+    assert f"checkpoint of step {FULL_AT} not written" in msg and f"{base}: " in msg and " free; " in msg
+    assert "the previous checkpoint step-00000002 takes " in msg and "resume with --resume auto" in msg
+    # torch.save, the backbone's large records cut short: RuntimeError; meta.json's write: OSError
+    assert ("rank 0: RuntimeError: [enforce fail" if when == "files" else "rank 0: OSError: [Errno 28]") in msg
+    # every rank passed the agreement: it raised the same error, or (simulate only) was stopped by the
+    # first one's while it waited for its turn to raise it
+    assert sorted(errors) == [0, 1]
+    for r, e in errors.items():
+        assert isinstance(e, CheckpointError) and str(e) == msg or \
+            isinstance(e, SimAbort) and f"(CheckpointError: {msg})" in str(e), f"rank {r}: {type(e).__name__}: {e}"
+    # the previous checkpoint and latest are valid; the unfinished one is gone (its files freed the space)
+    assert sorted(os.listdir(base)) == ["latest", "step-00000002"]
+    assert find_resume(str(run)).endswith("step-00000002") and read_meta(find_resume(str(run)))["step"] == 2
+    # room again: the same command resumes and ends bitwise where the uninterrupted run does
+    monkeypatch.undo()
+    os.unlink(disk / "filler")
+    resumed = _sim(2, feature_shards, run, "checkpoint.resume=auto").checkpoint
+    want, got = _state(straight), _state(resumed)
+    assert sorted(want) == sorted(got) and want["digests"] == got["digests"]
+    assert all(torch.equal(want[k], got[k]) for k in want if k != "digests")
