@@ -147,6 +147,7 @@ class EvalConfig:
     every: int = 0              # evaluate every K steps on rank 0 (0: only at the end, if pairs are given)
     flip: bool = False          # add the horizontal flip's embedding (faces: yes; glyphs: no)
     batch_size: int = 256
+    on_error: str = "log"       # a failed evaluation (agreed): log (eval.jsonl; training goes on) | stop (after a checkpoint)
 
 
 @dataclass
@@ -167,7 +168,8 @@ class Config:
                    ("train", "engine"): ("auto", "horovod", "torch"),
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("head", "matmul"): ("auto", "fp32", "tf32", "bf16"),
-                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu")}
+                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu"),
+                   ("eval", "on_error"): ("log", "stop")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:

@@ -21,7 +21,7 @@ from ..seeds import RESHARD_RESEED, derive_seed
 # Config keys that may change between a checkpoint and its resume (they do not change the numbers; train.device
 # and data.decode change them as a device does: nvJPEG's pixels are within a few levels of PIL's, docs/gpu.md).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size",
+                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size", "eval.on_error",
                     "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
                     "train.heartbeat_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
