@@ -94,21 +94,25 @@ class Evaluator:
                 error = f"{type(e).__name__}: {e}"
             if error is not None:    # after the except block, which freed the failed frames' tensors
                 release_cached_device_memory()
+                error = self.record_error(step, error)
         failed = self.comm.failures(error, name=f"eval.{step}") if self.comm is not None else \
             ([(0, error)] if error is not None else [])
         if failed:
-            reason = "; ".join(f"rank {r}: {e}" if len(failed) > 1 else e for r, e in failed)
-            if self.is_main:
-                self.record_error(step, reason)
+            reason = "; ".join(e for _, e in failed)     # the main rank alone evaluates
             raise EvaluationError(f"evaluation at step {step} failed: {reason}")
         return records
 
-    def record_error(self, step: int, reason: str) -> None:
-        """Append the failed evaluation's record to eval.jsonl (its sets, no figures)."""
-        os.makedirs(self.out_dir, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": int(step), "error": reason, "sets": [s.name for s in self.sets],
-                                "time": time.time()}) + "\n")
+    def record_error(self, step: int, reason: str) -> str:
+        """Append the failed evaluation's record to eval.jsonl (its sets, no figures); returns the reason,
+        which says so when the record could not be written either (a full disk must not end the run here)."""
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": int(step), "error": reason, "sets": [s.name for s in self.sets],
+                                    "time": time.time()}) + "\n")
+        except OSError as e:
+            return f"{reason} (not recorded in {self.path}: {e})"
+        return reason
 
     def run(self, step: int, backbone: nn.Module) -> Dict[str, Dict[str, Any]]:
         """Evaluate ``backbone`` on every set; returns ``{set name: record}`` and appends the records."""
@@ -134,7 +138,6 @@ class Evaluator:
             if r.get("tar@far=1e-3") is not None:
                 out[f"{name}_tar@1e-3"] = f"{r['tar@far=1e-3']:.3f}"
         return out
-
 
 
 def release_cached_device_memory() -> None:
