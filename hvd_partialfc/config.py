@@ -147,7 +147,7 @@ class EvalConfig:
     every: int = 0              # evaluate every K steps on rank 0 (0: only at the end, if pairs are given)
     flip: bool = False          # add the horizontal flip's embedding (faces: yes; glyphs: no)
     batch_size: int = 256
-    on_error: str = "log"       # a failed evaluation (agreed): log (eval.jsonl; training goes on) | stop (after a checkpoint)
+    on_error: str = "log"       # a failed evaluation (agreed): log (eval.jsonl, go on) | stop (after a checkpoint)
 
 
 @dataclass

@@ -119,7 +119,8 @@ def test_failed_final_evaluation_is_logged_and_the_run_ends_well(data, tmp_path,
     recs = read_json_lines(os.path.join(out, "eval.jsonl"))
     assert [r["step"] for r in recs] == [2, 4] and recs[0]["set"] == "p" and "error" not in recs[0]
     assert recs[1]["error"] == f"ValueError: {NAN_SCORES}" and recs[1]["sets"] == ["p"]
-    assert "step 4: evaluation at step 4 failed" in err + printed and "training goes on (eval.on_error=log)" in err + printed
+    said = err + printed
+    assert "step 4: evaluation at step 4 failed" in said and "training goes on (eval.on_error=log)" in said
 
 
 def test_failed_evaluation_with_stop_ends_the_run_after_a_checkpoint(data, tmp_path, monkeypatch):
