@@ -119,6 +119,8 @@ def test_failed_final_evaluation_is_logged_and_the_run_ends_well(data, tmp_path,
     recs = read_json_lines(os.path.join(out, "eval.jsonl"))
     assert [r["step"] for r in recs] == [2, 4] and recs[0]["set"] == "p" and "error" not in recs[0]
     assert recs[1]["error"] == f"ValueError: {NAN_SCORES}" and recs[1]["sets"] == ["p"]
+    from hvd_partialfc.tools.report import plot_curves        # the demo's report skips the error record
+    assert plot_curves(out, str(tmp_path / "curves.png")) == str(tmp_path / "curves.png")
     said = err + printed
     assert "step 4: evaluation at step 4 failed" in said and "training goes on (eval.on_error=log)" in said
 
