@@ -51,7 +51,16 @@ def _expected_errors():
     from .config import ConfigError
     from .data.shards import ShardError
     from .run.step import NonFiniteError
-    return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError)
+    from .verification.evaluator import EvaluationError
+    return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError)
+
+
+def _done_line(ckpt: str, final_eval_error) -> str:
+    """The run's last line: its checkpoint, and a final evaluation that failed (eval.on_error=log) said there."""
+    if final_eval_error is None:
+        return f"done: {ckpt}"
+    return (f"done: {ckpt}; but the final {final_eval_error} (in eval.jsonl; `hvd-partialfc eval --backbone "
+            f"{ckpt} --pairs ...` runs it again)")
 
 
 def _train(args) -> int:
@@ -86,7 +95,7 @@ def _train(args) -> int:
               f"{EXIT_PREEMPTED} (resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     if comm.is_main:
-        print(f"done: {ckpt}")
+        print(_done_line(ckpt, trainer.final_evaluation_failed()))
     comm.shutdown()
     return 0
 
@@ -107,7 +116,7 @@ def _simulate(args) -> int:
         print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
               "(resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
-    print(f"done: {result.checkpoint}")
+    print(_done_line(result.checkpoint, result.final_eval_error))
     return 0
 
 

@@ -155,6 +155,7 @@ class EvalConfig:
     every: int = 0              # evaluate every K steps on rank 0 (0: only at the end, if pairs are given)
     flip: bool = False          # add the horizontal flip's embedding (faces: yes; glyphs: no)
     batch_size: int = 256
+    on_error: str = "log"       # a failed evaluation (agreed): log (eval.jsonl, go on) | stop (after a checkpoint)
 
 
 @dataclass
@@ -176,7 +177,8 @@ class Config:
                    ("head", "sampled_step"): ("exact", "lazy", "dense"),
                    ("head", "matmul"): ("auto", "fp32", "tf32", "bf16"),
                    ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu"),
-                   ("data", "on_bad_sample"): ("stop", "skip")}
+                   ("data", "on_bad_sample"): ("stop", "skip"),
+                   ("eval", "on_error"): ("log", "stop")}
         for (sec, key), allowed in choices.items():
             v = getattr(getattr(self, sec), key)
             if v not in allowed:

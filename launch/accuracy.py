@@ -48,7 +48,8 @@ def run_one(args, variant: str, np_: int, seed: int, every: int = 0, share: int 
     evals = os.path.join(out, "eval.jsonl")
     if not (os.path.isfile(evals) and os.path.isfile(os.path.join(out, "done.json"))):
         sets = [f"data.batch_size={args.global_batch // np_}", f"train.steps={args.steps}", f"train.seed={seed}",
-                f"eval.pairs=[{args.pairs}]", "eval.every=0", f"checkpoint.every=0", "train.log_every=25"]
+                f"eval.pairs=[{args.pairs}]", "eval.every=0", f"checkpoint.every=0", "train.log_every=25",
+                "eval.on_error=stop"]   # the final evaluation is the cell's figure: a failed one fails the cell
         sets += [s.format(every=every, share=share) for s in VARIANTS[variant]] + list(args.set)
         if args.simulate:      # the same run on `hvd-partialfc simulate`'s N virtual ranks (docs/simulate.md)
             cmd = [os.path.join(BIN, "hvd-partialfc"), "simulate", "--ranks", str(np_)]

@@ -368,6 +368,45 @@ def test_all_pairs_perfect_and_refusals():
         ev.all_pairs_metrics(e[:1], y[:1])
 
 
+def test_collapsed_embeddings_give_tar_0_with_its_reason_in_both_protocols():
+    """A diverged run's embeddings all point one way: the top score (bin) alone holds every impostor. The
+    binned protocol gave an IndexError, the exact one TAR 0 without a word; both now say TAR 0 and why."""
+    y = np.repeat(np.arange(30), 4)                      # 180 same-class and 6,960 different-class pairs
+    e = np.full((120, 8), 8 ** -0.5)                     # collapsed: every cosine is 1
+    m = ev.all_pairs_metrics(e, y, fars=(1e-2, 1e-3))
+    assert m["tar@far=1e-2"] == 0.0 and m["tar@far=1e-3"] == 0.0
+    assert "top score bin (width 1e-05) alone holds 6960 of 6960 different pairs" in m["notes"]["tar@far=1e-2"]
+    assert "FAR 1e-2 allows (69)" in m["notes"]["tar@far=1e-2"]
+    i, j = np.triu_indices(120, 1)
+    scores, same = (e[i] * e[j]).sum(1), y[i] == y[j]
+    r = ev.tar_at_far(scores, same, 1e-2)
+    assert r["tar"] == 0.0 and "top score alone holds 6960 of 6960" in r["reason"]
+    assert ev.verification_metrics(scores, same, (1e-2,))["notes"]["tar@far=1e-2"] == r["reason"]
+    # a genuine score on top, then a tie of 3 impostors where 1e-1 allows 1: the top's TAR, no reason
+    s2 = np.array([0.9, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
+    y2 = np.array([True, True, False, False, False] + [False] * 8)
+    assert ev.tar_at_far(s2, y2, 1e-1) == {"tar": 0.5, "threshold": 0.9, "far": 0.0, "reason": None}
+    assert ev.all_pairs_metrics(np.eye(30)[y], y, fars=(1e-1,))["notes"] == {}
+
+
+def test_all_pairs_refuses_non_finite_embeddings_naming_the_backbone(tiny_run, tmp_path, capsys, monkeypatch):
+    """One NaN row dropped its impostor pairs from the histogram without a word (116 of 7,140 here); now it
+    is one error line that names the backbone, through ``eval``'s usual exit 2."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.verification import all_pairs
+    y = np.repeat(np.arange(30), 4)
+    e = np.random.default_rng(0).normal(size=(120, 8))
+    e[3] = np.nan
+    with pytest.raises(ValueError, match="^runs/x: 1 of 120 embeddings are not finite"):
+        ev.all_pairs_metrics(e, y, source="runs/x")
+    real = all_pairs.embed
+    monkeypatch.setattr(all_pairs, "embed", lambda *a: real(*a) * np.where(np.arange(200) == 5, np.inf, 1)[:, None])
+    run, shards = str(tiny_run / "run"), str(tiny_run / "shards")
+    assert main(["eval", "--backbone", run, "--all-pairs", shards, "--out", str(tmp_path / "ap")]) == 2
+    err = capsys.readouterr().err
+    assert f"backbone {run} on {shards}: 1 of 200 embeddings are not finite" in err and "Traceback" not in err
+
+
 def test_eval_cli_all_pairs_of_a_shard_set(tiny_run, tmp_path, capsys):
     from hvd_partialfc.cli import main
     out = tmp_path / "ap"

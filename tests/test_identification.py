@@ -118,6 +118,9 @@ class _FakeComm:
             if b.is_floating_point():
                 b.fill_(7.0)        # stands for "the average": what rank 0 evaluates must be the averaged one
 
+    def failures(self, error, name):
+        return [] if error is None else [(self.rank, error)]   # one rank's agreement: its own error
+
 
 def test_evaluator_averages_then_evaluates_on_the_main_rank_only(tmp_path):
     rng = np.random.default_rng(0)

@@ -3,7 +3,7 @@
 Three implementations provide the primitives: ``horovod.Comm`` (one process per rank), ``sim.SimComm``
 (N virtual ranks in one process, the simulator) and ``local.LocalComm`` (one rank, no communication). A
 second real engine implements the same primitives. What is built on them lives here, so all compute the
-same thing: error agreement, backbone digests and their check, BatchNorm buffer
+same thing: error agreement (`agree`, `failures`), backbone digests and their check, BatchNorm buffer
 averaging (the pooled statistics), and the all-gather whose backward sums over ranks.
 
 Primitives a subclass provides (each a collective: every rank calls it, in the same order, same name):
@@ -72,11 +72,17 @@ class CommBase:
         Errors found before training (bad shards, bad config) go through here, so a rank whose input is
         fine does not wait forever in the first training collective for a rank that already died.
         """
-        errors = self.allgather_object(error, name=f"agree.{name}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        failed = self.failures(error, name)
         if failed:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
             raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}")
+
+    def failures(self, error: Optional[str], name: str) -> List[Tuple[int, str]]:
+        """Every rank's error of an agreement point, as ``(rank, message)`` (empty: all fine), the same list
+        on every rank; the collective `agree` raises on. For an error the run survives (an evaluation that
+        failed on rank 0, `verification.evaluator`), where every rank must take the same turn."""
+        errors = self.allgather_object(error, name=f"agree.{name}")
+        return [(r, e) for r, e in enumerate(errors) if e is not None]
 
     def allgather_with_grad(self, tensor: torch.Tensor, name: str, grad_scale: float = 1.0) -> torch.Tensor:
         """(n_r, ...) on rank r -> (sum_r n_r, ...) on every rank, with the backward a model-parallel loss needs.

@@ -141,12 +141,18 @@ class Checkpointer:
         return newer
 
     def save(self, step: int, state: TrainingState, total_steps: int) -> str:
-        """Write the checkpoint of ``step`` (a collective). Backbones that differ across ranks are written
-        to ``diverged-step-<N>/`` for inspection, ``latest`` and the other checkpoints stay untouched, and
-        every rank raises."""
+        """Average the BatchNorm statistics (they differ per rank: the saved backbone must be every rank's),
+        then `write` (a collective)."""
+        self.comm.average_buffers(state.backbone, name=f"ckpt.{step}")
+        return self.write(step, state, total_steps)
+
+    def write(self, step: int, state: TrainingState, total_steps: int) -> str:
+        """Write the checkpoint of ``step`` (a collective), the buffers averaged already (the trainer averages
+        them once a step for its checkpoint and its evaluation: averaging again is not the identity at a
+        world size that is not a power of two, so the run would go on with other buffers than it saved).
+        Backbones that differ across ranks are written to ``diverged-step-<N>/`` for inspection, ``latest``
+        and the other checkpoints stay untouched, and every rank raises."""
         comm = self.comm
-        # BatchNorm statistics differ per rank: average them so the saved backbone is every rank's.
-        comm.average_buffers(state.backbone, name=f"ckpt.{step}")
         digests = comm.backbone_digests(state.backbone, name=f"ckpt.{step}")
         identical = len(set(digests)) == 1
         final_dir = os.path.join(self.base, step_dir_name(step))

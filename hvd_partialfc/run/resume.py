@@ -22,7 +22,7 @@ from ..seeds import RESHARD_RESEED, derive_seed
 # and data.decode change them as a device does: nvJPEG's pixels are within a few levels of PIL's, docs/gpu.md;
 # data.on_bad_sample changes none of a run that would not have stopped: resuming a stopped run with skip is its use).
 RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size",
+                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size", "eval.on_error",
                     "data.on_bad_sample", "data.max_bad_samples",
                     "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",

@@ -35,6 +35,7 @@ class SimResult:
     checkpoint: Optional[str]      # the last checkpoint folder written
     stopped_by: Optional[str]      # the stop signal that ended the run early, if one did
     collectives: int               # collectives completed (all ranks)
+    final_eval_error: Optional[str] = None   # the last step's evaluation failed (eval.on_error=log): why
 
 
 class SimFailure(RuntimeError):
@@ -57,7 +58,7 @@ def simulate(cfg: Config, ranks: int) -> SimResult:
             world.enter(rank)
             trainer = start_trainer(copy.deepcopy(cfg), SimComm(world, rank))
             ckpt = trainer.fit()
-            results[rank] = SimResult(ckpt, trainer.stopped_by, 0)
+            results[rank] = SimResult(ckpt, trainer.stopped_by, 0, trainer.final_evaluation_failed())
         except BaseException as e:   # every rank's error ends the world; the first one is reported
             world.fail(rank, e)
             return

@@ -1,10 +1,13 @@
-"""The loop: train to the last step, log, evaluate, checkpoint, stop on a signal. One loop for every mode
+"""The loop: train to the last step, log, checkpoint, evaluate, stop on a signal. One loop for every mode
 and engine; the parts it trains and the step it runs are built once, before it (startup.py).
 
 Per step: the step (step.py); the names of the bad samples it replaced (sample_watch.py); the stop vote
 started after the previous step is read (any rank's SIGTERM, rank 0's time-based checkpoint), so every rank
-stops at the same step; the log line (its figures agreed across ranks); evaluation on its schedule; the
-checkpoint when due, stopped or voted, or before stopping on too many bad samples.
+stops at the same step; the log line (its figures agreed across ranks); the BatchNorm buffers averaged once
+when a checkpoint or an evaluation is due; the checkpoint when due, stopped, voted, or before stopping on too
+many bad samples; then evaluation on its schedule, so a failing evaluation never costs the step's
+checkpoint. A failed evaluation is agreed across ranks (verification/evaluator.py) and, with
+``eval.on_error=log``, recorded and survived; with ``stop`` the run ends after a checkpoint of that step.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
 from .sample_watch import SampleWatch
 from ..data.shards import ShardError
+from ..verification.evaluator import EvaluationError
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Trainer:
         self.start_step, self.resumed_from = start_step, resumed_from
         self.total_steps = step.total_steps
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
+        self.eval_failures: List[Tuple[int, str]] = []   # (step, reason) of each failed evaluation (on_error=log)
         self.loader_watch = LoaderWatch(cfg.data.workers)
         self.sample_watch = SampleWatch(cfg.data.on_bad_sample, cfg.data.max_bad_samples, data.manifest.num_samples)
 
@@ -111,13 +116,23 @@ class Trainer:
                         last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar,
                                                      interval)
                     bar.update(1)
-                    self.maybe_evaluate(done, final=final, bar=bar, metrics=metrics)
                     too_many = self.sample_watch.error   # set at a log step, the same on every rank
-                    if self.checkpointer.due(done, final) or stop or time_due or too_many:
-                        ckpt_dir = self.save_checkpoint(done)
+                    save = self.checkpointer.due(done, final) or stop or time_due or bool(too_many)
+                    evaluate = self.evaluator.due(done, final)
+                    if save or evaluate:
+                        self.average_buffers(done, save)
+                    if save:
+                        ckpt_dir = self.save_checkpoint(done, averaged=True)
                         last_save = time.monotonic()
                     if too_many:
                         raise ShardError(f"step {done}: {too_many}; checkpoint {ckpt_dir} written")
+                    if evaluate:
+                        try:
+                            self.evaluate(done, bar=bar, metrics=metrics)
+                        except EvaluationError as e:   # eval.on_error=stop: not one step lost
+                            ckpt_dir = ckpt_dir if save else self.save_checkpoint(done, averaged=True)
+                            raise EvaluationError(f"{e}; checkpoint {ckpt_dir} written, stopping "
+                                                  "(eval.on_error=stop)") from None
                     if stop:
                         self.stopped_by = signals.received or "a stop signal on another rank"
                         bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
@@ -175,9 +190,29 @@ class Trainer:
             return r["path"]
         return self.save_checkpoint(self.start_step)
 
-    def maybe_evaluate(self, step: int, final: bool, bar=None, metrics=None) -> Optional[Dict[str, Any]]:
-        """The evaluator decides and averages the buffers (every rank); rank 0 logs its records."""
-        records = self.evaluator.maybe_run(step, final, self.parts.backbone)
+    def average_buffers(self, step: int, save: bool) -> None:
+        """Once a step, when the checkpoint or the evaluation is due (a collective): both see the same
+        buffers, and the run goes on with the ones it saved. Averaging twice is not the identity at a world
+        size that is not a power of two (the sum of N equal float32 values times 1/N rounds), so a second
+        averaging after the checkpoint would break a resume's bitwise continuation. Named as before:
+        ``buffers.ckpt.<step>`` when a checkpoint is due, else ``buffers.eval.<step>``."""
+        self.comm.average_buffers(self.parts.backbone, name=f"{'ckpt' if save else 'eval'}.{step}")
+
+    def evaluate(self, step: int, bar=None, metrics=None) -> Optional[Dict[str, Any]]:
+        """The evaluation of ``step`` (every rank; buffers averaged already); rank 0 logs its records. A
+        failure, agreed (EvaluationError on every rank), is said on rank 0; with ``eval.on_error=log`` it is
+        kept in ``eval_failures`` and the run goes on, with ``stop`` it is raised."""
+        try:
+            records = self.evaluator.evaluate(step, self.parts.backbone)
+        except EvaluationError as e:
+            self.eval_failures.append((step, str(e)))
+            go_on = self.cfg.eval.on_error == "log"
+            if bar is not None and self.comm.is_main:   # tqdm.write ignores `disable`
+                bar.write(f"step {step}: {e} (in eval.jsonl); "
+                          + ("training goes on (eval.on_error=log)" if go_on else "stopping (eval.on_error=stop)"))
+            if not go_on:
+                raise
+            return None
         if records is None:
             return None
         if metrics:
@@ -187,7 +222,15 @@ class Trainer:
             bar.write(f"step {step}: " + ", ".join(f"{k} {v}" for k, v in self.evaluator.summary(records).items()))
         return records
 
-    def save_checkpoint(self, step: int) -> str:
-        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step)."""
-        return self.checkpointer.save(step, self.parts.training_state(self.layout, self.comm.rank), self.total_steps)
+    def save_checkpoint(self, step: int, averaged: bool = False) -> str:
+        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step), averaging
+        the buffers first unless ``averaged`` (by `average_buffers`, this step)."""
+        state = self.parts.training_state(self.layout, self.comm.rank)
+        if averaged:
+            return self.checkpointer.write(step, state, self.total_steps)
+        return self.checkpointer.save(step, state, self.total_steps)
+
+    def final_evaluation_failed(self) -> Optional[str]:
+        """The reason the evaluation of the last step failed (on_error=log), else None: the run's last line says it."""
+        return next((reason for step, reason in self.eval_failures if step == self.total_steps), None)
 

@@ -31,7 +31,7 @@ def plot_curves(run: str, out: str) -> Optional[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     metrics = [m for m in _read_jsonl(os.path.join(run, "metrics.jsonl")) if "loss" in m]
-    evals = _read_jsonl(os.path.join(run, "eval.jsonl"))
+    evals = [e for e in _read_jsonl(os.path.join(run, "eval.jsonl")) if "error" not in e]   # failed: no figures
     if not metrics:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))

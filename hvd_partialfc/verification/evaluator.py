@@ -4,22 +4,37 @@ Contract: the trainer builds one `Evaluator` on *every* rank, with the run's com
 `Evaluator.maybe_run` after every step on every rank. The evaluator decides whether it is due (from the
 config alone, so every rank gives the same answer), averages the BatchNorm buffers across ranks through
 the comm (a collective every rank must join: each rank's running statistics come from its own classes),
-and evaluates on the main rank only, which alone reads the pair sets. Horovod is not imported here: the
-comm is any object with ``is_main`` and ``average_buffers(module, name)`` (`hvd_partialfc.engine.horovod.Comm`);
-without one (``comm=None``) the evaluator is a single process's, that averages nothing.
+and evaluates on the main rank only, which alone reads the pair sets. The trainer, which averages the
+buffers once a step for its checkpoint and its evaluation, calls `Evaluator.evaluate` instead.
+
+An evaluation that fails on the main rank (an exception in `run`: a GPU out of memory while training's
+memory is held, `metrics.check_scores` refusing the scores of non-finite embeddings) is agreed across ranks
+(``failures``), recorded in ``eval.jsonl`` as ``{"step", "error", "sets", "time"}`` and raised on every
+rank as `EvaluationError`, so every rank takes the same turn (the trainer's ``eval.on_error``).
+
+Horovod is not imported here: the comm is any object with ``is_main``, ``average_buffers(module, name)`` and
+``failures(error, name)`` (`hvd_partialfc.engine.base.CommBase`); without one (``comm=None``) the evaluator
+is a single process's, that averages nothing.
 """
 from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
+import torch
 import torch.nn as nn
 
 from ..data.pair_files import read_pairs
 from .metrics import FARS, N_FOLDS, check_scores, far_key
 from .verify_pairs import check_names, evaluate_backbone
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation failed on the main rank: raised on every rank, with the same message, once the failure
+    is agreed and recorded in eval.jsonl."""
 
 
 class Evaluator:
@@ -59,13 +74,45 @@ class Evaluator:
 
     def maybe_run(self, step: int, final: bool, backbone: nn.Module) -> Optional[Dict[str, Dict[str, Any]]]:
         """On every rank: when due, average the backbone's buffers across ranks (collective, named
-        ``buffers.eval.<step>``), then evaluate on the main rank; returns the main rank's records, else
-        None. The averaged buffers stay in the backbone (the checkpoint written next stores them)."""
+        ``buffers.eval.<step>``), then `evaluate`; returns the main rank's records, else None. The averaged
+        buffers stay in the backbone."""
         if not self.due(step, final):
             return None
         if self.comm is not None:
             self.comm.average_buffers(backbone, name=f"eval.{step}")
-        return self.run(step, backbone) if self.is_main else None
+        return self.evaluate(step, backbone)
+
+    def evaluate(self, step: int, backbone: nn.Module) -> Optional[Dict[str, Dict[str, Any]]]:
+        """On every rank, the buffers averaged already: the main rank runs `run`; its failure is agreed
+        (collective ``agree.eval.<step>``), recorded and raised as `EvaluationError` on every rank. Returns
+        the main rank's records, else None."""
+        records, error = None, None
+        if self.is_main:
+            try:
+                records = self.run(step, backbone)
+            except Exception as e:   # noqa: BLE001 (any failure of an evaluation is agreed, see the module)
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:    # after the except block, which freed the failed frames' tensors
+                release_cached_device_memory()
+                error = self.record_error(step, error)
+        failed = self.comm.failures(error, name=f"eval.{step}") if self.comm is not None else \
+            ([(0, error)] if error is not None else [])
+        if failed:
+            reason = "; ".join(e for _, e in failed)     # the main rank alone evaluates
+            raise EvaluationError(f"evaluation at step {step} failed: {reason}")
+        return records
+
+    def record_error(self, step: int, reason: str) -> str:
+        """Append the failed evaluation's record to eval.jsonl (its sets, no figures); returns the reason,
+        which says so when the record could not be written either (a full disk must not end the run here)."""
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": int(step), "error": reason, "sets": [s.name for s in self.sets],
+                                    "time": time.time()}) + "\n")
+        except OSError as e:
+            return f"{reason} (not recorded in {self.path}: {e})"
+        return reason
 
     def run(self, step: int, backbone: nn.Module) -> Dict[str, Dict[str, Any]]:
         """Evaluate ``backbone`` on every set; returns ``{set name: record}`` and appends the records."""
@@ -92,3 +139,9 @@ class Evaluator:
                 out[f"{name}_tar@1e-3"] = f"{r['tar@far=1e-3']:.3f}"
         return out
 
+
+def release_cached_device_memory() -> None:
+    """After a failed evaluation (on a GPU most likely out of memory): the blocks the evaluation's batches
+    left in PyTorch's CUDA cache go back, so the next training step finds the memory it had. Nothing on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -141,7 +141,17 @@ def _tar_at_far_points(tp: np.ndarray, fp: np.ndarray, thr: np.ndarray, far: flo
                 "reason": f"{n_neg} different pairs; FAR {far_key(far)[8:]} needs at least {need}"}
     i = int(np.flatnonzero(fp <= far * n_neg + 1e-9)[-1])   # fp grows with i: the last allowed point
     return {"tar": float(tp[i] / n_pos), "threshold": float(thr[i]), "far": float(fp[i] / n_neg),
-            "reason": None}
+            "reason": None if i > 0 else top_tie_reason(far, int(fp[1]), n_neg, "score")}
+
+
+def top_tie_reason(far: float, top_impostors: int, n_neg: int, where: str) -> str:
+    """Why TAR is 0 at ``far``: the highest ``where`` (one tied score, or the all-pairs histogram's top bin)
+    alone holds ``top_impostors`` different pairs, more than the FAR allows, so only accepting nothing keeps
+    it. Collapsed embeddings (a diverged run: every pair scores about 1) give exactly this; the exact and the
+    binned protocols say it in the same words."""
+    allowed = int(math.floor(far * n_neg + 1e-9))
+    return (f"TAR 0: the top {where} alone holds {top_impostors} of {n_neg} different pairs, more than FAR "
+            f"{far_key(far)[8:]} allows ({allowed}); only accepting nothing keeps it (collapsed embeddings?)")
 
 
 def roc_points(scores, same, max_points: int = 2000) -> Dict[str, List[float]]:

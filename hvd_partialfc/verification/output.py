@@ -27,8 +27,8 @@ def format_table(name: str, rows: Dict[str, Dict[str, Any]], fars: Sequence[floa
         thr = f"{m['best_threshold']:>11.4f}" if m["best_threshold"] is not None else f"{'-':>11}"
         acc = f"{m['acc']:.4f} ± {m['acc_std']:.4f}"
         lines.append(f"{BASELINE_LABELS.get(key, key):<28}{acc:>18}{m['auc']:>9.4f}{tars}{thr}")
-    for key, reason in first["notes"].items():
-        lines.append(f"  {key}: not reported, {reason}")
+    for key, reason in first["notes"].items():   # a FAR too fine for the set (None), or TAR 0 and why
+        lines.append(f"  {key}: {'not reported, ' if first[key] is None else ''}{reason}")
     return "\n".join(lines)
 
 
@@ -57,7 +57,7 @@ def format_ijb(m: Dict[str, Any]) -> str:
              "".join(f"{k.replace('tar@far=', 'TAR@'):>11}" for k in keys) + f"{'AUC':>9}",
              "".join(f"{'-' if m[k] is None else format(m[k], '.4f'):>11}" for k in keys) + f"{m['auc']:>9.4f}"]
     for key, reason in m["notes"].items():
-        lines.append(f"  {key}: not reported, {reason}")
+        lines.append(f"  {key}: {'not reported, ' if m[key] is None else ''}{reason}")
     return "\n".join(lines)
 
 

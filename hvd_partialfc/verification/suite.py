@@ -95,7 +95,8 @@ def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False
         results[s.name] = {"backbone": evaluate_backbone(model, s, batch_size, flip)}
         if baselines:
             results[s.name].update(evaluate_baselines(args, s, batch_size, flip, seed))
-    all_pairs = {os.path.normpath(d): evaluate_all_pairs(model, d, batch_size, flip) for d in all_pairs_dirs}
+    all_pairs = {os.path.normpath(d): evaluate_all_pairs(model, d, batch_size, flip, name=backbone)
+                 for d in all_pairs_dirs}
     ijb_results = {}
     if ijb is not None:
         ijb_results[ijb.name.upper()] = evaluate_ijb(
