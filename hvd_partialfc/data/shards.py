@@ -87,6 +87,7 @@ class Manifest:
     class_names: List[str] = field(default_factory=list)
     source: Dict[str, Any] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
+    class_identity: Dict[str, Any] = field(default_factory=dict)   # data.class_identity.of_shard_set
     format: str = FORMAT
     version: int = VERSION
 
@@ -102,7 +103,7 @@ class Manifest:
         return [s.label_slice(i) for i, s in enumerate(self.shards)]
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        d = {
             "format": self.format, "version": self.version, "num_classes": self.num_classes,
             "num_shards": self.num_shards, "num_samples": self.num_samples,
             "sample": {"kind": self.kind, "shape": list(self.sample_shape), "dtype": self.sample_dtype},
@@ -110,6 +111,9 @@ class Manifest:
             "shards": [vars(s) for s in self.shards],
             "class_names": self.class_names, "source": self.source, "skipped": self.skipped,
         }
+        if self.class_identity:     # sets built before it have none: their manifest reads back unchanged
+            d["class_identity"] = self.class_identity
+        return d
 
     @classmethod
     def from_json(cls, d: Dict[str, Any], where: str = MANIFEST) -> "Manifest":
@@ -126,7 +130,7 @@ class Manifest:
                     sample_shape=list(d["sample"]["shape"]), sample_dtype=d["sample"]["dtype"],
                     shards=[ShardEntry(**s) for s in d["shards"]], partition=d.get("partition", {}),
                     class_names=list(d.get("class_names", [])), source=d.get("source", {}),
-                    skipped=list(d.get("skipped", [])))
+                    skipped=list(d.get("skipped", [])), class_identity=dict(d.get("class_identity", {})))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{where}: malformed manifest ({type(e).__name__}: {e}); "
                              f"{_rebuild_hint(os.path.dirname(where) or '.')}") from e
@@ -220,16 +224,19 @@ def manifest_digest(shard_dir: str) -> str:
 # Manifest keys that say where a set came from, not what it holds: the input's path and the font files
 # (`source`), the inputs the build could not read (`skipped`).
 PROVENANCE_KEYS = ("source", "skipped")
+# Manifest keys computed from the shard files, which their sha256 already cover: left out of the data digest
+# with the provenance keys, so a set rebuilt with them still resumes the checkpoints of its build without.
+DERIVED_KEYS = ("class_identity",)
 
 
 def data_digest(manifest: Manifest) -> str:
     """sha256 of what a shard set holds, as its (already read) manifest records it: the sample spec, the
-    class names and every shard's file, label range, sample count and byte sha256; the provenance keys
-    left out. Checkpoints record it and resume compares it. Reason: the manifest's bytes
+    class names and every shard's file, label range, sample count and byte sha256; the provenance and
+    derived keys left out. Checkpoints record it and resume compares it. Reason: the manifest's bytes
     (`manifest_digest`) also changed when the same input was rebuilt from another folder
     (`source.path`), and such a set was refused on resume although every shard was byte-identical."""
     d = manifest.to_json()
-    for k in PROVENANCE_KEYS:
+    for k in PROVENANCE_KEYS + DERIVED_KEYS:
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, ensure_ascii=False,
                                      separators=(",", ":")).encode("utf-8")).hexdigest()
