@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 
 from hvd_partialfc.atomic import commit_folder, recover_folder, write_text
+from hvd_partialfc.data import class_identity
 from hvd_partialfc.data.partition import LabelSlice, check_partition
 from hvd_partialfc.data.shards import (FORMAT, MANIFEST, VERSION, Manifest, ShardEntry, ShardError, sha256_file,
                                   shard_name)
@@ -163,6 +164,10 @@ class AtomicShardDir:
 
 
 def write_manifest(shard_dir: str, manifest: Manifest) -> None:
+    """Write the manifest of the shards in ``shard_dir`` (last: a set with a manifest is complete), with
+    their ``class_identity`` (computed here from the files when the manifest has none)."""
+    if not manifest.class_identity:
+        manifest.class_identity = class_identity.of_shard_set(shard_dir, manifest)
     write_text(os.path.join(shard_dir, MANIFEST), json.dumps(manifest.to_json(), indent=1, ensure_ascii=False))
 
 

@@ -15,6 +15,7 @@ import json
 import os
 
 from hvd_partialfc.atomic import write_text
+from hvd_partialfc.data import class_identity
 from hvd_partialfc.data.shards import MANIFEST, Manifest, ShardEntry, manifest_digest, read_manifest
 
 
@@ -33,6 +34,7 @@ def write_prefix_subset(src_dir: str, out_dir: str, num_shards: int) -> Manifest
                  class_names=list(src.class_names[:classes]),
                  source={"prefix_of": os.path.relpath(src_dir, out_dir), "prefix_shards": num_shards,
                          "source_shards": src.num_shards, "source_manifest_sha256": manifest_digest(src_dir)})
+    m.class_identity = class_identity.of_shard_set(out_dir, m)     # its classes', not the source's
     text = json.dumps(m.to_json(), indent=1, ensure_ascii=False) + "\n"
     path = os.path.join(out_dir, MANIFEST)
     if not (os.path.isfile(path) and open(path, encoding="utf-8").read() == text):

@@ -130,7 +130,7 @@ def tiny_bench(tmp_path_factory):
 def test_tiny_bench_counts_bytes_and_writes_table(tiny_bench):
     """Bytes per step as each mode sends them (rate 1): local exactly the backbone gradient (so whatever the
     class count), negatives that plus the whole slice's centres, replicated that plus the whole C x D
-    classifier gradient, global more than local, the limit nothing; memory within the estimator's figure."""
+    classifier gradient, global more than local, the limit nothing; memory within 10 % of the estimate."""
     by, out = tiny_bench
     assert set(m for m, _ in by) == {"limit", "local", "negatives", "global", "replicated"}
     loc = by["local", 1.0]
@@ -143,7 +143,10 @@ def test_tiny_bench_counts_bytes_and_writes_table(tiny_bench):
     assert by["replicated", 1.0]["bytes_per_step"] - loc["bytes_per_step"] == 4000 * 16 * 4
     assert by["limit", 1.0]["bytes_per_step"] == 0 and loc["vs_limit"] > 0
     ran = [p for p in by.values() if "skipped" not in p]
-    assert len(ran) == 9 and all(p["peak_rss"] > 0 and abs(p["estimate_err"]) < 1 for p in ran)
+    # the estimate within 10 % of the peak RSS, both ways (measured: -2.5 % ... +1.6 % over the 9 jobs, the
+    # runtime's ~238 MB most of it; |err| < 1 let through an estimate of a hundredth of the RSS, -99 %)
+    assert len(ran) == 9 and all(p["peak_rss"] > 0 and -0.10 < p["estimate_err"] < 0.10 for p in ran), \
+        [(p["mode"], p["sample_rate"], p["estimate_err"]) for p in ran]
     assert "| 16 | 4,000 | replicated |" in open(out / "bench.md").read()
 
 

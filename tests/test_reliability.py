@@ -200,7 +200,8 @@ def test_resume_after_sigkill_is_bitwise_with_random_streams_and_augmentation(st
 def test_resume_refuses_other_data_or_config_and_accepts_a_rebuild(streams, images, tmp_path, capsys):
     """Resume compares the data and the config with the checkpoint's, naming what differs: another shard set
     is refused (allowed with checkpoint.allow_other_data when its classes and ranges are the same, never
-    otherwise), so is a changed head.margin; the same input rebuilt from another folder (the manifest's bytes
+    otherwise: other images in classes of the same sizes, which could be these relabelled, are not the same
+    classes), so is a changed head.margin; the same input rebuilt from another folder (the manifest's bytes
     differ only in its provenance, source.path) is the same data and resumes (it was refused when the
     manifest's bytes were compared). Start-up checks, agreed by the ranks: run under ``simulate --ranks 2``
     in this process, on a copy of the SIGKILL test's resumed real run (step 16)."""
@@ -208,10 +209,17 @@ def test_resume_refuses_other_data_or_config_and_accepts_a_rebuild(streams, imag
     shutil.copytree(streams["resumed"], run)
     resume = STREAMS + ["checkpoint.resume=auto"]
     npz = os.path.join(os.path.dirname(images), "i.npz")
-    other = build_shards(make_image_npz(tmp_path / "o.npz", 12, 4, seed=4), tmp_path / "other", 2)
-    rc, text = simulate_here(capsys, 2, other, run, resume, steps=16)
+    with np.load(npz) as z, np.load(make_image_npz(tmp_path / "o.npz", 12, 4, seed=4)) as o:
+        rest = np.arange(len(z["labels"])) % 4 >= 2    # each class's first 2 images kept (FIRST_SAMPLES)
+        np.savez(tmp_path / "later.npz", images=np.where(rest[:, None, None], o["images"], z["images"]),
+                 labels=z["labels"])
+    later = build_shards(tmp_path / "later.npz", tmp_path / "later", 2)
+    rc, text = simulate_here(capsys, 2, later, run, resume, steps=16)
     assert rc != 0 and "shard set differs" in text
     assert "checkpoint.allow_other_data=true" in text   # same classes and ranges: the way on
+    other = build_shards(make_image_npz(tmp_path / "o.npz", 12, 4, seed=4), tmp_path / "other", 2)
+    rc, text = simulate_here(capsys, 2, other, run, resume + ["checkpoint.allow_other_data=true"], steps=16)
+    assert rc != 0 and "and so do its classes' first samples" in text   # never, whatever the flag
     fewer = build_shards(make_image_npz(tmp_path / "c.npz", 10, 4), tmp_path / "fewer", 2)
     rc, text = simulate_here(capsys, 2, fewer, run, resume + ["checkpoint.allow_other_data=true"], steps=16)
     assert rc != 0 and "classes 12 != 10" in text   # never, whatever the flag
@@ -228,7 +236,7 @@ def test_resume_refuses_other_data_or_config_and_accepts_a_rebuild(streams, imag
     rc, text = simulate_here(capsys, 2, rebuilt, run, resume, steps=18)
     assert rc == 0 and "resumed from" in text and load_ckpt(run)[0]["step"] == 18
     # other samples on the same classes: only with the flag, which says so
-    rc, text = simulate_here(capsys, 2, other, run, resume + ["checkpoint.allow_other_data=true"], steps=20)
+    rc, text = simulate_here(capsys, 2, later, run, resume + ["checkpoint.allow_other_data=true"], steps=20)
     assert rc == 0 and "going on with these samples" in text and load_ckpt(run)[0]["step"] == 20
 
 

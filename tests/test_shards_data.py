@@ -4,6 +4,7 @@ import os
 import re
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,38 @@ def test_content_digest_is_of_the_arrays_not_the_encoding(four_shards, tmp_path)
     with h5py.File(copy, "r+") as g:
         g["features"][3, 1] += 1
     assert sha256_content(copy) != sha256_content(src)
+
+
+def test_content_digest_sees_the_middle_of_every_encoded_sample(tmp_path):
+    # two encoded shards whose samples (3,000 bytes each) differ only in their middle byte: other digests (the
+    # repr of an array over 1,000 elements, which the digest hashed before, shows its first and last three)
+    from data_tools.shard_writer import write_shard
+    from hvd_partialfc.data.partition import LabelSlice
+    from hvd_partialfc.data.shards import sha256_content
+    blobs = [np.random.default_rng(k).integers(0, 256, 3000, dtype=np.uint8) for k in range(4)]
+    other = [b.copy() for b in blobs]
+    for b in other:
+        b[1500] ^= 1
+    paths = [str(tmp_path / f"{name}.h5") for name in ("a", "b")]
+    for path, samples in zip(paths, (blobs, other)):
+        write_shard(path, "encoded", samples, np.arange(4), LabelSlice(0, 0, 4), 1, sample_shape=[8, 8])
+    assert sha256_content(paths[0]) != sha256_content(paths[1])
+
+
+def test_content_digest_of_arrays_and_strings_is_the_one_recorded_before(tmp_path):
+    # raw images, labels, pairs, flags, variable-length strings: the digest the previous version gave (so the
+    # scale study's kept cells, which record it, still match their data)
+    from hvd_partialfc.data.shards import sha256_content
+    path = str(tmp_path / "p.h5")
+    i = np.arange(5 * 40 * 40, dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images", data=((i * 2654435761) % 251).astype(np.uint8).reshape(5, 40, 40))
+        f.create_dataset("labels", data=np.arange(5, dtype=np.int64) * 3)
+        f.create_dataset("pairs", data=np.arange(10, dtype=np.int64).reshape(5, 2))
+        f.create_dataset("same", data=np.arange(5) % 2 == 0)
+        f.create_dataset("names", data=[f"class {k} \u00fcn\u00ef" for k in range(1500)], dtype=h5py.string_dtype())
+        f.create_dataset("group/features", data=(np.arange(1200, dtype=np.float32) / 7).reshape(3, 400))
+    assert sha256_content(path) == "afcdf818ea91bbe9327696e84ddb0bc8e8a18db042c2cf438de5c76b76741ea0"
 
 
 INSPECT = ("copy the set again or rebuild it with `hvd-partialfc-shards build`; "

@@ -87,6 +87,7 @@ class Manifest:
     class_names: List[str] = field(default_factory=list)
     source: Dict[str, Any] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
+    class_identity: Dict[str, Any] = field(default_factory=dict)   # data.class_identity.of_shard_set
     format: str = FORMAT
     version: int = VERSION
 
@@ -102,7 +103,7 @@ class Manifest:
         return [s.label_slice(i) for i, s in enumerate(self.shards)]
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        d = {
             "format": self.format, "version": self.version, "num_classes": self.num_classes,
             "num_shards": self.num_shards, "num_samples": self.num_samples,
             "sample": {"kind": self.kind, "shape": list(self.sample_shape), "dtype": self.sample_dtype},
@@ -110,6 +111,9 @@ class Manifest:
             "shards": [vars(s) for s in self.shards],
             "class_names": self.class_names, "source": self.source, "skipped": self.skipped,
         }
+        if self.class_identity:     # sets built before it have none: their manifest reads back unchanged
+            d["class_identity"] = self.class_identity
+        return d
 
     @classmethod
     def from_json(cls, d: Dict[str, Any], where: str = MANIFEST) -> "Manifest":
@@ -126,7 +130,7 @@ class Manifest:
                     sample_shape=list(d["sample"]["shape"]), sample_dtype=d["sample"]["dtype"],
                     shards=[ShardEntry(**s) for s in d["shards"]], partition=d.get("partition", {}),
                     class_names=list(d.get("class_names", [])), source=d.get("source", {}),
-                    skipped=list(d.get("skipped", [])))
+                    skipped=list(d.get("skipped", [])), class_identity=dict(d.get("class_identity", {})))
         except (KeyError, TypeError, ValueError) as e:
             raise ShardError(f"{where}: malformed manifest ({type(e).__name__}: {e}); "
                              f"{_rebuild_hint(os.path.dirname(where) or '.')}") from e
@@ -166,11 +170,36 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
             h.update(b)
 
 
+def feed_values(h: Any, block: np.ndarray, arrays: bool) -> None:
+    """Feed ``block``'s values into ``h``, every byte of them. Fixed-size values: their bytes. Variable-length
+    arrays (``arrays``; an encoded image is one): each one's byte count, then its bytes. Variable-length
+    strings: the ``repr`` of their list, as digests recorded before kept them. Measured reason for the
+    arrays' rule: the repr of a numpy array over 1,000 elements shows its first and last three, so that
+    digest of an encoded sample saw three bytes at each end and its length, and two sets differing in the
+    middle of every image had the same digest (tests/test_shards_data.py)."""
+    if block.dtype.kind != "O":
+        h.update(np.ascontiguousarray(block).tobytes())
+    elif arrays:
+        for value in block.reshape(-1):
+            b = np.ascontiguousarray(value).tobytes()
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+    else:   # variable-length strings are object arrays: their values, not their pointers
+        h.update(repr(block.tolist()).encode())
+
+
+def is_vlen_array(dtype: np.dtype) -> bool:
+    """Whether an HDF5 dataset of ``dtype`` holds variable-length arrays (not strings)."""
+    base = h5py.check_vlen_dtype(dtype)
+    return base is not None and base not in (str, bytes)
+
+
 def sha256_content(path: str) -> str:
-    """sha256 of what an HDF5 file holds, not of its bytes: every dataset's name, dtype, shape and values,
-    in name order. Measured reason: the same ``cjk-20k`` build on two fresh machines gave other file bytes
-    (sha256_file) and the same samples (a study cell trained on each gave the same TAR to every digit;
-    docs/data.md §4.1): the HDF5 writer's encoding may change between machines, the arrays do not."""
+    """sha256 of what an HDF5 file holds, not of its bytes: every dataset's name, dtype, shape and values
+    (``feed_values``: every byte), in name order. Measured reason: the same ``cjk-20k`` build on two fresh
+    machines gave other file bytes (sha256_file) and the same samples (a study cell trained on each gave
+    the same TAR to every digit; docs/data.md §4.1): the HDF5 writer's encoding may change between
+    machines, the arrays do not."""
     h = hashlib.sha256()
     names: List[str] = []
     with h5py.File(path, "r") as f:
@@ -178,12 +207,12 @@ def sha256_content(path: str) -> str:
         for name in sorted(names):
             d = f[name]
             h.update(f"{name}|{d.dtype.str}|{d.shape}|".encode())
+            arrays = is_vlen_array(d.dtype)
             step = max(1, (1 << 26) // max(1, d.dtype.itemsize * int(np.prod(d.shape[1:], dtype=np.int64))))
+            if arrays:     # an itemsize is a pointer's: 1,024 samples a read, not 4 M (blocks change no digest)
+                step = 1024
             for i in range(0, d.shape[0] if d.shape else 1, step):
-                block = np.asarray(d[i:i + step] if d.shape else d[()])
-                # variable-length strings are object arrays: their values, not their pointers
-                h.update(repr(block.tolist()).encode() if block.dtype.kind == "O" else
-                         np.ascontiguousarray(block).tobytes())
+                feed_values(h, np.asarray(d[i:i + step] if d.shape else d[()]), arrays)
     return h.hexdigest()
 
 
@@ -195,16 +224,19 @@ def manifest_digest(shard_dir: str) -> str:
 # Manifest keys that say where a set came from, not what it holds: the input's path and the font files
 # (`source`), the inputs the build could not read (`skipped`).
 PROVENANCE_KEYS = ("source", "skipped")
+# Manifest keys computed from the shard files, which their sha256 already cover: left out of the data digest
+# with the provenance keys, so a set rebuilt with them still resumes the checkpoints of its build without.
+DERIVED_KEYS = ("class_identity",)
 
 
 def data_digest(manifest: Manifest) -> str:
     """sha256 of what a shard set holds, as its (already read) manifest records it: the sample spec, the
-    class names and every shard's file, label range, sample count and byte sha256; the provenance keys
-    left out. Checkpoints record it and resume compares it. Reason: the manifest's bytes
+    class names and every shard's file, label range, sample count and byte sha256; the provenance and
+    derived keys left out. Checkpoints record it and resume compares it. Reason: the manifest's bytes
     (`manifest_digest`) also changed when the same input was rebuilt from another folder
     (`source.path`), and such a set was refused on resume although every shard was byte-identical."""
     d = manifest.to_json()
-    for k in PROVENANCE_KEYS:
+    for k in PROVENANCE_KEYS + DERIVED_KEYS:
         d.pop(k, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, ensure_ascii=False,
                                      separators=(",", ":")).encode("utf-8")).hexdigest()

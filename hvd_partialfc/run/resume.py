@@ -7,7 +7,7 @@ the same world size; at another, the classifier rows re-sharded and the random s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
@@ -15,6 +15,7 @@ import torch
 from . import checkpoint as ckpt
 from .checkpoint_files import agree_on_resume, find_resume, read_meta, resolve_checkpoint
 from ..config import config_from_dict, diff_configs
+from ..data import class_identity
 from ..classifier.modes import get_mode
 from ..seeds import RESHARD_RESEED, derive_seed
 
@@ -36,12 +37,14 @@ RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
 @dataclass(frozen=True)
 class DataIdentity:
     """What resume compares of the shard set: its data digest (``shards.data_digest``), its manifest's
-    bytes (checkpoints written before the data digest existed), its class count and shards' label ranges."""
+    bytes (checkpoints written before the data digest existed), its class count and shards' label ranges,
+    and which classes they are (``class_identity.of_run``; compared when the samples may differ)."""
 
     data_sha256: str
     manifest_sha256: str
     num_classes: int
     shard_slices: tuple
+    classes: Dict[str, Any] = field(default_factory=dict)
 
 
 def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
@@ -87,7 +90,10 @@ def check_data(meta: Dict[str, Any], data: DataIdentity, allow_other_data: bool,
     holds; where it was built from may differ). Checkpoints written before it was recorded are compared
     by their manifest's bytes. Other samples on the same classes and shard label ranges are allowed with
     ``checkpoint.allow_other_data`` (cleaned or re-augmented data); other classes or ranges never are:
-    a rank's classifier rows would then belong to other classes."""
+    a rank's classifier rows would then belong to other classes. "The same classes" is the class count,
+    the label ranges and, where both record it, ``class_identity.compare``: the names, or where they are
+    only numbers, the per-class counts and first samples. What cannot be checked (a checkpoint or set from
+    before the identity was recorded) is said, and the run goes on as before."""
     key = "data_sha256" if "data_sha256" in meta else "manifest_sha256"
     now = data.data_sha256 if key == "data_sha256" else data.manifest_sha256
     if meta[key] == now:
@@ -98,10 +104,19 @@ def check_data(meta: Dict[str, Any], data: DataIdentity, allow_other_data: bool,
         raise ValueError(f"{what}, and so do its classes or shards' label ranges (classes "
                          f"{meta['num_classes']} != {data.num_classes}, {len(meta['shard_slices'])} "
                          f"!= {len(slices)} shards): the classifiers' rows would name other classes")
+    differ, unknown, cleaned = class_identity.compare(meta.get("class_identity", {}), data.classes)
+    if differ:
+        named = " (its class names are the labels 0 ... C-1, which name no class: counts and samples decide)" \
+            if data.classes.get("numeric_names") else ""
+        raise ValueError(f"{what}, and so do {' and '.join(differ)}{named}: the classifiers' rows would name "
+                         "other classes (checkpoint.allow_other_data cannot change that)")
     if not allow_other_data:
         raise ValueError(f"{what}; its classes and shards' label ranges are the same: to go on with "
                          "other samples, resume with checkpoint.allow_other_data=true")
-    log(f"resume: {what}: going on with these samples (checkpoint.allow_other_data)")
+    if unknown:
+        log(f"resume: warning: which classes the labels stand for cannot be checked: {'; '.join(unknown)}")
+    also = f" ({' and '.join(cleaned)} differ: a cleaned set)" if cleaned else ""
+    log(f"resume: {what}: going on with these samples{also} (checkpoint.allow_other_data)")
 
 
 def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[str, Any]:

@@ -18,6 +18,7 @@ import os
 import torch
 
 from . import checkpoint as ckpt
+from ..data import class_identity
 from ..data.augment import BatchAugment, parse_augment
 from ..config import ConfigError
 from ..data.device_decode import choose_decode
@@ -83,7 +84,8 @@ def _read_data(cfg, comm) -> RunData:
         raise ValueError(f"rank {comm.rank}: {len(dataset)} samples make fewer than one step of "
                          f"{cfg.optim.backward_passes_per_step} x {cfg.data.batch_size}")
     identity = DataIdentity(data_digest(manifest), manifest_digest(cfg.data.shards), manifest.num_classes,
-                            tuple((s.start, s.end) for s in manifest.shard_slices()))
+                            tuple((s.start, s.end) for s in manifest.shard_slices()),
+                            class_identity.of_run(manifest))
     return RunData(manifest, layout, dataset, identity, batches)
 
 
@@ -143,6 +145,7 @@ def start_trainer(cfg, comm) -> Trainer:
                 "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
                 "shard_samples": [s.num_samples for s in m.shards],   # re-sharding balances blocks by them
                 "manifest_sha256": data.identity.manifest_sha256, "data_sha256": data.identity.data_sha256,
+                "class_identity": data.identity.classes,
                 "config": cfg.to_dict()}
     checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
     # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
