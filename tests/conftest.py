@@ -133,6 +133,30 @@ def simulate_here(cfg, ranks, timeout=120):
     return box["result"]
 
 
+def simulate_cli(capsys, ranks, shards, out, sets=(), steps=20):
+    """``hvd-partialfc simulate --ranks N`` through the CLI in this process (start-up, resume and loop on N
+    virtual ranks; no launch): exit code and output (``capsys`` None: output not kept). Torch's threads and
+    the torch, numpy and Python random streams are put back."""
+    import random
+    import torch
+    from hvd_partialfc.cli import main
+    saved = (torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate())
+    if capsys:
+        capsys.readouterr()
+    argv = ["simulate", "--ranks", str(ranks), "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
+    for s in sets:
+        argv += ["--set", s]
+    try:
+        rc = main(argv)
+    finally:
+        torch.set_num_threads(saved[0])
+        torch.set_rng_state(saved[1])
+        np.random.set_state(saved[2])
+        random.setstate(saved[3])
+    text = capsys.readouterr() if capsys else None
+    return rc, text.out + text.err if text else ""
+
+
 def launch_cmd(launcher, np_):
     """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
     this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""

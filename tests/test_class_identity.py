@@ -4,14 +4,12 @@ ranges) let its classifier rows name other classes. Runs ``hvd-partialfc simulat
 process on 8 classes of 16-d features; every case resumes a copy of one 2-step run."""
 import json
 import os
-import random
 import shutil
 
 import numpy as np
 import pytest
-import torch
 
-from conftest import build_shards
+from conftest import build_shards, simulate_cli
 from hvd_partialfc.data import class_identity
 from hvd_partialfc.data.shards import MANIFEST, data_digest, read_manifest
 
@@ -33,23 +31,8 @@ def _npz(path, labels, shift_rest=0.0, names=None):
 
 
 def _run(capsys, shards, out, steps, sets=()):
-    """``simulate --ranks 2`` here; exit code and output (``capsys`` None: output not kept)."""
-    from hvd_partialfc.cli import main
-    saved = (torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate())
-    if capsys:
-        capsys.readouterr()
-    argv = ["simulate", "--ranks", "2", "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
-    for s in SETS + list(sets):
-        argv += ["--set", s]
-    try:
-        rc = main(argv)
-    finally:
-        torch.set_num_threads(saved[0])
-        torch.set_rng_state(saved[1])
-        np.random.set_state(saved[2])
-        random.setstate(saved[3])
-    text = capsys.readouterr() if capsys else None
-    return rc, text.out + text.err if text else ""
+    """``simulate --ranks 2`` here with this file's settings; exit code and output."""
+    return simulate_cli(capsys, 2, shards, out, SETS + list(sets), steps)
 
 
 @pytest.fixture(scope="module")

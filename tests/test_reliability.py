@@ -9,7 +9,6 @@ re-sharding to 1 rank and from a 4-rank source, going on after a re-shard, the r
 write) runs ``hvd-partialfc simulate`` in this process. Every multi-rank behaviour keeps a real launch."""
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from conftest import (MR, ROOT, build_shards, launch_cmd, launch_env, make_feature_npz, make_image_npz,
-                      read_json_lines, run_hvd, run_job)
+                      read_json_lines, run_hvd, run_job, simulate_cli)
 from hvd_partialfc.data.shards import data_digest, manifest_digest, read_manifest
 
 pytestmark = pytest.mark.multirank
@@ -68,23 +67,8 @@ def train(np_, shards, out, sets=(), steps=20, fault=None, check=True, timeout=1
 
 
 def simulate_here(capsys, ranks, shards, out, sets=(), steps=20):
-    """``hvd-partialfc simulate --ranks N`` in this process (the trainer's start-up, resume and loop on N
-    virtual ranks; no launch): exit code and output. Torch's threads and the random streams are put back."""
-    from hvd_partialfc.cli import main
-    saved = (torch.get_num_threads(), torch.get_rng_state(), np.random.get_state(), random.getstate())
-    capsys.readouterr()
-    argv = ["simulate", "--ranks", str(ranks), "--shards", str(shards), "--out", str(out), "--steps", str(steps)]
-    for s in list(BASE) + list(sets):
-        argv += ["--set", s]
-    try:
-        rc = main(argv)
-    finally:
-        torch.set_num_threads(saved[0])
-        torch.set_rng_state(saved[1])
-        np.random.set_state(saved[2])
-        random.setstate(saved[3])
-    text = capsys.readouterr()
-    return rc, text.out + text.err
+    """``hvd-partialfc simulate --ranks N`` in this process with this file's settings: exit code and output."""
+    return simulate_cli(capsys, ranks, shards, out, list(BASE) + list(sets), steps)
 
 
 def reshard_offline(src, world_size, out):
