@@ -19,7 +19,7 @@ PAGE = os.path.join("docs", "configuration.md")
 
 
 def key_rows(cfg_class: type = Config) -> List[Dict[str, str]]:
-    """One row per key: key, default, choices, help, see, resume ("free", "extends" or "")."""
+    """One row per key: key, default, choices, help, see, resume ("free", "extends" or "fixed")."""
     from .run.resume import RESUME_EXTEND_KEYS, RESUME_FREE_KEYS
     rows, missing = [], []
     for key, f in iter_keys(cfg_class):
@@ -34,7 +34,7 @@ def key_rows(cfg_class: type = Config) -> List[Dict[str, str]]:
         free = any(key == k or key.startswith(k + ".") for k in RESUME_FREE_KEYS)
         rows.append({"key": key, "default": json.dumps(default), "choices": " | ".join(meta.get("choices", ())),
                      "help": meta["help"], "see": see,
-                     "resume": "free" if free else "extends" if key in RESUME_EXTEND_KEYS else ""})
+                     "resume": "free" if free else "extends" if key in RESUME_EXTEND_KEYS else "fixed"})
     if missing:
         raise ConfigError(f"config keys without a one-line help: {', '.join(missing)}; declare each with "
                           "opt(default, help, choices=..., see=...) in hvd_partialfc/config.py")
@@ -59,10 +59,11 @@ def markdown(rows: List[Dict[str, str]]) -> str:
            "Generated from `hvd_partialfc/config.py` by `hvd-partialfc config --markdown docs/configuration.md`:",
            "do not edit by hand; `tests/test_config_docs.py` fails when this page and the code disagree.",
            "Set a key in the YAML file given to `--config`, or on the command line: `--set section.key=value`.",
-           "Resume-free keys may change when a run resumes; the others must match the checkpoint's.",
+           "On resume: `free` keys may change when a run resumes, `extends` ones may grow (the lr schedule is then",
+           "recomputed), `fixed` ones must match the checkpoint's (docs/reliability.md).",
            "Caveats and figures live in the page linked from each key.", ""]
     for sec, group in itertools.groupby(rows, key=lambda r: r["key"].split(".")[0] if "." in r["key"] else "run"):
-        out += [f"## {sec}", "", "| key | default | choices | what it does | resume | more |",
+        out += [f"## {sec}", "", "| key | default | choices | what it does | on resume | more |",
                 "|---|---|---|---|---|---|"]
         for r in group:
             target = r["see"][len("docs/"):]      # the page lives in docs/
