@@ -104,6 +104,13 @@ def test_shards_cli_mistakes_are_one_line(capsys, monkeypatch, tmp_path):
         "hvd-partialfc-shards inspect: error: ")
 
 
+def test_unknown_registry_names_say_did_you_mean(cli):
+    code, err = cli("estimate", "--classes", "1e6", "--world-size", 8, "--backbone", "iresnet5")
+    _one_line(code, err, "hvd-partialfc estimate: error: unknown backbone 'iresnet5'", "did you mean `iresnet50`?")
+    code, err = cli("estimate", "--classes", "1e6", "--world-size", 8, "--mode", "locl")
+    _one_line(code, err, "hvd-partialfc estimate: error: unknown classifier mode", "did you mean `local`?")
+
+
 def test_a_bug_keeps_its_traceback(cli, monkeypatch):
     """An error that is not a user's mistake is not turned into one line (before: any RuntimeError was)."""
     import hvd_partialfc.tools.export as export
