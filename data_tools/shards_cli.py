@@ -197,7 +197,8 @@ EXAMPLES = {
               "hvd-partialfc-shards build recordio ms1m-retinaface-t1/train --out shards/train --num-shards 64 "
               "--store encoded"],
     "assemble": ["hvd-partialfc-shards assemble shards/train      # after every --part K/M of the build"],
-    "inspect": ["hvd-partialfc-shards inspect shards/train", "hvd-partialfc-shards inspect shards/train --plot shards.png"],
+    "inspect": ["hvd-partialfc-shards inspect shards/train",
+                "hvd-partialfc-shards inspect shards/train --plot shards.png"],
     "pairs": ["hvd-partialfc-shards pairs data/fonts-gb2312-holdout --out pairs.h5 --num-pairs 6000 --seed 0",
               "hvd-partialfc-shards pairs val/lfw.bin --out lfw.h5"],
     "ijb": ["hvd-partialfc-shards ijb data/fonts-gb2312-holdout --out ijb-glyphs --name IJBC",

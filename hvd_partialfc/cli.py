@@ -197,7 +197,8 @@ def _config(args) -> int:
 
 
 EXAMPLES = {
-    "train": ["horovodrun -np 8 hvd-partialfc train --config configs/ms1mv3_r50.yaml --shards shards/train --out runs/r50",
+    "train": ["horovodrun -np 8 hvd-partialfc train --config configs/ms1mv3_r50.yaml --shards shards/train "
+              "--out runs/r50",
               "hvd-partialfc train --config configs/demo.yaml --shards data/fonts-gb2312 --out runs/demo --steps 100 "
               "--set optim.backbone_lr=0.05"],
     "simulate": ["hvd-partialfc simulate --ranks 64 --config configs/demo.yaml --shards data/fonts-gb2312 "

@@ -51,7 +51,8 @@ def add_debug(parser: argparse.ArgumentParser) -> None:
 
 def describe(err: BaseException) -> str:
     """The error's own text; an OSError as 'PATH: no such file or directory' instead of '[Errno 2] ...'."""
-    if isinstance(err, OSError) and err.strerror and err.filename is not None and type(err).__str__ is OSError.__str__:
+    plain = type(err).__str__ is OSError.__str__         # not a subclass with its own text
+    if isinstance(err, OSError) and plain and err.strerror and err.filename is not None:
         return f"{err.filename}: {err.strerror[0].lower()}{err.strerror[1:]}"
     return str(err)
 
@@ -85,10 +86,11 @@ def rank_error(err: BaseException, rank: int, size: int, args: argparse.Namespac
     """A trainer's error on ``rank`` of ``size``: its line, the traceback of a bug; returns the exit status.
 
     An agreed failure (RankFailure from an agreement point) is held alike by every rank, so only the
-    ``reporter`` (rank 0; simulate's one process) prints it: one report per job, not one per rank; when every rank failed with the same text
-    (a missing shard set, one config for all) that text alone is the line. Every rank still exits
-    non-zero. Exit 2 for a user's mistake found before training, 1 for a failure of the run itself
-    (non-finite gradients, a mid-training error), whose launcher then ends the other ranks.
+    ``reporter`` (rank 0; simulate's one process) prints it: one report per job, not one per rank; when
+    every rank failed with the same text (a missing shard set, one config for all) that text alone is the
+    line. Every rank still exits non-zero. Exit 2 for a user's mistake found before training, 1 for a
+    failure of the run itself (non-finite gradients, a mid-training error), whose launcher then ends the
+    other ranks.
     """
     from .config import ConfigError
     from .data.shards import ShardError
