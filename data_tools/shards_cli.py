@@ -219,9 +219,28 @@ def _ijb(args) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+EXAMPLES = {
+    "build": ["hvd-partialfc-shards build imagefolder faces/ --out shards/train --num-shards 64 --store encoded "
+              "--size 112",
+              "hvd-partialfc-shards build recordio ms1m-retinaface-t1/train --out shards/train --num-shards 64 "
+              "--store encoded"],
+    "assemble": ["hvd-partialfc-shards assemble shards/train      # after every --part K/M of the build"],
+    "inspect": ["hvd-partialfc-shards inspect shards/train",
+                "hvd-partialfc-shards inspect shards/train --plot shards.png"],
+    "pairs": ["hvd-partialfc-shards pairs data/fonts-gb2312-holdout --out pairs.h5 --num-pairs 6000 --seed 0",
+              "hvd-partialfc-shards pairs val/lfw.bin --out lfw.h5"],
+    "ijb": ["hvd-partialfc-shards ijb data/fonts-gb2312-holdout --out ijb-glyphs --name IJBC",
+            "hvd-partialfc eval --backbone runs/demo --ijb ijb-glyphs --ijb-name IJBC --ijb-no-flip"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hvd_partialfc.cli_support import finish_subcommands
     from .importers import list_importers
-    p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Examples:\n  " + EXAMPLES["build"][0] + "\n  " + EXAMPLES["inspect"][0]
+                                       + "\n  hvd-partialfc-shards SUBCOMMAND --help")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write a shard set from a source")
     b.add_argument("format", choices=list_importers())
@@ -297,16 +316,16 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument("--seed", type=int, default=0)
     j.add_argument("--overwrite", action="store_true")
     j.set_defaults(fn=_ijb)
+    finish_subcommands("hvd-partialfc-shards", sub, EXAMPLES)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except (ValueError, OSError) as err:
-        print(f"hvd-partialfc-shards {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
+    """A user's mistake (bad input: ValueError, a missing or unreadable file: OSError) is one line and exit 2;
+    --debug or HVD_PARTIALFC_DEBUG=1 adds its traceback; anything else is a bug and keeps its traceback."""
+    from hvd_partialfc.cli_support import run_command
+    args = build_parser().parse_args(argv)
+    return run_command("hvd-partialfc-shards", args, args.fn, (ValueError, OSError))
 
 
 if __name__ == "__main__":

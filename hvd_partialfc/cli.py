@@ -11,7 +11,10 @@
                          [--batch-size N] [--workers N] [--threads N] [--out DIR]   (docs/evaluation.md)
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
+    hvd-partialfc config --list | --markdown [PATH]     (every config key: docs/configuration.md)
     hvd-partialfc doctor [--engine E] [--out RUN] [--config FILE] [--shards DIR [--np N]]
+
+A user's mistake ends with one line and exit status 2; --debug or HVD_PARTIALFC_DEBUG=1 adds its traceback.
 """
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from typing import List, Optional
+
+from .cli_support import (debug_requested, finish_subcommands, offline_user_errors, rank_error, report,
+                          run_command)
 
 
 def _train_config(args):
@@ -44,17 +49,6 @@ def _train_config(args):
     return load_config(args.config, args.set or [], extra)
 
 
-def _expected_errors():
-    """The errors raised on purpose, which carry their explanation (anything else also gets its traceback)."""
-    from .run.checkpoint_files import CheckpointError
-    from .engine.base import RankFailure
-    from .config import ConfigError
-    from .data.shards import ShardError
-    from .run.step import NonFiniteError
-    from .verification.evaluator import EvaluationError
-    return (RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError)
-
-
 def _done_line(ckpt: str, final_eval_error) -> str:
     """The run's last line: its checkpoint, and a final evaluation that failed (eval.on_error=log) said there."""
     if final_eval_error is None:
@@ -74,18 +68,15 @@ def _train(args) -> int:
                             allow_host_allreduce=cfg.train.allow_host_allreduce)
     except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
-        print(f"hvd-partialfc train: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report("hvd-partialfc train", e, debug_requested(args))
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
     except Exception as e:
-        # Every rank reports with its rank number; the non-zero exit makes the launcher stop the others.
-        if not isinstance(e, _expected_errors()):
-            traceback.print_exc()
-        print(f"[rank {comm.rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
+        # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
+        # The non-zero exit makes the launcher stop the others.
+        return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
     finally:   # a goodbye before this process ends: its neighbour does not take it for a lost peer
         if heartbeat:
             heartbeat.stop()
@@ -107,10 +98,7 @@ def _simulate(args) -> int:
     try:
         result = simulate(cfg, args.ranks)
     except SimFailure as f:
-        if not isinstance(f.error, _expected_errors()):
-            traceback.print_exception(f.error)
-        print(f"[rank {f.rank}] error: {type(f.error).__name__}: {f.error}", file=sys.stderr, flush=True)
-        return 1
+        return rank_error(f.error, f.rank, args.ranks, args, reporter=True)
     if result.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
@@ -167,18 +155,14 @@ def _eval(args) -> int:
     ijb = IJBRequest(args.ijb, args.ijb_name, not args.ijb_no_flip, not args.no_norm_score, not args.no_detector_score,
                      args.workers) if args.ijb else None
     plain = PlainStateDict(args.model, tuple(args.in_shape), args.embedding_dim) if args.model else None
-    try:
-        report = evaluate_files(args.backbone, args.pairs or [], flip=args.flip, baselines=args.baselines,
-                                batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [],
-                                ijb=ijb, identification_dirs=args.identification or [], plain=plain)
-    except (OSError, ValueError) as err:      # a missing or unreadable backbone / pair file: say which, no traceback
-        print(f"hvd-partialfc eval: error: {err}", file=sys.stderr)
-        return 2
-    print(f"backbone {report['backbone']}  flip {'on' if args.flip else 'off'}")
-    for table in report["tables"]:
+    result = evaluate_files(args.backbone, args.pairs or [], flip=args.flip, baselines=args.baselines,
+                            batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [],
+                            ijb=ijb, identification_dirs=args.identification or [], plain=plain)
+    print(f"backbone {result['backbone']}  flip {'on' if args.flip else 'off'}")
+    for table in result["tables"]:
         print()
         print(table)
-    print("\nwrote " + " and ".join(f for f in report["files"].values() if f))
+    print("\nwrote " + " and ".join(f for f in result["files"].values() if f))
     return 0
 
 
@@ -207,6 +191,43 @@ def _estimate(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    """Every config key: a plain table (--list), or docs/configuration.md's markdown (--markdown [PATH])."""
+    from .config_docs import key_rows, plain_table, write_markdown
+    if args.list:
+        print(plain_table(key_rows()))
+        return 0
+    text = write_markdown(args.markdown)
+    if args.markdown == "-":
+        print(text, end="")
+    else:
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+EXAMPLES = {
+    "train": ["horovodrun -np 8 hvd-partialfc train --config configs/ms1mv3_r50.yaml --shards shards/train "
+              "--out runs/r50",
+              "hvd-partialfc train --config configs/demo.yaml --shards data/fonts-gb2312 --out runs/demo --steps 100 "
+              "--set optim.backbone_lr=0.05"],
+    "simulate": ["hvd-partialfc simulate --ranks 64 --config configs/demo.yaml --shards data/fonts-gb2312 "
+                 "--out runs/sim64 --steps 10"],
+    "export": ["hvd-partialfc export runs/r50 --out backbone.pt",
+               "hvd-partialfc export runs/r50 --onnx --out r50.onnx"],
+    "reshard": ["hvd-partialfc reshard runs/r50 --world-size 4 --out runs/r50-4ranks",
+                "horovodrun -np 4 hvd-partialfc train --config configs/ms1mv3_r50.yaml --shards shards/train "
+                "--out runs/r50 --resume runs/r50-4ranks"],
+    "upgrade": ["hvd-partialfc upgrade runs/old-run"],
+    "info": ["hvd-partialfc info runs/r50", "hvd-partialfc info runs/r50 --json"],
+    "eval": ["hvd-partialfc eval --backbone runs/r50 --pairs val/lfw.bin --pairs val/cfp_fp.bin --flip",
+             "hvd-partialfc eval --backbone runs/r50 --ijb IJB_release/IJBC --ijb-name IJBC"],
+    "bench": ["hvd-partialfc bench --classes 10000,100000 --dims 128 --modes local,global --np 2"],
+    "estimate": ["hvd-partialfc estimate --classes 1e6 --world-size 64 --dim 512 --batch 128 --backbone iresnet50"],
+    "config": ["hvd-partialfc config --list", "hvd-partialfc config --markdown docs/configuration.md"],
+    "doctor": ["hvd-partialfc doctor", "hvd-partialfc doctor --shards shards/train --np 64 --config configs/ms1mv3_r50.yaml"],
+}
+
+
 def _train_arguments(t) -> None:
     """The options of ``train`` (and ``simulate``)."""
     t.add_argument("--config", help="YAML config (sections: data, model, head, optim, train, checkpoint)")
@@ -226,8 +247,11 @@ def _train_arguments(t) -> None:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Examples:\n  " + "\n  ".join(EXAMPLES["train"][:1] + EXAMPLES["config"][:1])
+                                       + "\n  hvd-partialfc SUBCOMMAND --help")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train under torchrun, horovodrun or mpirun (or alone, as one rank; train.engine, docs/engines.md)")
     _train_arguments(t)
@@ -312,20 +336,29 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "0: no cap; default: training's head.negatives_pool)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=_estimate)
+    c = sub.add_parser("config", help="every config key, its default, choices and what it does "
+                                      "(docs/configuration.md)")
+    what = c.add_mutually_exclusive_group(required=True)
+    what.add_argument("--list", action="store_true", help="a plain table on stdout")
+    what.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
+                      help="write docs/configuration.md's page to PATH (stdout without PATH)")
+    c.set_defaults(fn=_config)
     from .tools.doctor import add_arguments as doctor_arguments, run_doctor
     d = sub.add_parser("doctor", help="what this machine has and lacks for a run (torch, GPUs, Horovod, "
                                       "torch.distributed, mpirun, fonts, run folder, a shard set); exit 1 when a "
                                       "requirement is missing")
     doctor_arguments(d)
     d.set_defaults(fn=run_doctor)
-    args = p.parse_args(argv)
-    try:
-        return args.fn(args)
-    except (ValueError, OSError, RuntimeError) as err:
-        if args.cmd in ("train", "simulate"):
-            raise
-        print(f"hvd-partialfc {args.cmd}: error: {err}", file=sys.stderr)
-        return 2
+    finish_subcommands("hvd-partialfc", sub, EXAMPLES)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd in ("train", "simulate"):     # before any rank starts: the config; the rest is rank_error's
+        from .config import ConfigError
+        return run_command("hvd-partialfc", args, args.fn, (ConfigError,))
+    return run_command("hvd-partialfc", args, args.fn, offline_user_errors())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """One config object: sectioned dataclasses, loaded from YAML, overridden by ``--set section.key=value``.
 
+Every key is declared with ``opt(default, help, choices=, see=)``: its one line of help, the choices
+validate() accepts and the docs page of its caveats travel with the field, so ``hvd-partialfc config --list``
+and docs/configuration.md (config_docs.py) are generated from here and cannot drift from the code.
 Plain data: validating it checks types, choices and ranges and imports nothing of the runtime. What names a
 registered component (``model.name``, ``head.mode``, ``head.loss``, ``data.augment``) is checked when the
 run's parts are built, against the registries, as an error agreed by every rank before the first step.
@@ -8,159 +11,181 @@ config is written into the run folder, and a checkpoint records it so resume can
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import yaml
 
 
+def opt(default: Any, help: str, choices: Sequence[str] = (), see: str = "") -> Any:
+    """A config key: its default; the one line that ``hvd-partialfc config --list`` and docs/configuration.md
+    show (``help``); the values validate() accepts (``choices``, its only list of them); the docs page that
+    holds its caveats and figures (``see``, ``docs/page.md#anchor``)."""
+    meta = {"help": help, "choices": tuple(choices), "see": see}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
 
 @dataclass
 class DataConfig:
-    shards: str = ""            # shard set directory (manifest.json + shard-*.h5)
-    batch_size: int = 128       # per rank, per backward pass
-    # DataLoader worker processes per rank (h5py is opened per worker); -1: the rank's cores minus one, at
-    # most 8 (data/loader.py resolve_workers; one worker-core decodes ~3,200 faces/s with flip, docs/data.md)
-    workers: int = 0
-    verify_sha256: bool = False  # hash every shard file before training (slow on big sets)
-    # training-time augmentation, applied in this order (hvd_partialfc/data/augment.py: flip, lowres, blur,
-    # jitter, gray; "name" or "name:key=value,..."). Empty: glyph classes change under a flip; faces: [flip]
-    augment: List[str] = field(default_factory=list)
-    # where encoded JPEG shards are decoded: cpu (PIL in the loader's workers) | gpu (nvJPEG on the training
-    # device, batched, flip there too; PNG, resized sets and CPU devices fall back to cpu: docs/gpu.md)
-    decode: str = "cpu"
-    # an encoded sample that cannot be decoded or is empty (a set built with --no-check, or damaged later):
-    # stop (the run ends naming it) | skip (the next decodable sample of its class stands in, named once in
-    # the log, counted in metrics.jsonl; data/bad_samples.py)
-    on_bad_sample: str = "stop"
-    # skip: the most distinct bad samples, over all ranks, before the run stops naming their shards (after
-    # the step's checkpoint; checked at log steps): a count (>= 1) or a fraction (< 1) of the set's samples;
-    # 0: no limit
-    max_bad_samples: float = 0.001
+    shards: str = opt("", "shard set directory (manifest.json + shard-*.h5); required",
+                      see="docs/data.md#1-shard-set-format-version-1")
+    batch_size: int = opt(128, "samples per rank per backward pass")
+    workers: int = opt(0, "DataLoader worker processes per rank; -1: the rank's cores minus one, at most 8",
+                       see="docs/gpu.md#workers-per-gpu")
+    verify_sha256: bool = opt(False, "hash every shard file against the manifest before training (slow on big sets)",
+                              see="docs/reliability.md#failures-every-rank-exits-fast-and-says-why")
+    augment: List[str] = opt([], "training-time augmentations in order: flip, lowres, blur, jitter, gray "
+                                 "(\"name\" or \"name:key=value,...\")", see="docs/data.md#71-dataaugment")
+    decode: str = opt("cpu", "where JPEG shards are decoded: PIL in the loader's workers, or nvJPEG on the GPU",
+                      choices=("cpu", "gpu"), see="docs/gpu.md#decoding-on-the-gpu")
+    on_bad_sample: str = opt("stop", "an encoded sample that cannot be decoded or is empty: stop naming it, or skip "
+                                     "(the next decodable sample of its class stands in, counted)",
+                             choices=("stop", "skip"),
+                             see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample")
+    max_bad_samples: float = opt(0.001, "with skip: the most distinct bad samples over all ranks before the run "
+                                        "stops naming their shards; a count (>= 1), a fraction (< 1), 0: no limit",
+                                 see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample")
 
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet"        # backbone registry name (models/)
-    embedding_dim: int = 128
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # extra backbone arguments (width, blocks, ...)
-    # recompute each block's activations in backward (less memory, ~1 more forward); same numbers, BatchNorm
-    # statistics updated once (models/recompute.py). iresnet* and mobilefacenet only
-    checkpoint_activations: bool = False
-    # BatchNorm statistics over all ranks' batches together (syncbn.py): what one process on the global
-    # batch computes, for small or class-homogeneous per-rank batches; two small blocking all-reduces per
-    # layer per step (forward and backward: 158 for iresnet50; docs/gpu.md)
-    sync_batchnorm: bool = False
-    # start the backbone from this file (an exported backbone or arcface_torch's backbone.pth); applied
-    # at a fresh start only, never over a checkpoint being resumed (pretrained.py)
-    init_backbone: str = ""
+    name: str = opt("resnet", "backbone registry name (mlp, resnet, resnet18, iresnet18..200, mobilefacenet)",
+                    see="docs/faces.md#backbones-arcface_torchs-weights-in-onnx-out")
+    embedding_dim: int = opt(128, "width of the embedding the classifier scores")
+    kwargs: Dict[str, Any] = opt({}, "extra backbone arguments (width, blocks, ...)")
+    checkpoint_activations: bool = opt(False, "recompute each block in backward: less memory, one more forward; "
+                                              "iresnet* and mobilefacenet only",
+                                       see="docs/faces.md#activation-checkpointing-modelcheckpoint_activationstrue")
+    sync_batchnorm: bool = opt(False, "BatchNorm statistics over every rank's batch (two all-reduces per layer "
+                                      "per step)", see="docs/gpu.md#sync-batchnorm")
+    init_backbone: str = opt("", "start the backbone from this file (exported, or arcface_torch's backbone.pth); "
+                                 "fresh starts only", see="docs/faces.md#starting-from-pretrained-weights---init-backbone")
 
 
 @dataclass
 class HeadConfig:
-    loss: str = "arcface"       # softmax | cosface | arcface
-    scale: float = 64.0         # s
-    margin: float = 0.5         # m (radians for arcface, cosine for cosface)
-    mode: str = "local"         # a registered mode (modes.py): local (the method) | global (exact model-parallel softmax) | replicated (DP)
-    sample_rate: float = 1.0    # global, local: fraction of the slice's centres scored per step (PartialFC); 1 = all
-    # local with sample_rate < 1, the classifier's step (rowsparse.py; docs/benchmarks.md has the choice):
-    # exact: the sampled rows' cost, the dense step's numbers (SGD) | lazy: unsampled rows wait (PLSC's sparse
-    # momentum; the only rule for AdamW) | dense: torch's step over every row (PartialFC v2's)
-    sampled_step: str = "exact"
-    # local mode: every K steps the ranks all-gather class centres, used as frozen negative columns
-    # (cross-shard negatives, docs/accuracy.md; 0: off). global / replicated already contrast all classes
-    # and do not use it. Defaults picked from the measurements there.
-    negatives_every: int = 50
-    negatives_share: int = 1024  # centres each rank shares per exchange, a random subset (0: its whole slice)
-    # the most centres all N ranks share together per exchange: a rank shares min(negatives_share,
-    # ceil(pool / N)), so what each rank receives (~pool rows) and holds stays constant as N grows instead of
-    # growing with N (0: no cap). 8192 = 1,024 a rank at N=8, where the default was measured; iresnet50:
-    # 0.11% of its gradient's traffic at any N (docs/accuracy.md, "At 64-256 ranks")
-    negatives_pool: int = 8192
-    # precision of the head's matrix products (run/speed.py): auto (tf32 on CUDA, fp32 elsewhere) | fp32 |
-    # tf32 (CUDA's TF32 units; CPU: fp32) | bf16 (bf16 operands, float32 sums). The softmax's sums stay
-    # float32 in every case (fp16 overflows past 65k columns). bf16's accuracy: docs/gpu.md
-    matmul: str = "auto"
+    loss: str = opt("arcface", "margin loss: softmax | cosface | arcface (a registry name)",
+                    see="docs/faces.md#arcface_torchs-config-keys-here")
+    scale: float = opt(64.0, "s, the logits' scale")
+    margin: float = opt(0.5, "m: radians for arcface, cosine for cosface")
+    mode: str = opt("local", "classifier mode: local (the method) | global (exact model-parallel softmax) | "
+                             "replicated (data parallel)", see="docs/accuracy.md#results")
+    sample_rate: float = opt(1.0, "global, local: fraction of the slice's centres scored per step (PartialFC); "
+                                  "1 = all",
+                             see="docs/accuracy.md#sampled-softmax-headsample_rate-in-local-against-r--1-and-partialfc")
+    sampled_step: str = opt("exact", "local with sample_rate < 1: the classifier's optimizer step (exact: dense "
+                                     "numbers at sampled cost; lazy: PLSC's; dense: PartialFC v2's)",
+                            choices=("exact", "lazy", "dense"),
+                            see="docs/benchmarks.md#sampled-softmax-partialfc-global-against-local-at-the-same-rates")
+    negatives_every: int = opt(50, "local: every K steps the ranks exchange class centres as frozen negatives "
+                                   "(cross-shard negatives; 0: off)",
+                               see="docs/accuracy.md#at-64256-ranks-the-study")
+    negatives_share: int = opt(1024, "local: centres each rank shares per exchange, a random subset (0: its whole "
+                                     "slice)",
+                               see="docs/accuracy.md#the-trade-off-interval-k-and-centres-shared-s-np8-422-classes-per-rank")
+    negatives_pool: int = opt(8192, "local: the most centres all ranks share together per exchange; a rank "
+                                    "shares min(share, ceil(pool / N)) (0: no cap)",
+                              see="docs/scaling.md#cross-shard-negatives-at-scale-why-the-default-shares-at-most-8192-centres-in-all")
+    matmul: str = opt("auto", "precision of the head's matrix products (auto: tf32 on CUDA, fp32 elsewhere); "
+                              "the softmax sums stay fp32", choices=("auto", "fp32", "tf32", "bf16"),
+                      see="docs/gpu.md#the-bf16-heads-accuracy")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "sgd"           # sgd | adamw, for both optimizers
-    backbone_lr: float = 0.1
-    classifier_lr: float = 0.1
-    backbone_momentum: float = 0.9
-    classifier_momentum: float = 0.9
-    backbone_weight_decay: float = 5e-4
-    classifier_weight_decay: float = 5e-4
-    schedule: str = "cosine"    # cosine | poly | constant (after warmup)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0   # final lr / peak lr
-    poly_power: float = 2.0
-    clip_grad_norm: float = 0.0  # > 0: clip the *averaged* backbone gradient to this norm
-    fp16_compression: bool = False   # Horovod fp16 compression of the backbone gradient allreduce
-    backward_passes_per_step: int = 1  # gradient accumulation; one allreduce per optimizer step
-    # local mode: the classifier's gradient is that of the mean loss over the *global* batch (scaled by
-    # 1/N: what np=1 and `global` mode compute, so classifier_lr means the same at any world size) or
-    # over the rank's own batch (N times larger at N ranks)
-    classifier_grad_mean: str = "global"  # global | local
+    name: str = opt("sgd", "optimizer of both the backbone and the classifier", choices=("sgd", "adamw"))
+    backbone_lr: float = opt(0.1, "backbone peak learning rate")
+    classifier_lr: float = opt(0.1, "classifier peak learning rate")
+    backbone_momentum: float = opt(0.9, "backbone momentum (sgd; adamw: beta1)")
+    classifier_momentum: float = opt(0.9, "classifier momentum (sgd; adamw: beta1)")
+    backbone_weight_decay: float = opt(5e-4, "backbone weight decay")
+    classifier_weight_decay: float = opt(5e-4, "classifier weight decay")
+    schedule: str = opt("cosine", "learning-rate schedule after warmup", choices=("cosine", "poly", "constant"))
+    warmup_steps: int = opt(0, "linear warmup steps")
+    min_lr_ratio: float = opt(0.0, "final lr / peak lr")
+    poly_power: float = opt(2.0, "exponent of the poly schedule")
+    clip_grad_norm: float = opt(0.0, "> 0: clip the averaged backbone gradient to this norm",
+                                see="docs/faces.md#arcface_torchs-config-keys-here")
+    fp16_compression: bool = opt(False, "Horovod: fp16 compression of the backbone gradient's allreduce",
+                                 see="docs/engines.md#same-numbers")
+    backward_passes_per_step: int = opt(1, "gradient accumulation: backward passes per optimizer step (one "
+                                           "allreduce)")
+    classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
+                                              "(lr means the same at any N) or the rank's own (N times larger)",
+                                    choices=("global", "local"), see="docs/accuracy.md#what-was-found-and-what-changed")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 0              # optimizer steps; 0: epochs x (min over ranks of steps per epoch)
-    epochs: float = 1.0
-    seed: int = 0
-    device: str = "auto"        # auto (a GPU if one is visible, else cpu) | cpu | cuda (docs/gpu.md: which GPU)
-    # allow ranks to share a GPU (tests, debugging; the torch engine's collectives then run over Gloo, and a
-    # Horovod built with NCCL fails); false: ranks on one GPU are an error at start-up (engine/device.py)
-    share_gpu: bool = False
-    precision: str = "fp32"     # fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)
-    # fp16: the loss scale doubles after this many finite steps in a row (halves at a non-finite one); 100 is
-    # arcface_torch's GradScaler(growth_interval=100), torch's default is 2000; runs before 2026-12-01: 1000
-    loss_scale_growth: int = 100
-    log_every: int = 10
-    on_nonfinite: str = "stop"  # stop | skip a step whose averaged backbone gradient is not finite
-    threads: int = 0            # torch intra-op threads per rank (0: cores / ranks on the host, on CPU)
-    # stop with an error after this many skipped steps in a row (fp16 loss-scale back-offs, on_nonfinite=
-    # skip, or one rank's non-finite classifier gradient); 0: never stop
-    max_consecutive_skips: int = 50
-    tensorboard: bool = False   # also write metrics.jsonl's scalars as TensorBoard events in OUT/tensorboard
-    engine: str = "auto"        # auto (torch under torchrun, else horovod) | horovod | torch (docs/engines.md)
-    # a rank that hears nothing from its ring neighbour for this many seconds (a cut link, a lost node)
-    # ends the job naming it, instead of waiting in a collective for Gloo's 30 minutes; 0: off
-    heartbeat_timeout: float = 20.0
-    cudnn_benchmark: bool = True   # CUDA: cuDNN picks its fastest convolution algorithms at the first step
-    # CUDA: backbone and image batches in channels_last (NHWC) layout, for Tensor Cores under fp16 / bf16.
-    # Also runs on CPU, where its numbers may differ from the default layout's in the last bits
-    channels_last: bool = False
-    # Horovod engine on CUDA with a Horovod built without NCCL: false stops at start-up (every gradient would
-    # go GPU -> host -> Gloo/MPI -> GPU, several times slower); true goes on at that speed (docs/gpu.md)
-    allow_host_allreduce: bool = False
+    steps: int = opt(0, "optimizer steps; 0: epochs x (min over ranks of steps per epoch)")
+    epochs: float = opt(1.0, "epochs, when train.steps is 0")
+    seed: int = opt(0, "seed of the model's initialisation and the data order")
+    device: str = opt("auto", "auto: a GPU if one is visible, else cpu", choices=("auto", "cpu", "cuda"),
+                      see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node")
+    share_gpu: bool = opt(False, "allow ranks to share a GPU (tests, debugging); false: an error at start-up",
+                          see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node")
+    precision: str = opt("fp32", "fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)",
+                         choices=("fp32", "bf16", "fp16"), see="docs/method.md#precision")
+    loss_scale_growth: int = opt(100, "fp16: the loss scale doubles after this many finite steps in a row",
+                                 see="docs/method.md#precision")
+    log_every: int = opt(10, "steps between log lines and metrics.jsonl rows",
+                         see="docs/data.md#73-is-the-run-loader-bound-logging")
+    on_nonfinite: str = opt("stop", "a step whose averaged backbone gradient is not finite: stop the run, or "
+                                    "skip the step on every rank", choices=("stop", "skip"),
+                            see="docs/reliability.md#steps-that-keep-being-skipped")
+    threads: int = opt(0, "torch intra-op threads per rank (0: the host's cores / its ranks, on CPU)",
+                       see="docs/engines.md#launching")
+    max_consecutive_skips: int = opt(50, "stop with an error after this many skipped steps in a row (0: never)",
+                                     see="docs/reliability.md#steps-that-keep-being-skipped")
+    tensorboard: bool = opt(False, "also write metrics.jsonl's scalars as TensorBoard events in OUT/tensorboard",
+                            see="docs/data.md#73-is-the-run-loader-bound-logging")
+    engine: str = opt("auto", "auto: torch under torchrun, else horovod", choices=("auto", "horovod", "torch"),
+                      see="docs/engines.md#choosing")
+    heartbeat_timeout: float = opt(20.0, "seconds of silence from a ring neighbour before the job ends naming it "
+                                         "(0: off)", see="docs/engines.md#failures")
+    cudnn_benchmark: bool = opt(True, "CUDA: cuDNN picks its fastest convolution algorithms at the first step",
+                                see="docs/gpu.md#the-keys")
+    channels_last: bool = opt(False, "channels_last (NHWC) backbone and batches, for Tensor Cores under fp16 / bf16",
+                              see="docs/gpu.md#the-keys")
+    allow_host_allreduce: bool = opt(False, "Horovod on CUDA without NCCL: go on through host memory (several "
+                                            "times slower) instead of stopping", see="docs/gpu.md#without-nccl")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0              # steps between checkpoints (0: only at the end)
-    keep: int = 2               # checkpoints kept (the final one always)
-    resume: str = ""            # "" | auto | path of a checkpoint folder
-    every_minutes: float = 0.0  # also checkpoint when this many minutes passed since the last one (0: off)
-    allow_other_data: bool = False  # resume on other samples of the same classes and shard label ranges
+    every: int = opt(0, "steps between checkpoints (0: only at the end)", see="docs/reliability.md#checkpoints")
+    keep: int = opt(2, "checkpoints kept (the final one always)", see="docs/reliability.md#checkpoints")
+    resume: str = opt("", "\"\" | auto | path of a checkpoint folder",
+                      see="docs/reliability.md#resume---resume-autopath-or---set-checkpointresume")
+    every_minutes: float = opt(0.0, "also checkpoint when this many minutes passed since the last one (0: off)",
+                               see="docs/reliability.md#preemption-and-time-limits")
+    allow_other_data: bool = opt(False, "resume on other samples of the same classes and shard label ranges",
+                                 see="docs/reliability.md#resume---resume-autopath-or---set-checkpointresume")
 
 
 @dataclass
 class EvalConfig:
-    pairs: List[str] = field(default_factory=list)  # verification sets (.h5 pair sets or LFW-style .bin)
-    every: int = 0              # evaluate every K steps on rank 0 (0: only at the end, if pairs are given)
-    flip: bool = False          # add the horizontal flip's embedding (faces: yes; glyphs: no)
-    batch_size: int = 256
-    on_error: str = "log"       # a failed evaluation (agreed): log (eval.jsonl, go on) | stop (after a checkpoint)
+    pairs: List[str] = opt([], "verification sets evaluated during training (.h5 pair sets or LFW-style .bin)",
+                           see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
+    every: int = opt(0, "evaluate every K steps on rank 0 (0: only at the end, if pairs are given)",
+                     see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
+    flip: bool = opt(False, "add the horizontal flip's embedding (faces: yes; glyphs: no)",
+                     see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
+    batch_size: int = opt(256, "evaluation batch size")
+    on_error: str = opt("log", "a failed evaluation (agreed across ranks): log it in eval.jsonl and go on, or stop "
+                               "after the step's checkpoint", choices=("log", "stop"),
+                        see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
 
 
 @dataclass
 class Config:
-    out: str = "runs/default"
+    out: str = opt("runs/default", "run folder: config, metrics, checkpoints", see="docs/reliability.md#checkpoints")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
@@ -170,19 +195,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
-        choices = {("optim", "name"): ("sgd", "adamw"), ("optim", "schedule"): ("cosine", "poly", "constant"),
-                   ("train", "device"): ("auto", "cpu", "cuda"), ("train", "precision"): ("fp32", "bf16", "fp16"),
-                   ("train", "on_nonfinite"): ("stop", "skip"),
-                   ("train", "engine"): ("auto", "horovod", "torch"),
-                   ("head", "sampled_step"): ("exact", "lazy", "dense"),
-                   ("head", "matmul"): ("auto", "fp32", "tf32", "bf16"),
-                   ("optim", "classifier_grad_mean"): ("global", "local"), ("data", "decode"): ("cpu", "gpu"),
-                   ("data", "on_bad_sample"): ("stop", "skip"),
-                   ("eval", "on_error"): ("log", "stop")}
-        for (sec, key), allowed in choices.items():
-            v = getattr(getattr(self, sec), key)
-            if v not in allowed:
-                raise ConfigError(f"{sec}.{key}={v!r}: expected one of {', '.join(allowed)}")
+        for key, f in iter_keys(self):
+            allowed, v = f.metadata.get("choices"), get_key(self, key)
+            if allowed and v not in allowed:
+                raise ConfigError(f"{key}={v!r}: expected one of {', '.join(allowed)}{did_you_mean(str(v), allowed)}")
         positive = [("data", "batch_size"), ("optim", "backward_passes_per_step"), ("train", "log_every"),
                     ("train", "loss_scale_growth")]
         for sec, key in positive:
@@ -194,7 +210,8 @@ class Config:
             raise ConfigError(f"data.max_bad_samples={self.data.max_bad_samples}: expected a count (>= 1), a "
                               f"fraction of the set's samples (< 1), or 0 (no limit)")
         if not self.data.shards:
-            raise ConfigError("data.shards is required (a shard set directory)")
+            raise ConfigError("data.shards is required: give --shards DIR, a shard set written by "
+                              "`hvd-partialfc-shards build`")
         if not 0.0 < self.head.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
         if min(self.head.negatives_every, self.head.negatives_share, self.head.negatives_pool) < 0:
@@ -215,7 +232,30 @@ class Config:
 
 
 class ConfigError(ValueError):
-    pass
+    """A mistake in the user's config: the CLI prints it as one line and exits 2."""
+
+
+def iter_keys(cfg: Any = None, prefix: str = "") -> Iterator[Tuple[str, dataclasses.Field]]:
+    """(dotted key, field) of every leaf key of a config class or object (default: Config), in order."""
+    cls = cfg if isinstance(cfg, type) else type(cfg) if cfg is not None else Config
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from iter_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def did_you_mean(word: str, options: Sequence[str], cutoff: float = 0.6) -> str:
+    """'; did you mean `x`?' for the closest of ``options`` (difflib's ratio >= cutoff), or ''."""
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=cutoff)
+    return f"; did you mean `{close[0]}`?" if close else ""
 
 
 def _check_type(path: str, value: Any, tp: Any) -> Any:
@@ -245,8 +285,11 @@ def _merge(obj: Any, updates: Dict[str, Any], prefix: str = "") -> None:
     for key, value in updates.items():
         path = f"{prefix}{key}"
         if key not in hints:
-            known = ", ".join(f.name for f in dataclasses.fields(obj))
-            raise ConfigError(f"unknown config key {path!r}; known here: {known}")
+            names = [f.name for f in dataclasses.fields(obj)]
+            near = did_you_mean(key, names).replace("`", "`" + prefix, 1) or did_you_mean(   # a key of another section
+                key, [k for k, _ in iter_keys() if k.rsplit(".", 1)[-1] == key], cutoff=0)
+            raise ConfigError(f"unknown config key {path!r}{near or '; known here: ' + ', '.join(names)}"
+                              " (`hvd-partialfc config --list` lists every key)")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -261,7 +304,10 @@ def parse_override(text: str) -> Dict[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set expects section.key=value, got {text!r}")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text}: the value is not valid YAML ({' '.join(str(e).split())})") from e
     out: Dict[str, Any] = {}
     node = out
     parts = key.strip().split(".")
@@ -271,13 +317,23 @@ def parse_override(text: str) -> Dict[str, Any]:
     return out
 
 
+def _read_yaml(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror}); give --config a YAML file "
+                          "such as configs/ms1mv3_r50.yaml") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from e
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = (),
                 extra: Optional[Dict[str, Any]] = None) -> Config:
     """Defaults <- YAML file <- ``extra`` (CLI shortcuts) <- ``--set`` overrides, then validated."""
     cfg = Config()
     if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        data = _read_yaml(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the config must be a mapping of sections")
         _merge(cfg, data)

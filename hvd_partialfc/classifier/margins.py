@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..config import did_you_mean
+
 _MARGINS: Dict[str, Callable[..., "MarginLoss"]] = {}
 
 
@@ -38,7 +40,7 @@ def list_losses():
 
 def create_margin(name: str, scale: float = 64.0, margin: float = 0.5) -> "MarginLoss":
     if name not in _MARGINS:
-        raise ValueError(f"unknown loss {name!r}; known: {', '.join(list_losses())}")
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(list_losses())}{did_you_mean(name, list_losses())}")
     return _MARGINS[name](scale=scale, margin=margin)
 
 

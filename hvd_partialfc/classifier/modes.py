@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from ..config import did_you_mean
 from .margins import LocalClassifier
 from .heads import GlobalSoftmaxHead, LocalHead, ReplicatedHead
 from .negatives import CrossShardNegativesHead
@@ -46,7 +47,8 @@ def list_modes():
 
 def get_mode(name: str) -> "ClassifierMode":
     if name not in _MODES:
-        raise ValueError(f"unknown classifier mode head.mode={name!r}; known: {', '.join(list_modes())}")
+        raise ValueError(f"unknown classifier mode head.mode={name!r}; known: {', '.join(list_modes())}"
+                         f"{did_you_mean(name, list_modes())}")
     return _MODES[name]
 
 

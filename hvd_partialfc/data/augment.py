@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import numpy as np
 from PIL import Image, ImageFilter
 
+from ..config import did_you_mean
 from ..seeds import AUGMENT, stream_entropy
 
 LUMA = np.array([0.299, 0.587, 0.114], np.float32)   # ITU-R BT.601, as PIL's convert("L")
@@ -127,7 +128,8 @@ def parse_augment(specs: Sequence[str], kind: str = "images") -> List[Tuple[str,
         name, _, rest = spec.partition(":")
         name = name.strip()
         if name not in AUGMENTATIONS:
-            raise ValueError(f"unknown augmentation {name!r}; known: {', '.join(AUGMENTATIONS)}")
+            raise ValueError(f"unknown augmentation {name!r}; known: {', '.join(AUGMENTATIONS)}"
+                             f"{did_you_mean(name, AUGMENTATIONS)}")
         fn, defaults, valid = AUGMENTATIONS[name]
         params = dict(defaults)
         for item in filter(None, (s.strip() for s in rest.split(","))):

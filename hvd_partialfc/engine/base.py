@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +25,14 @@ from ..digest import state_digest
 
 
 class RankFailure(RuntimeError):
-    """Raised on *every* rank when at least one rank reported an error in an agreement point."""
+    """Raised on *every* rank when at least one rank reported an error in an agreement point.
+
+    ``point`` names the agreement point and ``failures`` holds (rank, error text) of each failed rank, so
+    the CLI can print an agreed error once (rank 0) and in one line when every rank failed alike."""
+
+    def __init__(self, message: str, point: str = "", failures: Sequence[Tuple[int, str]] = ()):
+        super().__init__(message)
+        self.point, self.failures = point, list(failures)
 
 
 def backbone_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -75,7 +82,7 @@ class CommBase:
         failed = self.failures(error, name)
         if failed:
             lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
-            raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}")
+            raise RankFailure(f"{len(failed)} of {self.size} ranks failed at '{name}':\n{lines}", name, failed)
 
     def failures(self, error: Optional[str], name: str) -> List[Tuple[int, str]]:
         """Every rank's error of an agreement point, as ``(rank, message)`` (empty: all fine), the same list

@@ -5,6 +5,8 @@ from typing import Callable, Dict
 
 import torch.nn as nn
 
+from ..config import did_you_mean
+
 _MODELS: Dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -23,7 +25,7 @@ def list_models():
 
 def create_model(name: str, **kwargs) -> nn.Module:
     if name not in _MODELS:
-        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(list_models())}")
+        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(list_models())}{did_you_mean(name, list_models())}")
     return _MODELS[name](**kwargs)
 
 

@@ -170,6 +170,9 @@ def resolve_checkpoint(path: str) -> str:
         target = _read_latest(base)
         if target:
             return target
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such run or checkpoint folder; give the --out of a training run, or "
+                              f"one of its {CHECKPOINTS}/step-* folders")
     raise CheckpointError(f"{path}: no complete checkpoint (no meta.json, no {CHECKPOINTS}/{LATEST})")
 
 
