@@ -224,7 +224,8 @@ EXAMPLES = {
     "bench": ["hvd-partialfc bench --classes 10000,100000 --dims 128 --modes local,global --np 2"],
     "estimate": ["hvd-partialfc estimate --classes 1e6 --world-size 64 --dim 512 --batch 128 --backbone iresnet50"],
     "config": ["hvd-partialfc config --list", "hvd-partialfc config --markdown docs/configuration.md"],
-    "doctor": ["hvd-partialfc doctor", "hvd-partialfc doctor --shards shards/train --np 64 --config configs/ms1mv3_r50.yaml"],
+    "doctor": ["hvd-partialfc doctor --engine horovod --out runs/r50",
+               "hvd-partialfc doctor --shards shards/train --np 64 --config configs/ms1mv3_r50.yaml"],
 }
 
 
