@@ -358,7 +358,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("train", "simulate"):     # before any rank starts: the config; the rest is rank_error's
         from .config import ConfigError
-        return run_command("hvd-partialfc", args, args.fn, (ConfigError,))
+        from .engine.select import launcher_rank
+        # the config is the same on every rank: rank 0 reports its error, the others only exit 2
+        return run_command("hvd-partialfc", args, args.fn, (ConfigError,), quiet=launcher_rank(os.environ) != 0)
     return run_command("hvd-partialfc", args, args.fn, offline_user_errors())
 
 

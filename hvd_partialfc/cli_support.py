@@ -68,14 +68,18 @@ def report(prefix: str, err: BaseException, debug: bool) -> int:
 
 
 def run_command(prog: str, args: argparse.Namespace, fn: Callable[[argparse.Namespace], int],
-                user_errors: Sequence[Type[BaseException]]) -> int:
-    """``fn(args)``; a user's mistake becomes one line and exit 2, anything else propagates (traceback)."""
+                user_errors: Sequence[Type[BaseException]], quiet: bool = False) -> int:
+    """``fn(args)``; a user's mistake becomes one line and exit 2, anything else propagates (traceback).
+    ``quiet``: exit 2 without the line (a launched rank other than 0, whose config error rank 0 prints: every
+    rank reads the same config, so 64 ranks printed the same line 64 times)."""
     try:
         return fn(args)
     except BrokenPipeError:    # stdout closed early (`| head`): nothing wrong to report (Python's docs' recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except tuple(user_errors) as err:
+        if quiet and not debug_requested(args):
+            return EXIT_USER_ERROR
         return report(f"{prog} {args.cmd}", err, debug_requested(args))
 
 

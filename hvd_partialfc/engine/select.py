@@ -42,6 +42,15 @@ def detect_launcher(env: Mapping[str, str]) -> str:
     return "alone"
 
 
+def launcher_rank(env: Mapping[str, str]) -> int:
+    """This process's rank as its launcher set it (0 when alone): torchrun's ``RANK``, horovodrun's
+    ``HOROVOD_RANK``, MPI's / PMI's. Read before any engine starts, e.g. to report a config error once."""
+    for key in ("RANK", "HOROVOD_RANK", *_MPI):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 0
+
+
 def horovod_installed() -> bool:
     try:
         return importlib.util.find_spec("horovod") is not None
