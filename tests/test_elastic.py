@@ -79,8 +79,8 @@ def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(small_run_sha
 
 
 # Where network namespaces work (root), tests/test_twonode.py's lost node covers this case with real network
-# stacks (4 ranks -> 2, re-sharded, the loss going on from the checkpoint): this one-host version (19 s) is
-# the fallback for machines without them.
+# stacks (4 ranks -> 2, re-sharded, resumed from the 4-rank checkpoint at step >= 40): this one-host version
+# (19 s) is the fallback for machines without them.
 @pytest.mark.skipif(twonode.unavailable_reason() is None,
                     reason="covered by test_twonode.py's lost node (network namespaces work here)")
 def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_shards, tmp_path):
