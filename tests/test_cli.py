@@ -35,16 +35,6 @@ def test_a_config_typo_is_one_line_with_the_near_miss(tmp_path):
     assert debug.stderr.strip().splitlines()[-1] == p.stderr.strip()
 
 
-def test_a_config_typo_under_a_launcher_is_printed_by_rank_0_only(tmp_path):
-    """Every launched rank reads the same config: rank 0 prints the line, the others exit 2 silently."""
-    argv = ("train", "--shards", tmp_path, "--set", "optim.backbone_lrr=1")
-    for env in ({"RANK": "3", "WORLD_SIZE": "4"}, {"HOROVOD_RANK": "1"}, {"OMPI_COMM_WORLD_RANK": "2"}):
-        p = _cli(*argv, env=env)
-        assert p.returncode == 2 and p.stderr == "", (env, p.stderr)
-    _one_line(*(lambda q: (q.returncode, q.stderr))(_cli(*argv, env={"RANK": "0", "WORLD_SIZE": "4"})),
-              "hvd-partialfc train: error: unknown config key 'optim.backbone_lrr'")
-
-
 def test_a_missing_shard_set_is_one_line_naming_the_command(tmp_path):
     """Found by the rank at start-up and agreed (one rank here): the rank's own line, once."""
     p = _cli("train", "--shards", tmp_path / "nowhere", "--out", tmp_path / "run")
@@ -64,6 +54,22 @@ def cli(capsys, monkeypatch):
     from hvd_partialfc.cli import main
     monkeypatch.delenv("HVD_PARTIALFC_DEBUG", raising=False)
     return lambda *args: _here(capsys, main, *args)
+
+
+def test_a_config_typo_under_a_launcher_is_printed_by_rank_0_only(cli, monkeypatch, tmp_path):
+    """Every launched rank reads the same config: rank 0 prints the line, the others exit 2 silently."""
+    argv = ("train", "--shards", tmp_path, "--set", "optim.backbone_lrr=1")
+    for env in ({"RANK": "3", "WORLD_SIZE": "4"}, {"HOROVOD_RANK": "1"}, {"OMPI_COMM_WORLD_RANK": "2"},
+                {"RANK": "0", "WORLD_SIZE": "4"}):
+        for key in ("RANK", "WORLD_SIZE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        code, err = cli(*argv)
+        if env.get("RANK") == "0":
+            _one_line(code, err, "hvd-partialfc train: error: unknown config key 'optim.backbone_lrr'")
+        else:
+            assert code == 2 and err == "", (env, err)
 
 
 @pytest.mark.parametrize("args,words", [
