@@ -110,6 +110,7 @@ def run_items(spec, scenario) -> None:
     """Start the launcher's engine once, then each item of ``spec`` in order: ``{"train": ...}`` through
     ``cli.main``, ``{"scenario": NAME}`` as ``scenario(NAME, comm, OUT/NAME)`` (also tests/mr/checkpoints_launch.py)."""
     comm = start_engine("auto", os.environ)
+    shutdown = type(comm).shutdown
     type(comm).shutdown = lambda self: None          # the next item uses the same engine
     for item in spec["items"]:
         name = item.get("scenario") or item["train"]
@@ -124,6 +125,10 @@ def run_items(spec, scenario) -> None:
             print(f"[rank {comm.rank}] {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             os._exit(1)
         open(os.path.join(out, f"done-rank-{comm.rank}"), "w").close()
+    # the engine ends here, not in the interpreter's exit: a torch process group left to the exit's
+    # teardown aborted rank 0 once in four suites ("terminate called without an active exception", SIGABRT
+    # after every item had passed)
+    shutdown(comm)
 
 
 if __name__ == "__main__":
