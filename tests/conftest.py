@@ -167,6 +167,13 @@ def horovodrun():
     return [sys.executable, os.path.join(MR, "horovodrun.py")]
 
 
+def horovodrun_env():
+    """The environment for a tool that starts horovodrun itself (``hvd-partialfc bench``): its
+    ``HVD_PARTIALFC_HOROVODRUN`` set to horovodrun() and the build answers with it."""
+    import shlex
+    return dict(os.environ, HVD_PARTIALFC_HOROVODRUN=shlex.join(horovodrun()))
+
+
 def launch_cmd(launcher, np_):
     """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
     this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""

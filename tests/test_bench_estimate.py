@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, ROOT
+from conftest import BIN, ROOT, horovodrun_env
 from hvd_partialfc.tools.estimate import estimate
 
 BB = {"params": 1000, "activation_bytes": 0}
@@ -111,7 +111,7 @@ def _tiny_bench(out, *args):
     cmd = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--dims", "16", "--batch", "8", "--steps", "1",
            "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(out),
            "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600, env=horovodrun_env())
     return json.load(open(os.path.join(out, "bench.json")))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,11 +41,17 @@ def worker_args(a, mode: str, engine: str, classes: int, dim: int, job: str, rat
     return args
 
 
+HOROVODRUN_ENV = "HVD_PARTIALFC_HOROVODRUN"
+
+
 def launcher_command(engine: str, np: int) -> List[str]:
-    """The command that starts ``np`` ranks of ``python -m WORKER ...`` under ``engine``'s launcher."""
+    """The command that starts ``np`` ranks of ``python -m WORKER ...`` under ``engine``'s launcher: for Horovod,
+    the ``horovodrun`` beside this Python, or the command in ``HVD_PARTIALFC_HOROVODRUN`` (a site's wrapper;
+    the tests' tests/mr/horovodrun.py)."""
     bin_dir = os.path.dirname(sys.executable)
     if engine == "horovod":
-        return [os.path.join(bin_dir, "horovodrun"), "-np", str(np), "--gloo", sys.executable, "-m", WORKER]
+        hvdrun = shlex.split(os.environ.get(HOROVODRUN_ENV, "")) or [os.path.join(bin_dir, "horovodrun")]
+        return [*hvdrun, "-np", str(np), "--gloo", sys.executable, "-m", WORKER]
     if engine == "torch":
         return [os.path.join(bin_dir, "torchrun"), "--nproc-per-node", str(np), "--standalone", "-m", WORKER]
     raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
