@@ -104,6 +104,14 @@ def nccl_version() -> int:
     return int(hvd.nccl_built())
 
 
+def build_info() -> Dict[str, Any]:
+    """What this Horovod was built with (``hvd-partialfc doctor``): its version, its controllers (Gloo, MPI)
+    and NCCL's version code (0: no GPU operations). Not a collective; needs no init."""
+    import horovod
+    return {"version": horovod.__version__, "gloo": bool(hvd.gloo_built()), "mpi": bool(hvd.mpi_built()),
+            "nccl": nccl_version()}
+
+
 def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1).
 

@@ -14,10 +14,10 @@ Exit status: 1 when a requirement of the engine in use is missing (``--engine``,
 else torch), when the run folder is not writable, or when the shard set is missing or does not fit N; a
 missing optional engine, ``mpirun``, fonts or GPUs (on a CPU run) are notes, exit 0.
 
-Horovod is read through its Python API (``horovod.torch.gloo_built()``, ``mpi_built()``, ``nccl_built()``),
-not ``horovodrun --check-build``, which starts a process per framework: 9.8 s of CPU measured on the
-project's shared 2-core machine (43.7 s wall at a load of 10), against 0.1 s for the import once torch is
-loaded (torch's own import is ~2 s of doctor's whole run).
+Horovod is read through its Python API (``engine/horovod.py`` ``build_info``: ``gloo_built()``,
+``mpi_built()``, ``nccl_built()``), not ``horovodrun --check-build``, which starts a process per framework:
+9.8 s of CPU measured on the project's shared 2-core machine (43.7 s wall at a load of 10), against 0.1 s for
+the import once torch is loaded (torch's own import is ~2 s of doctor's whole run).
 """
 from __future__ import annotations
 
@@ -69,18 +69,18 @@ def check_horovod(in_use: bool, gpu: bool, allow_host_allreduce: bool) -> List[C
     """Horovod's build through its Python API. Missing parts fail only when Horovod is the engine in use."""
     need = FAIL if in_use else NOTE
     try:
-        import horovod
-        import horovod.torch as hvd
+        from ..engine.horovod import build_info   # the one module that imports Horovod
+        info = build_info()
     except Exception as e:   # noqa: BLE001 - not installed, blocked, or its extension does not load
         why = "optional: the torch engine (torchrun) needs none" if not in_use else "the engine in use"
         return [Check(need, f"Horovod: not importable ({type(e).__name__}: {str(e).splitlines()[0][:80]}); {why}",
                       f"{INSTALL} (builds it) or pip install '.[horovod]'")]
-    controllers = [n for n, built in (("Gloo", hvd.gloo_built()), ("MPI", hvd.mpi_built())) if built]
+    controllers = [n for n, key in (("Gloo", "gloo"), ("MPI", "mpi")) if info[key]]
     checks = [Check(OK if controllers else need,
-                    f"Horovod {horovod.__version__}: frameworks PyTorch; controllers "
+                    f"Horovod {info['version']}: frameworks PyTorch; controllers "
                     f"{', '.join(controllers) or 'none'}",
                     "" if controllers else f"rebuild it: {INSTALL} (HOROVOD_WITH_GLOO=1)")]
-    nccl = hvd.nccl_built()
+    nccl = info["nccl"]
     if nccl:
         checks.append(Check(OK, f"Horovod GPU operations: NCCL {nccl}"))
     elif gpu and not allow_host_allreduce:
