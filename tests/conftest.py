@@ -174,6 +174,18 @@ def horovodrun_env():
     return dict(os.environ, HVD_PARTIALFC_HOROVODRUN=shlex.join(horovodrun()))
 
 
+# The first lines of a script run as ``python -c``: every import of horovod fails, as on an install without it
+# (``launch/install.sh --no-horovod``).
+BLOCK_HOROVOD = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "horovod" or name.startswith("horovod."):
+            raise ImportError("horovod is blocked in this test")
+sys.meta_path.insert(0, Block())
+"""
+
+
 def launch_cmd(launcher, np_):
     """The start of a command that runs ``-m MODULE ...`` or ``SCRIPT ...`` on ``np_`` ranks: ``torchrun`` (on
     this host), or ``horovodrun`` with ``gloo`` (the default) or ``mpi``."""

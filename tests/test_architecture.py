@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, launch_env
+from conftest import BLOCK_HOROVOD, ROOT, launch_env
 
 FEATURES = os.path.join(ROOT, "tests", "fixtures", "pins", "data", "features")
 SMALL = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=16",
@@ -56,13 +56,7 @@ def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
     assert bb["optimizer"]["state"], "the backbone was stepped"
 
 
-NO_HOROVOD = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "horovod" or name.startswith("horovod."):
-            raise ImportError("horovod is blocked in this test")
-sys.meta_path.insert(0, Block())
+NO_HOROVOD = BLOCK_HOROVOD + """
 from hvd_partialfc.cli import main
 from hvd_partialfc.tools.bench import main as bench_main
 args = sys.argv[1:]

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, launch_env
+from conftest import BLOCK_HOROVOD, ROOT, launch_env
 
 FEATURES = os.path.join(ROOT, "tests", "fixtures", "pins", "data", "features")   # 2 shards, 40 classes
 SMALL = ["--set", "model.name=mlp", "--set", "model.embedding_dim=16"]
@@ -54,13 +54,7 @@ def test_unwritable_run_folder_exits_1(capsys, tmp_path):
     assert rc == 1 and "cannot write" in _line(out, "FAIL  run folder"), out
 
 
-BLOCKED = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name == "horovod" or name.startswith("horovod."):
-            raise ImportError("horovod is blocked in this test")
-sys.meta_path.insert(0, Block())
+BLOCKED = BLOCK_HOROVOD + """
 from hvd_partialfc.cli import main
 for argv in (["doctor", "--out", sys.argv[1]], ["doctor", "--engine", "horovod", "--out", sys.argv[1]]):
     print("rc", main(argv), flush=True)
