@@ -140,13 +140,13 @@ class Checkpointer:
         atomic.fsync_dir(self.base)
         return newer
 
-    def save(self, step: int, state: TrainingState, total_steps: int) -> str:
+    def save(self, step: int, state: TrainingState, length) -> str:
         """Average the BatchNorm statistics (they differ per rank: the saved backbone must be every rank's),
         then `write` (a collective)."""
         self.comm.average_buffers(state.backbone, name=f"ckpt.{step}")
-        return self.write(step, state, total_steps)
+        return self.write(step, state, length)
 
-    def write(self, step: int, state: TrainingState, total_steps: int) -> str:
+    def write(self, step: int, state: TrainingState, length) -> str:
         """Write the checkpoint of ``step`` (a collective), the buffers averaged already (the trainer averages
         them once a step for its checkpoint and its evaluation: averaging again is not the identity at a
         world size that is not a power of two, so the run would go on with other buffers than it saved).
@@ -172,7 +172,7 @@ class Checkpointer:
         faults.pause("pause-in-ckpt", step, comm.rank)
         if comm.is_main:
             try:
-                meta = self._meta(step, state, total_steps, digests, identical)
+                meta = self._meta(step, state, length, digests, identical)
                 atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
                 atomic.fsync_dir(partial)
                 if identical:
@@ -212,9 +212,11 @@ class Checkpointer:
                 f"checkpoint and {LATEST} are untouched: make room (or move the run folder) and resume with "
                 "--resume auto") from None
 
-    def _meta(self, step: int, state: TrainingState, total_steps: int, digests: List[str],
+    def _meta(self, step: int, state: TrainingState, length, digests: List[str],
               identical: bool) -> Dict[str, Any]:
-        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "total_steps": total_steps,
+        """``length``: the run's ``progress.RunLength`` (its step count and samples, kept as ``length``)."""
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "total_steps": length.total_steps,
+                "length": length.record(step),
                 "world_size": state.world_size, "slices": [list(s) for s in state.slices],
                 "classifier_files": [classifier_file(r, state.world_size) for r in range(state.world_size)],
                 "model": state.model_args, "replicated": state.replicated}

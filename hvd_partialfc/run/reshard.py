@@ -123,6 +123,18 @@ def _shard_samples(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_d
     return [s.num_samples for s in manifest.shards]
 
 
+def _legacy_length(ckpt_dir: str, meta: Dict[str, Any], shard_dir: Optional[str]) -> Optional[Dict[str, Any]]:
+    """``progress.legacy_record`` of a checkpoint without ``length``, written at its own world size; None when
+    its shards' sample counts are nowhere (resume then reads it from ``resharded_from``)."""
+    from .progress import legacy_record
+    try:
+        counts = meta.get("shard_samples") or _shard_samples(
+            ckpt_dir, meta, meta["world_size"], shard_dir or meta.get("config", {}).get("data", {}).get("shards"))
+    except CheckpointError:
+        return None
+    return legacy_record(meta, counts)
+
+
 def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[str] = None) -> str:
     """Write a copy of checkpoint ``src`` for ``world_size`` ranks (``hvd-partialfc reshard``).
 
@@ -164,6 +176,8 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
                      "counters": {}})
         atomic.torch_save(rows, os.path.join(tmp, classifier_file(s.index, world_size)))
     new = dict(meta)
+    if "length" not in meta:   # a checkpoint from before its run length was kept: its world size is known here
+        new["length"] = _legacy_length(src, meta, shard_dir)
     new.update({"world_size": world_size, "slices": [[s.start, s.end] for s in slices],
                 "classifier_files": [classifier_file(r, world_size) for r in range(world_size)],
                 "digests": [digest] * world_size, "resharded_from": meta["world_size"]})

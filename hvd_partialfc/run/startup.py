@@ -18,6 +18,7 @@ import os
 import torch
 
 from . import checkpoint as ckpt
+from . import progress
 from ..data import class_identity
 from ..data.augment import BatchAugment, parse_augment
 from ..config import ConfigError
@@ -102,6 +103,16 @@ def _init_backbone(cfg, comm, parts) -> None:
     comm.agree(error, name="init_backbone")
 
 
+def _length_record(resumed_from, manifest):
+    """The resumed checkpoint's run length (progress.py), or None for a fresh start; a checkpoint from
+    before it was recorded is read as one segment at its world size."""
+    if resumed_from is None:
+        return None
+    meta = resumed_from["meta"]
+    return meta.get("length") or progress.legacy_record(
+        meta, meta.get("shard_samples") or [s.num_samples for s in manifest.shards])
+
+
 def start_trainer(cfg, comm) -> Trainer:
     """Build this rank's run and agree on it with the other ranks (see the module's docstring)."""
     device = pick_device(cfg, comm)
@@ -133,14 +144,15 @@ def start_trainer(cfg, comm) -> Trainer:
     # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
     comm.broadcast_module(parts.backbone, name="backbone.init")
     comm.check_identical(parts.backbone, name="start")
-    steps_per_epoch = data.local_batches // cfg.optim.backward_passes_per_step
-    min_spe = int(comm.allreduce_scalar(steps_per_epoch, "min", name="steps_per_epoch"))
-    total_steps = cfg.train.steps or max(1, int(cfg.train.epochs * min_spe))
+    passes = cfg.optim.backward_passes_per_step
+    min_spe = int(comm.allreduce_scalar(data.local_batches // passes, "min", name="steps_per_epoch"))
+    m = data.manifest
+    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
+    length = progress.plan(cfg, comm.size, min_spe, start_step, _length_record(resumed_from, m), log=say)
     loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed,
                             resolve_workers(cfg.data.workers, comm.local_size),
-                            start=start_step * cfg.optim.backward_passes_per_step,
+                            start=length.loader_start(start_step, data.local_batches, passes),
                             pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode)
-    m = data.manifest
     run_info = {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
                 "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
                 "shard_samples": [s.num_samples for s in m.shards],   # re-sharding balances blocks by them
@@ -150,5 +162,5 @@ def start_trainer(cfg, comm) -> Trainer:
     checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
     # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
     checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
-    step = Step(cfg, comm, parts, device, m.kind, total_steps)
+    step = Step(cfg, comm, parts, device, m.kind, length)
     return Trainer(cfg, comm, parts, step, data, loader, checkpointer, evaluator, start_step, resumed_from)

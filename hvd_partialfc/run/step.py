@@ -15,11 +15,12 @@ import math
 import time
 from contextlib import nullcontext
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
 
 from ..data.loader import prepare_batch
+from .progress import RunLength
 from ..classifier.rowsparse import grad_values
 
 
@@ -59,8 +60,9 @@ class SkippedStepsError(NonFiniteError):
     """Too many steps in a row skipped (``train.max_consecutive_skips``): the run is no longer training."""
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float, power: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``step`` (0-based): linear warmup, then decay."""
+def lr_factor(step: float, total: float, warmup: int, schedule: str, min_ratio: float, power: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based; a schedule position, fractional after a
+    resume at another world size: progress.py) of ``total``: linear warmup, then decay."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -74,22 +76,26 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 
 
 class Step:
-    """The step of ``parts`` (parts.py) on batches of a shard set of ``kind``, for a run of ``total_steps``.
+    """The step of ``parts`` (parts.py) on batches of a shard set of ``kind``, for a run of ``length``
+    (progress.RunLength; an int: that many steps at one world size).
 
     ``on_phase(name)``, if given, is called at the step's phase boundaries ("sync0" before the gradient
     average, "sync1" after it): the benchmark times the phases with it.
     """
 
-    def __init__(self, cfg, comm, parts, device: torch.device, kind: str, total_steps: int,
+    def __init__(self, cfg, comm, parts, device: torch.device, kind: str, length: Union[int, RunLength],
                  on_phase: Optional[Callable[[str], None]] = None):
         self.cfg, self.comm, self.parts, self.device, self.kind = cfg, comm, parts, device, kind
-        self.total_steps = total_steps
+        self.length = RunLength.fixed(length) if isinstance(length, int) else length
+        self.total_steps = self.length.total_steps
         self.on_phase = on_phase or (lambda name: None)
         self.channels_last = bool(cfg.train.channels_last) and kind in ("images", "encoded")
 
     def set_lr(self, step: int) -> float:
         o = self.cfg.optim
-        f = lr_factor(step, self.total_steps, o.warmup_steps, o.schedule, o.min_lr_ratio, o.poly_power)
+        # by the samples consumed (progress.py): at the run's first world size exactly (step, total_steps)
+        f = lr_factor(self.length.position(step), self.length.schedule_total, o.warmup_steps, o.schedule,
+                      o.min_lr_ratio, o.poly_power)
         for opt, peak in ((self.parts.backbone_opt, o.backbone_lr), (self.parts.head_opt, o.classifier_lr)):
             for g in opt.param_groups:
                 # lr_from: the classifier's group names its peak lr (it sits in backbone_opt when averaged)

@@ -227,8 +227,8 @@ class Trainer:
         the buffers first unless ``averaged`` (by `average_buffers`, this step)."""
         state = self.parts.training_state(self.layout, self.comm.rank)
         if averaged:
-            return self.checkpointer.write(step, state, self.total_steps)
-        return self.checkpointer.save(step, state, self.total_steps)
+            return self.checkpointer.write(step, state, self.step.length)
+        return self.checkpointer.save(step, state, self.step.length)
 
     def final_evaluation_failed(self) -> Optional[str]:
         """The reason the evaluation of the last step failed (on_error=log), else None: the run's last line says it."""
