@@ -59,6 +59,8 @@ def _done_line(ckpt: str, final_eval_error) -> str:
 
 def _train(args) -> int:
     cfg = _train_config(args)
+    from .run.resume import check_restarts_resume
+    check_restarts_resume(cfg.checkpoint.resume, os.environ)   # a ConfigError: one line, exit 2
     from .engine.heartbeat import Heartbeat
     from .engine.select import start_engine
     from .run.startup import start_trainer

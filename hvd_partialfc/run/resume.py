@@ -8,13 +8,13 @@ the same world size; at another, the classifier rows re-sharded and the random s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
 from . import checkpoint as ckpt
 from .checkpoint_files import agree_on_resume, find_resume, read_meta, resolve_checkpoint
-from ..config import config_from_dict, diff_configs
+from ..config import ConfigError, config_from_dict, diff_configs
 from ..data import class_identity
 from ..classifier.modes import get_mode
 from ..seeds import RESHARD_RESEED, derive_seed
@@ -131,6 +131,32 @@ def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[s
     if not meta["rng_restored"]:  # another world size: streams cannot be mapped, re-seed them
         torch.manual_seed(derive_seed(cfg.train.seed, comm.rank, meta["step"], RESHARD_RESEED))
     return {"path": path, "step": meta["step"], "world_size": meta["world_size"], "meta": meta}
+
+
+def restarts_of(environ: Mapping[str, str]) -> Optional[str]:
+    """The launcher that may restart this process's job, in words (torchrun with ``--max-restarts`` > 0, a
+    torchrun worker already restarted, or launch/horovod_restarts.py), else None."""
+    for var, what in (("TORCHELASTIC_MAX_RESTARTS", "torchrun --max-restarts {}"),
+                      ("TORCHELASTIC_RESTART_COUNT", "torchrun (this worker is restart {})")):
+        value = environ.get(var, "0")
+        if value.isdigit() and int(value) > 0:
+            return what.format(value)
+    if "HVD_PARTIALFC_RESTART_COUNT" in environ:
+        return "launch/horovod_restarts.py"
+    return None
+
+
+def check_restarts_resume(resume_from: str, environ: Mapping[str, str]) -> None:
+    """ConfigError unless a job that its launcher may restart resumes its latest checkpoint
+    (``checkpoint.resume: auto``). Otherwise a restart starts again from ``checkpoint.resume`` (step 0 when
+    unset) and sets every newer checkpoint of the run aside: the run loses everything since it began. Checked
+    at start-up, the first attempt included, so the mistake costs seconds, not a restart's progress."""
+    launcher = restarts_of(environ)
+    if launcher and resume_from != "auto":
+        what = f"checkpoint.resume={resume_from}" if resume_from else "checkpoint.resume unset"
+        raise ConfigError(f"{what} under {launcher}: a restart would start again from "
+                          f"{resume_from or 'step 0'} and set the run's newer checkpoints aside; use --resume auto "
+                          "(a fresh start the first time, the run's latest checkpoint at every restart)")
 
 
 def resume(cfg, comm, parts, layout, data: DataIdentity) -> Optional[Dict[str, Any]]:
