@@ -1,23 +1,27 @@
 #!/usr/bin/env python
-"""Two "nodes" on one machine, each with its own network stack, for multi-node tests of torchrun,
-horovodrun and mpirun jobs (tests/test_twonode.py).
+"""Two or more "nodes" on one machine, each with its own network stack, for multi-node tests of torchrun,
+horovodrun and mpirun jobs (tests/test_twonode.py) and the chaos run (launch/chaos.py).
 
-    with TwoNodes(suffix="-t1") as nodes:                # namespaces hpfc-n1-t1 / hpfc-n2-t1
+    with TwoNodes(suffix="-t1") as nodes:                # namespaces hpfc-n1-t1, hpfc-n2-t1, switch hpfc-sw-t1
         p = nodes.popen(2, nodes.torchrun_argv(2, ["job.py"], port=29500), env=nodes.launch_env(2))
         nodes.cut(); nodes.restore(); nodes.kill_node(2)
+    with Nodes(3, suffix="-t2") as nodes:                # node1 .. node3; cut(node=3) partitions node 3
+        ...
 
-    python launch/twonode.py [--suffix=S] up|down       # set up / tear down, for poking by hand
-    python launch/twonode.py [--suffix=S] exec N -- CMD  # run CMD in node N of a pair set up by `up`
+    python launch/twonode.py [--suffix=S] [--nodes N] up   # set up, for poking by hand
+    python launch/twonode.py [--suffix=S] exec N -- CMD    # run CMD in node N of a set up by `up`
+    python launch/twonode.py [--suffix=S] down             # tear it down
 
 Choices, and why:
 
-* Network namespaces joined by one veth pair, not containers or VMs: root plus iproute2 is all it needs,
-  set-up takes ~0.16 s and teardown ~0.02 s (measured, loaded 2-core box), and both nodes share the file system and venv (the jobs' scripts and
-  outputs, like a cluster's shared file system). The pair is created straight into the two namespaces
-  (``ip link add IF netns A type veth peer name IF netns B``), so both ends carry the same name (``hpfc0``,
-  like a cluster's uniform NIC name, which the *_IFNAME variables need) and nothing touches the root
-  namespace: parallel pairs (``suffix``) may even reuse the subnet. Each node has only ``lo`` and ``hpfc0``,
-  so a layer that picks the wrong interface fails across nodes instead of silently working.
+* Network namespaces on a switch, not containers or VMs: root plus iproute2 is all it needs, set-up takes
+  ~0.2 s and teardown ~0.02 s (measured, loaded 2-core box), and the nodes share the file system and venv
+  (the jobs' scripts and outputs, like a cluster's shared file system). The switch is a bridge in a
+  namespace of its own; each node's veth pair is created straight into the node and the switch
+  (``ip link add IF netns NODE type veth peer name pN netns SWITCH``), so every node's end carries the same
+  name (``hpfc0``, like a cluster's uniform NIC name, which the *_IFNAME variables need) and nothing touches
+  the root namespace: parallel sets (``suffix``) may even reuse the subnet. Each node has only ``lo`` and
+  ``hpfc0``, so a layer that picks the wrong interface fails across nodes instead of silently working.
 * Per-node hostnames need a UTS namespace; ``ip netns exec`` gives none (and ignores
   /etc/netns/NS/hostname), so every command runs as ``ip netns exec NS unshare --uts sh -c 'hostname
   nodeN && exec "$@"'``: each launch gets a fresh UTS namespace with the same name (nothing to keep alive;
@@ -28,11 +32,14 @@ Choices, and why:
   the state dir put first on PATH), for horovodrun. It finds a host's namespace in HPFC_NETNS_HOSTS
   (``ALIAS=NS:HOSTNAME`` entries), set in launch_env() and baked into the wrapper; it keeps the caller's
   environment (see the script).
-* cut() sets the veth down (node 2's end, or both): a partition with no RST/FIN, like a pulled cable or a
-  dead switch: connected peers block in recv until their own timeouts (test (d): a gloo allreduce loop
-  stalls and nothing exits within 10 s). kill_node() SIGKILLs every process in a namespace (``ip netns
-  pids``), like a crash of the processes: node 2's kernel lives on and closes their sockets, so peers get
+* cut(node=N) sets node N's end of its link down (and the switch's with both=True): a partition with no
+  RST/FIN, like a pulled cable: connected peers block in recv until their own timeouts (a gloo allreduce
+  loop stalls and nothing exits within 10 s). kill_node() SIGKILLs every process in a namespace (``ip netns
+  pids``), like a crash of the processes: the node's kernel lives on and closes their sockets, so peers get
   EOF/RST at once. A machine that dies silently is cut() then kill_node() (and no restore()).
+* The state dir (the ``ssh`` wrapper every launch runs as root) is a private ``mkdtemp`` folder, the wrapper
+  created 0700 without following links; the command line keeps its path under /etc/netns (root's) for
+  ``exec`` and ``down``. It was a fixed /tmp path, which another user could have prepared.
 * Teardown kills every process in both namespaces before deleting them (a deleted namespace lives on
   while any process holds it), removes /etc/netns/NS and the state dir; it is idempotent. A crashed run
   (SIGKILL, no __exit__) is cleaned up by the next set-up: a stale pair of the same names, and any pair
@@ -99,11 +106,12 @@ def owner_suffix() -> str:
 
 
 def sweep_stale(prefix: str = "hpfc") -> List[str]:
-    """Tear down the pairs left by crashed runs: namespaces ``PREFIX-nN-p<PID>`` whose PID is gone (their
-    processes killed, /etc/netns folders and state dirs removed). The namespaces deleted."""
+    """Tear down the node sets left by crashed runs: namespaces ``PREFIX-nN-p<PID>`` and ``PREFIX-sw-p<PID>``
+    whose PID is gone (their processes killed, /etc/netns folders and state dirs removed). The namespaces
+    deleted."""
     gone = []
     for ns in _sh("ip", "netns", "list", check=False).stdout.split():
-        m = re.fullmatch(re.escape(prefix) + r"-n[12]-p(\d+)", ns)
+        m = re.fullmatch(re.escape(prefix) + r"-(?:n\d+|sw)-p(\d+)", ns)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
                 try:
@@ -118,25 +126,31 @@ def sweep_stale(prefix: str = "hpfc") -> List[str]:
     return gone
 
 
-class TwoNodes:
-    """Two network-namespace nodes joined by a veth pair. A context manager: set up on enter, torn down on
-    exit (also on an exception); ``setup()``/``teardown()`` for other uses."""
+class Nodes:
+    """``count`` network-namespace nodes (node1 ... nodeN) on one switch. A context manager: set up on enter,
+    torn down on exit (also on an exception); ``setup()``/``teardown()`` for other uses."""
 
-    def __init__(self, suffix: str = "", subnet: str = "10.77.0.0/24", ifname: str = "hpfc0",
-                 prefix: str = "hpfc", hostnames: Sequence[str] = ("node1", "node2"),
-                 state_dir: Optional[str] = None):
-        self.suffix, self.ifname = suffix, ifname
+    def __init__(self, count: int = 2, suffix: str = "", subnet: str = "10.77.0.0/24", ifname: str = "hpfc0",
+                 prefix: str = "hpfc", hostnames: Optional[Sequence[str]] = None, state_dir: Optional[str] = None):
+        if not 2 <= count <= 9:
+            raise ValueError(f"2 to 9 nodes, not {count}")
+        self.count, self.suffix, self.ifname = count, suffix, ifname
         self.net = ipaddress.ip_network(subnet if "/" in subnet else subnet.rstrip(".") + ".0/24")
-        self.prefix, self.names = prefix, [f"{prefix}-n{i}{suffix}" for i in (1, 2)]
-        for n in self.names:
+        self.prefix, self.names = prefix, [f"{prefix}-n{i}{suffix}" for i in self.node_ids]
+        self.switch = f"{prefix}-sw{suffix}"
+        for n in self.names + [self.switch]:
             if len(n) > 64 or "/" in n or " " in n:
                 raise ValueError(f"bad namespace name {n!r}")
-        self.hostnames = list(hostnames)
+        self.hostnames = list(hostnames or [f"node{i}" for i in self.node_ids])
         self._state_dir_arg = state_dir
         self.state_dir: Optional[str] = None
         self.up = False
 
     # -- identity ---------------------------------------------------------------------------------------
+    @property
+    def node_ids(self) -> List[int]:
+        return list(range(1, self.count + 1))
+
     def ns(self, node: int) -> str:
         return self.names[self._i(node)]
 
@@ -147,15 +161,15 @@ class TwoNodes:
         return str(self.net.network_address + self._i(node) + 1)
 
     def _i(self, node: int) -> int:
-        if node not in (1, 2):
-            raise ValueError(f"node is 1 or 2, not {node!r}")
+        if node not in self.node_ids:
+            raise ValueError(f"node is one of {self.node_ids}, not {node!r}")
         return node - 1
 
     @property
     def hosts_map(self) -> str:
         """HPFC_NETNS_HOSTS for launch/netns_rsh: name and address of each node -> NAMESPACE:HOSTNAME."""
         return " ".join(f"{alias}={self.ns(n)}:{self.hostname(n)}"
-                        for n in (1, 2) for alias in (self.hostname(n), self.addr(n)))
+                        for n in self.node_ids for alias in (self.hostname(n), self.addr(n)))
 
     @property
     def bin_dir(self) -> str:
@@ -164,23 +178,29 @@ class TwoNodes:
         return os.path.join(self.state_dir, "bin")
 
     # -- set-up / teardown ------------------------------------------------------------------------------
-    def setup(self) -> "TwoNodes":
+    def setup(self) -> "Nodes":
         reason = unavailable_reason()
         if reason:
             raise Unavailable(reason)
-        self.teardown(force=True)                          # a stale pair of the same names (a crashed run)
+        self.teardown(force=True)                          # a stale set of the same names (a crashed run)
         sweep_stale(self.prefix)                            # and of other runs' owner_suffix() names
         try:
-            for n in self.names:
+            for n in [self.switch] + self.names:
                 p = _sh("ip", "netns", "add", n, check=False)
                 if p.returncode != 0:
                     raise Unavailable(f"`ip netns add {n}` failed: {p.stderr.strip()}")
-            a, b = self.names
-            _sh("ip", "link", "add", self.ifname, "netns", a, "type", "veth", "peer", "name", self.ifname,
-                "netns", b)
-            hosts = "127.0.0.1 localhost\n" + "".join(f"{self.addr(n)} {self.hostname(n)}\n" for n in (1, 2))
-            for node in (1, 2):
-                ns = self.ns(node)
+            p = _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge", check=False)
+            if p.returncode != 0:
+                raise Unavailable(f"`ip link add br0 type bridge` failed: {p.stderr.strip()}")
+            _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            hosts = "127.0.0.1 localhost\n" + "".join(f"{self.addr(n)} {self.hostname(n)}\n" for n in self.node_ids)
+            for node in self.node_ids:
+                ns, port = self.ns(node), f"p{node}"
+                # the node's end is named ifname in the node (uniform NIC name), its switch end p<node>
+                _sh("ip", "link", "add", self.ifname, "netns", ns, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+                _sh("ip", "-n", self.switch, "link", "set", port, "up")
                 _sh("ip", "-n", ns, "addr", "add", f"{self.addr(node)}/{self.net.prefixlen}", "dev", self.ifname)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
                 _sh("ip", "-n", ns, "link", "set", self.ifname, "up")
@@ -188,16 +208,17 @@ class TwoNodes:
                 with open(f"/etc/netns/{ns}/hosts", "w") as f:
                     f.write(hosts)
             self._wait_up()
-            p = _sh("ip", "netns", "exec", a, "unshare", "--uts", "true", check=False)
+            p = _sh("ip", "netns", "exec", self.ns(1), "unshare", "--uts", "true", check=False)
             if p.returncode != 0:
                 raise Unavailable(f"`unshare --uts` failed: {p.stderr.strip()}")
+            # a private folder (0700, an unguessable name): the ssh wrapper in it runs as root in every node
             self.state_dir = self._state_dir_arg or tempfile.mkdtemp(prefix=f"hpfc-twonode{self.suffix}-")
-            os.makedirs(self.bin_dir, exist_ok=True)
+            os.makedirs(self.bin_dir, mode=0o700, exist_ok=True)
             ssh = os.path.join(self.bin_dir, "ssh")
-            with open(ssh, "w") as f:
+            fd = os.open(ssh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o700)
+            with os.fdopen(fd, "w") as f:
                 f.write(f"#!/bin/sh\nHPFC_NETNS_HOSTS='{self.hosts_map}'\nexport HPFC_NETNS_HOSTS\n"
                         f"exec '{RSH}' \"$@\"\n")
-            os.chmod(ssh, 0o755)
             self.up = True
             return self
         except BaseException:
@@ -205,20 +226,22 @@ class TwoNodes:
             raise
 
     def teardown(self, force: bool = False) -> None:
-        """Kill everything in both namespaces, delete them, their /etc/netns folders and the state dir.
-        Idempotent; errors are ignored (it runs on the way out of a failure)."""
+        """Kill everything in every node, delete the namespaces (the switch's too), their /etc/netns folders
+        and the state dir. Idempotent; errors are ignored (it runs on the way out of a failure)."""
         listed = _sh("ip", "netns", "list", check=False).stdout.split() if shutil.which("ip") else []
-        for node in (1, 2):
+        for node in self.node_ids:
             ns = self.ns(node)
             if ns in listed:
                 self.kill_node(node)
                 _sh("ip", "netns", "del", ns, check=False)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        if self.switch in listed:
+            _sh("ip", "netns", "del", self.switch, check=False)
         if self.state_dir and not self._state_dir_arg:
             shutil.rmtree(self.state_dir, ignore_errors=True)
         self.state_dir, self.up = None, False
 
-    def __enter__(self) -> "TwoNodes":
+    def __enter__(self) -> "Nodes":
         return self.setup()
 
     def __exit__(self, *exc) -> None:
@@ -272,22 +295,27 @@ class TwoNodes:
         return killed
 
     # -- faults -----------------------------------------------------------------------------------------
-    def cut(self, both: bool = False) -> None:
-        """Partition: set node 2's end of the link down (both ends with ``both``). No RST, no FIN."""
-        for node in ((1, 2) if both else (2,)):
-            _sh("ip", "-n", self.ns(node), "link", "set", self.ifname, "down")
+    def cut(self, both: bool = False, node: Optional[int] = None) -> None:
+        """Partition ``node`` (default: the last) from the others: its end of the link goes down (and the
+        switch's end with ``both``). No RST, no FIN."""
+        node = self.node_ids[-1] if node is None else node
+        _sh("ip", "-n", self.ns(node), "link", "set", self.ifname, "down")
+        if both:
+            _sh("ip", "-n", self.switch, "link", "set", f"p{node}", "down")
 
     def restore(self) -> None:
-        for node in (1, 2):
+        """Every link up again."""
+        for node in self.node_ids:
             _sh("ip", "-n", self.ns(node), "link", "set", self.ifname, "up")
+            _sh("ip", "-n", self.switch, "link", "set", f"p{node}", "up")
         self._wait_up()
 
     def _wait_up(self, timeout: float = 5.0) -> None:
-        """Until both ends report operstate UP (a veth reports DOWN for a few ms after `link set up`)."""
+        """Until every node's end reports operstate UP (a veth reports DOWN for a few ms after `link set up`)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(" UP " in _sh("ip", "-n", self.ns(n), "-br", "link", "show", self.ifname).stdout
-                   for n in (1, 2)):
+                   for n in self.node_ids):
                 return
             time.sleep(0.02)
         raise RuntimeError(f"{self.ifname} not up after {timeout} s")
@@ -309,36 +337,45 @@ class TwoNodes:
         return e
 
     def torchrun_argv(self, node: int, script_argv: Sequence[str], nproc: int = 2, port: int = 29400,
-                      rdzv_id: str = "hpfc-twonode", extra: Sequence[str] = (), rdzv_conf: str = "") -> List[str]:
-        """torchrun for ``node`` of a 2-node c10d rendezvous hosted on node 1 (is_host set explicitly:
-        the hostname heuristic would do, but an explicit flag also makes node 2 never try to host)."""
-        return [os.path.join(BIN, "torchrun"), "--nnodes", "2", "--nproc-per-node", str(nproc),
+                      rdzv_id: str = "hpfc-twonode", extra: Sequence[str] = (), rdzv_conf: str = "",
+                      nnodes: Optional[str] = None) -> List[str]:
+        """torchrun for ``node`` of a c10d rendezvous hosted on node 1 (is_host set explicitly: the hostname
+        heuristic would do, but an explicit flag also makes the other nodes never try to host); ``nnodes``
+        defaults to every node (an ``--nnodes`` in ``extra`` comes later and wins)."""
+        return [os.path.join(BIN, "torchrun"), "--nnodes", nnodes or str(self.count), "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.addr(1)}:{port}", "--rdzv-id", rdzv_id,
-                "--rdzv-conf", f"is_host={int(node == 1)}" + (f",{rdzv_conf}" if rdzv_conf else ""), "--local-addr", self.addr(node), *extra,
-                *map(str, script_argv)]
+                "--rdzv-conf", f"is_host={int(node == 1)}" + (f",{rdzv_conf}" if rdzv_conf else ""),
+                "--local-addr", self.addr(node), *extra, *map(str, script_argv)]
 
     def mpirun_argv(self, argv: Sequence[str], slots: int = 2,
                     export: Sequence[str] = ("PATH", "PYTHONPATH", "PYTHONUNBUFFERED", "HPFC_NETNS_HOSTS",
                                              *IFACE_VARS),
                     env: Optional[Dict[str, str]] = None, extra: Sequence[str] = ()) -> List[str]:
-        """Open MPI's mpirun over both nodes (run it inside node 1, with launch_env(1)); ``-x`` for each
+        """Open MPI's mpirun over every node (run it inside node 1, with launch_env(1)); ``-x`` for each
         name in ``export`` (only those set in ``env``, when given: mpirun warns about unset ones)."""
         x = [a for k in export if env is None or k in env for a in ("-x", k)]
-        return ["mpirun", "--allow-run-as-root", "-np", str(2 * slots),
-                "--host", f"{self.hostname(1)}:{slots},{self.hostname(2)}:{slots}",
+        return ["mpirun", "--allow-run-as-root", "-np", str(self.count * slots),
+                "--host", ",".join(f"{self.hostname(n)}:{slots}" for n in self.node_ids),
                 "--mca", "plm_rsh_agent", RSH, "--mca", "btl_tcp_if_include", self.ifname,
                 "--mca", "oob_tcp_if_include", self.ifname, "--bind-to", "none", *x, *extra, *map(str, argv)]
 
     def horovodrun_argv(self, argv: Sequence[str], slots: int = 2, backend: str = "gloo",
                         extra: Sequence[str] = ()) -> List[str]:
-        """horovodrun over both nodes (run it inside node 1, with launch_env(1): its ``ssh`` is the
+        """horovodrun over every node (run it inside node 1, with launch_env(1): its ``ssh`` is the
         wrapper). --network-interface skips horovodrun's interface probe (a task server per host)."""
-        cmd = [os.path.join(BIN, "horovodrun"), "-np", str(2 * slots), "-H",
-               f"{self.hostname(1)}:{slots},{self.hostname(2)}:{slots}", f"--{backend}",
+        cmd = [os.path.join(BIN, "horovodrun"), "-np", str(self.count * slots), "-H",
+               ",".join(f"{self.hostname(n)}:{slots}" for n in self.node_ids), f"--{backend}",
                "--network-interface", self.ifname, "--disable-cache"]
         if backend == "mpi":
             cmd += ["--mpi-args", f"--mca oob_tcp_if_include {self.ifname}"]
         return [*cmd, *extra, *map(str, argv)]
+
+
+class TwoNodes(Nodes):
+    """Two nodes (the harness's first shape; tests and docs use it by this name)."""
+
+    def __init__(self, suffix: str = "", **kw):
+        super().__init__(2, suffix=suffix, **kw)
 
 
 def _killpg(pid: int) -> None:
@@ -348,35 +385,49 @@ def _killpg(pid: int) -> None:
         pass
 
 
+STATE_FILE = "hpfc-state-dir"   # in /etc/netns/<node 1's namespace>/ (root's): where `up` put its state dir
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("action", choices=["up", "down", "exec", "check"])
-    ap.add_argument("node", nargs="?", type=int, help="exec: 1 or 2")
+    ap.add_argument("node", nargs="?", type=int, help="exec: the node's number")
+    ap.add_argument("--nodes", type=int, default=2, help="up: how many nodes (2 to 9)")
     ap.add_argument("--suffix", default="")
     ap.add_argument("--subnet", default="10.77.0.0/24")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
-    nodes = TwoNodes(suffix=a.suffix, subnet=a.subnet,
-                     state_dir=os.path.join(tempfile.gettempdir(), f"hpfc-twonode{a.suffix}-cli"))
     if a.action == "check":
         print(unavailable_reason() or "ok")
         return 0
-    if a.action == "down":
-        nodes.teardown(force=True)
-        shutil.rmtree(nodes._state_dir_arg, ignore_errors=True)
-        return 0
+    # The state dir (the ssh wrapper, run as root in every node) is a private mkdtemp folder; its path is
+    # kept under /etc/netns, which only root writes, for `exec` and `down` to find.
+    record = f"/etc/netns/{Nodes(2, suffix=a.suffix).ns(1)}/{STATE_FILE}"
     if a.action == "up":
+        nodes = Nodes(a.nodes, suffix=a.suffix, subnet=a.subnet)
         try:
             nodes.setup()
         except Unavailable as e:
             print(f"unavailable: {e}", file=sys.stderr)
             return 2
-        print(f"{nodes.ns(1)} {nodes.addr(1)}  {nodes.ns(2)} {nodes.addr(2)}  ssh wrapper: {nodes.bin_dir}/ssh")
+        with open(record, "w") as f:
+            f.write(f"{nodes.count} {nodes.state_dir}\n")
+        print("  ".join(f"{nodes.ns(n)} {nodes.addr(n)}" for n in nodes.node_ids) + f"  ssh wrapper: {nodes.bin_dir}/ssh")
+        return 0
+    try:
+        count, state_dir = open(record).read().split(maxsplit=1)
+    except OSError:
+        print(f"no node set is up with suffix {a.suffix!r} (run `up` first)", file=sys.stderr)
+        return 2
+    nodes = Nodes(int(count), suffix=a.suffix, subnet=a.subnet, state_dir=state_dir.strip())
+    if a.action == "down":
+        nodes.teardown(force=True)
+        shutil.rmtree(state_dir.strip(), ignore_errors=True)
         return 0
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-    if a.node not in (1, 2) or not cmd:
-        ap.error("exec N -- CMD...")
-    nodes.state_dir = nodes._state_dir_arg
+    if a.node not in nodes.node_ids or not cmd:
+        ap.error(f"exec N -- CMD... (N one of {nodes.node_ids})")
+    nodes.state_dir = state_dir.strip()
     return subprocess.call(nodes.wrap(a.node, cmd), env=nodes.launch_env(a.node))
 
 

@@ -121,7 +121,8 @@ def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_
     step = int(resumed[-1].split(" at step ")[1].split()[0])
     assert step >= 40
     ckpt, meta = meta_of(run)
-    assert meta["step"] == 200 and meta["world_size"] == 1 and meta["identical"]
+    # train.steps=200 steps of 2 ranks' global batch (run/progress.py): each step left takes two at 1 rank
+    assert meta["step"] == step + 2 * (200 - step) and meta["world_size"] == 1 and meta["identical"]
     assert meta["slices"] == [[0, 24]]                                   # the one rank holds [0, C)
     seconds, lost = recovery(run, killed_at, step)
     m = metrics(run)
@@ -132,9 +133,52 @@ def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_
           f"loss {first:.2f} at the start, {last_before:.2f} at step {step}, {after:.2f} after the resume")
 
 
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_agents_with_different_restart_counts_agree_on_the_round(small_run_shards, tmp_path):
+    """Two torchrun agents sharing torchrun's store (its default) end up with different restart counts: rank 0
+    raises at step 12 (its agent counts a restart) while rank 1 sleeps in a long step with the heartbeat off,
+    so its agent sees the first one waiting in the next round and restarts its worker as a change of members,
+    which torchrun does not count. The next round must form at once (engine/round_store.py): the injected
+    failure is the job's only one. Before, the ranks keyed the store by their restart count, 1 and 0: rank 1
+    read the previous round's addresses, failed, and cost another restart (with 3+ agents, a 30-minute wait)."""
+    run, port = tmp_path / "run", _free_port()
+    sets = ["checkpoint.every=5", "train.heartbeat_timeout=0"]
+    e = dict(env("raise@12:0,stall@12:1"), HVD_PARTIALFC_STALL_SECONDS="6")
+
+    def agent(host):
+        return [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval",
+                "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "counts",
+                "--rdzv-conf", f"is_host={host},{RDZV_CONF}"] + train_cmd(small_run_shards, run, 30, sets)
+    logs = [tmp_path / f"agent{i}.log" for i in (1, 2)]
+    procs = []
+    for host, log in zip((1, 0), logs):
+        procs.append(subprocess.Popen(agent(host), env=e, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+        time.sleep(0.5)
+    try:
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    text = "\n".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text[-4000:]
+    failures = [line for line in text.splitlines() if "failed (exitcode" in line]
+    assert len(failures) == 1 and "InjectedFault" in text, failures
+    _, meta = meta_of(run)
+    assert meta["step"] == 30 and meta["identical"]
+
+
 def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path):
     """horovod_restarts.py: attempt 0 on 2 slots loses rank 1 at step 15; the discovery script then lists 1
-    slot; attempt 1 resumes the step-10 checkpoint re-sharded to 1 rank and finishes."""
+    slot; attempt 1 resumes the step-10 checkpoint re-sharded to 1 rank and finishes the run's samples (20
+    steps of 2 ranks left: 40 at 1)."""
     calls = tmp_path / "calls"
     hosts = tmp_path / "hosts.sh"
     hosts.write_text(f"#!/bin/sh\necho x >> {calls}\n[ $(wc -l < {calls}) -le 1 ] && echo localhost:2 || echo localhost:1\n")
@@ -149,4 +193,4 @@ def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path)
     assert "attempt 0: 2 ranks on localhost:2" in text and "attempt 1: 1 ranks on localhost:1" in text
     assert "step-00000010 at step 10 (written by 2 ranks)" in text
     _, meta = meta_of(run)
-    assert meta["step"] == 30 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]
+    assert meta["step"] == 10 + 2 * 20 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]   # by samples

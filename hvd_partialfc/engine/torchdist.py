@@ -40,6 +40,7 @@ import torch.nn as nn
 from .base import CommBase, RankFailure, backbone_params
 from .device import agreed_device, uses_cuda
 from .optimizer import AveragingOptimizer
+from .round_store import agreed_prefix
 
 CHECK_ENV = "HVD_PARTIALFC_CHECK_COLLECTIVES"
 # Bucket size of the gradient all-reduce. 25 MB is DDP's default: large enough that a bucket's latency is
@@ -296,20 +297,21 @@ def _plan_buckets(params: List[torch.Tensor], cap_bytes: int) -> List[List[torch
     return buckets
 
 
-def _attempt_store(size: int):
-    """The torchrun agent's store, with keys of this restart attempt only.
+def _restarts_across_nodes(environ) -> bool:
+    """torchrun may restart this job (``--max-restarts`` > 0) and it spans more than one agent."""
+    return all(environ.get(k, "0").isdigit() for k in ("TORCHELASTIC_MAX_RESTARTS", "GROUP_WORLD_SIZE")) and \
+        int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and int(environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
-    torchrun's c10d rendezvous shares one TCPStore (hosted by the agent) across restarts, and
-    ``init_process_group`` writes its ranks' addresses under the same keys at every attempt: a restarted
-    group can read the previous attempt's addresses and connect to dead ports (measured here: one restart
-    in three failed with "Connection refused" or hung in Gloo's connectFullMesh; PyTorch issue 135712).
-    ``TORCHELASTIC_RESTART_COUNT`` separates the attempts. It is counted per agent, so when a node may
-    *join* a running job, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun instead (each round
-    then gets a new store; docs/engines.md).
-    """
+
+def _round_store(rank: int, size: int):
+    """The torchrun agent's store (shared by every rendezvous round of the job), with the keys of this round
+    only: the prefix every member of the round agreed on (round_store.py says why and how; keyed by
+    ``TORCHELASTIC_RESTART_COUNT`` before, which agents count each on their own, so a node that joined back
+    took another prefix than the rest and init_process_group hung)."""
+    timeout = timedelta(minutes=30)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
-                          timeout=timedelta(minutes=30))
-    return dist.PrefixStore(f"hvd_partialfc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+                          timeout=timeout)
+    return dist.PrefixStore(agreed_prefix(store, rank, size, timeout.total_seconds()), store)
 
 
 def init(device: str = "auto", share_gpu: bool = False) -> TorchComm:
@@ -334,7 +336,11 @@ def init(device: str = "auto", share_gpu: bool = False) -> TorchComm:
         if alone:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_attempt_store(size), rank=rank, world_size=size)
+            dist.init_process_group(backend, store=_round_store(rank, size), rank=rank, world_size=size)
+            if rank == 0 and _restarts_across_nodes(os.environ):
+                print("note: torchrun shares its store across rounds (its default): a node that joins back "
+                      "hangs torchrun's own rendezvous; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun "
+                      "where nodes may join (docs/engines.md, Elastic)", flush=True)
         else:
             dist.init_process_group(backend, rank=rank, world_size=size)
     where, shared = agreed_device(device, rank, local_rank, size, share_gpu, _allgather_host)
