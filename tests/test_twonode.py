@@ -336,3 +336,28 @@ def test_three_nodes_lose_one_go_on_with_two_and_take_it_back(trio, tmp_path, sm
     assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3 and meta["identical"], worlds
     print(f"3 nodes: node 3 lost at step >= {first}, 2 ranks checkpointed step {two} {lost_s:.1f} s later; "
           f"node 3 back, 3 ranks checkpointed step {three} {join_s:.1f} s after its agent started")
+
+
+def test_the_command_line_keeps_its_state_in_a_private_folder(tmp_path):
+    """`twonode.py up` puts the ssh wrapper (run as root in every node) in a fresh 0700 folder, not a fixed
+    /tmp path another user could prepare; `exec` and `down` find it again."""
+    reason = twonode.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    suffix = f"-c{os.getpid()}"
+    cli = [sys.executable, os.path.join(ROOT, "launch", "twonode.py"), f"--suffix={suffix}"]
+    up = subprocess.run(cli + ["--nodes", "3", "up"], capture_output=True, text=True, timeout=60)
+    try:
+        if up.returncode == 2:
+            pytest.skip(up.stderr.strip())
+        assert up.returncode == 0, up.stderr
+        ssh = up.stdout.split("ssh wrapper: ")[1].strip()
+        state = os.path.dirname(os.path.dirname(ssh))
+        assert os.stat(state).st_mode & 0o777 == 0o700 and not state.endswith("-cli")
+        assert os.stat(ssh).st_mode & 0o077 == 0
+        r = subprocess.run(cli + ["exec", "3", "--", "hostname"], capture_output=True, text=True, timeout=30)
+        assert r.stdout.strip() == "node3", r.stderr
+    finally:
+        subprocess.run(cli + ["down"], capture_output=True, timeout=60)
+    assert not os.path.exists(state)
+    assert f"hpfc-n1{suffix}" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
