@@ -72,8 +72,12 @@ class TrainingState:
                 "state_dict": {k: v.detach().cpu() for k, v in self.backbone.state_dict().items()},
                 "optimizer": self.backbone_opt.state_dict()}
 
-    def rank_file(self, digest: str) -> Dict[str, Any]:
+    def rank_file(self, digest: str, buffers: Dict[str, torch.Tensor] = None) -> Dict[str, Any]:
+        """This rank's file. ``buffers``: the backbone buffers this rank trains on (default: the module's);
+        restored by a resume at the same world size (``load``)."""
+        own = buffers if buffers is not None else dict(self.backbone.named_buffers())
         return {"rank": self.rank, "world_size": self.world_size,
+                "buffers": {k: v.detach().cpu() for k, v in own.items()},
                 "label_start": self.label_slice[0], "label_end": self.label_slice[1],
                 "weight": self.head.weight.detach().cpu(), "optimizer": self.head_opt.state_dict(),
                 "rng": rng_state(), "counters": dict(self.counters), "backbone_digest": digest,
@@ -140,13 +144,13 @@ class Checkpointer:
         atomic.fsync_dir(self.base)
         return newer
 
-    def save(self, step: int, state: TrainingState, length) -> str:
+    def save(self, step: int, state: TrainingState, length, own_buffers=None) -> str:
         """Average the BatchNorm statistics (they differ per rank: the saved backbone must be every rank's),
-        then `write` (a collective)."""
+        then `write` (a collective); ``own_buffers``: the rank's buffers before that, kept in its file."""
         self.comm.average_buffers(state.backbone, name=f"ckpt.{step}")
-        return self.write(step, state, length)
+        return self.write(step, state, length, own_buffers)
 
-    def write(self, step: int, state: TrainingState, length) -> str:
+    def write(self, step: int, state: TrainingState, length, own_buffers=None) -> str:
         """Write the checkpoint of ``step`` (a collective), the buffers averaged already (the trainer averages
         them once a step for its checkpoint and its evaluation: averaging again is not the identity at a
         world size that is not a power of two, so the run would go on with other buffers than it saved).
@@ -160,7 +164,7 @@ class Checkpointer:
         error = None
         try:
             os.makedirs(partial, exist_ok=True)
-            atomic.torch_save(state.rank_file(digests[comm.rank]),
+            atomic.torch_save(state.rank_file(digests[comm.rank], own_buffers),
                               os.path.join(partial, classifier_file(comm.rank, comm.size)))
             if comm.is_main:
                 atomic.torch_save(state.backbone_file(), os.path.join(partial, "backbone.pt"))
@@ -242,6 +246,19 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.base, old), ignore_errors=True)
 
 
+def restore_buffers(backbone: nn.Module, saved) -> None:
+    """This rank's own buffers from its file (``load``'s ``own_buffers``: a resume at the same world size),
+    over backbone.pt's averaged ones: they differ after an unscheduled checkpoint (trainer.save_checkpoint).
+    Files written before they were kept have none: the averaged ones stay. Called after start-up's backbone
+    broadcast and identity check, which compare every rank's copy of the same file."""
+    if not saved:
+        return
+    with torch.no_grad():
+        for k, b in backbone.named_buffers():
+            if k in saved:
+                b.copy_(saved[k])
+
+
 def _write_error(e: BaseException) -> str:
     """One rank's failed checkpoint write, as said to every rank. Not only OSError: on a full disk
     ``torch.save`` raises RuntimeError (``[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
@@ -297,4 +314,6 @@ def load(path: str, state: TrainingState) -> Dict[str, Any]:
         elif k in meta:
             state.counters[k] = meta[k]
     meta["rng_restored"] = mine.get("rng") is not None
+    # this rank's own buffers (same world size), for restore_buffers once the start-up broadcast is done
+    meta["own_buffers"] = mine.get("buffers") if same_size else None
     return meta

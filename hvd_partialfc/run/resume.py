@@ -130,7 +130,8 @@ def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[s
     parts.restore_counters(state.counters)
     if not meta["rng_restored"]:  # another world size: streams cannot be mapped, re-seed them
         torch.manual_seed(derive_seed(cfg.train.seed, comm.rank, meta["step"], RESHARD_RESEED))
-    return {"path": path, "step": meta["step"], "world_size": meta["world_size"], "meta": meta}
+    return {"path": path, "step": meta["step"], "world_size": meta["world_size"], "meta": meta,
+            "own_buffers": meta.pop("own_buffers", None)}
 
 
 def restarts_of(environ: Mapping[str, str]) -> Optional[str]:

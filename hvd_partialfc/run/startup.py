@@ -144,6 +144,8 @@ def start_trainer(cfg, comm) -> Trainer:
     # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
     comm.broadcast_module(parts.backbone, name="backbone.init")
     comm.check_identical(parts.backbone, name="start")
+    if resumed_from:   # this rank's own BatchNorm statistics, where its checkpoint file kept them
+        ckpt.restore_buffers(parts.backbone, resumed_from["own_buffers"])
     passes = cfg.optim.backward_passes_per_step
     min_spe = int(comm.allreduce_scalar(data.local_batches // passes, "min", name="steps_per_epoch"))
     m = data.manifest

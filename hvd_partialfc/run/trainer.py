@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from tqdm import tqdm
 
 from . import faults
@@ -117,12 +118,13 @@ class Trainer:
                                                      interval)
                     bar.update(1)
                     too_many = self.sample_watch.error   # set at a log step, the same on every rank
-                    save = self.checkpointer.due(done, final) or stop or time_due or bool(too_many)
+                    scheduled = self.checkpointer.due(done, final)
+                    save = scheduled or stop or time_due or bool(too_many)
                     evaluate = self.evaluator.due(done, final)
-                    if save or evaluate:
+                    if scheduled or evaluate:   # the run goes on with the averaged buffers
                         self.average_buffers(done, save)
                     if save:
-                        ckpt_dir = self.save_checkpoint(done, averaged=True)
+                        ckpt_dir = self.save_checkpoint(done, averaged=scheduled or evaluate)
                         last_save = time.monotonic()
                     if too_many:
                         raise ShardError(f"step {done}: {too_many}; checkpoint {ckpt_dir} written")
@@ -223,12 +225,24 @@ class Trainer:
         return records
 
     def save_checkpoint(self, step: int, averaged: bool = False) -> str:
-        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step), averaging
-        the buffers first unless ``averaged`` (by `average_buffers`, this step)."""
+        """Write the checkpoint of ``step`` (a collective: every rank calls it at the same step). ``averaged``:
+        the buffers were averaged this step by `average_buffers` (a scheduled checkpoint or an evaluation),
+        and the run goes on with them. Else (a stop signal, rank 0's clock, a stop on bad samples, a resume
+        at another size with nothing to train) the checkpoint is *unscheduled*: its backbone file holds the
+        averaged buffers, while this rank keeps training with its own, as it would have without the
+        checkpoint, and its file keeps them, so a resume at the same world size is the run that was never
+        stopped, BatchNorm statistics included (before, such a resume differed in them: a preempted run was
+        not bitwise the uninterrupted one)."""
         state = self.parts.training_state(self.layout, self.comm.rank)
         if averaged:
             return self.checkpointer.write(step, state, self.step.length)
-        return self.checkpointer.save(step, state, self.step.length)
+        own = {k: b.detach().clone() for k, b in self.parts.backbone.named_buffers()}
+        try:
+            return self.checkpointer.save(step, state, self.step.length, own_buffers=own)
+        finally:
+            with torch.no_grad():
+                for k, b in self.parts.backbone.named_buffers():
+                    b.copy_(own[k])
 
     def final_evaluation_failed(self) -> Optional[str]:
         """The reason the evaluation of the last step failed (on_error=log), else None: the run's last line says it."""

@@ -158,9 +158,12 @@ def scenario_core(shards, out, steps):
     # BatchNorm: every rank's running statistics before the checkpoint averages them; the pooled
     # statistics of the union (equal counts per rank) computed here from them, in float64.
     everyone = comm.allgather_object(_bn_stats(trainer.parts.backbone), name="test.bn")
-    ckpt = trainer.save_checkpoint(steps)
-    rec["full_digest_after_checkpoint"] = state_dict_digest(trainer.parts.backbone.state_dict())
-    after = _bn_stats(trainer.parts.backbone)
+    ckpt = trainer.save_checkpoint(steps)    # unscheduled: the file gets the pooled statistics, the rank its own
+    rec["live_buffers_kept"] = buffer_digest(trainer.parts.backbone) == rec["buffer_digest_before_averaging"]
+    saved = copy.deepcopy(trainer.parts.backbone)
+    saved.load_state_dict(torch.load(os.path.join(ckpt, "backbone.pt"), weights_only=True)["state_dict"])
+    rec["full_digest_after_checkpoint"] = state_dict_digest(saved.state_dict())
+    after = _bn_stats(saved)
     rec["bn_layers"] = len(after)
     rec["bn_pooled_max_err"] = rec["bn_rank0_vs_pooled"] = rec["bn_mean_of_vars_vs_pooled"] = 0.0
     for name, (mean_after, var_after) in after.items():
