@@ -166,7 +166,7 @@ class Trainer:
         data_t, step_t = (interval[k] / max(1, done - last_log) for k in ("data_time", "step_time"))
         interval.update(data_time=0.0, step_time=0.0)
         if metrics:
-            rec = {"step": done, "loss": mean_loss, "rank0_loss": out["loss"], "lr": lr,
+            rec = {"step": done, "world_size": self.comm.size, "loss": mean_loss, "rank0_loss": out["loss"], "lr": lr,
                    "grad_norm": out["grad_norm"], "samples_per_s": sps, "skipped_steps": self.parts.counters.skipped_steps,
                    "classifier_skipped_steps": cls_skips, "data_time": data_t, "step_time": step_t,
                    "time": time.time()}
