@@ -1,0 +1,416 @@
+#!/usr/bin/env python
+"""The chaos run: many faults at random steps of one training run, on network-namespace nodes
+(launch/twonode.py), recovered by the project's own launch paths, with a table of what each fault cost.
+
+    python launch/chaos.py --seed 1                    # both runs, the figures in docs/reliability.md
+    python launch/chaos.py --seed 1 --short            # the suite's version: 4 faults, about a minute
+    python launch/chaos.py --seed 2 --only torchrun --steps 1500 --faults 12 --json chaos.json
+
+Needs root (network namespaces, a tmpfs); exit 0 when every check holds, 1 otherwise, 2 when it cannot run.
+
+Two runs, each seeded (fault steps, kinds, nodes, the damaged sample all come from ``--seed``):
+
+* **torchrun** (elastic, ``--nnodes 2:3``, one rank a node, restarts allowed): every kind of fault.
+  - ``kill-rank``: a rank SIGKILLed; ``node-lost``: every process of a node killed; ``node-joins``: a
+    lost node's agent starts again; ``link-cut``: a node's link goes down, the others go on without it,
+    the link comes back and the node with it; ``sigterm-requeue``: the scheduler's SIGTERM to every agent,
+    then the job started again (``--resume auto``); ``disk-full``: the run folder's tmpfs filled just after
+    a checkpoint, so the next one fails, then emptied; ``bad-sample``: a sample of a shard truncated (found
+    when its rank next opens the shard, skipped and named: ``data.on_bad_sample: skip``).
+  - Checked: the run ends with its budget of samples consumed to within one global batch (run/progress.py),
+    every checkpoint left is complete and loads, ``latest`` was valid after every fault, the damaged sample
+    was named.
+* **horovod** (launch/horovod_restarts.py on 2 nodes): the faults that keep the world size (kill-rank,
+  link-cut, sigterm-requeue, disk-full). Checked: the final backbone (BatchNorm statistics included),
+  classifiers and optimizer states equal a fault-free run of the same seed (``simulate --ranks 2``, the
+  same numbers as horovodrun: tests/test_simulate.py), bitwise; ``latest`` valid after every fault; the
+  wrapper's exit on preemption is 75.
+
+Each fault row: its kind, the step it hit, the seconds until training went on (the first step logged after
+the resume), the steps lost (done, then done again), the world size before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import twonode  # noqa: E402
+from chaos_parts import (ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_ok, digests, fill_disk,  # noqa: E402
+                         kill, make_undecodable, tiny_faces)
+
+TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "bad-sample", "node-joins")
+HOROVOD_KINDS = ("kill-rank", "link-cut", "sigterm-requeue", "disk-full")
+SHORT_KINDS = ("node-lost", "node-joins", "disk-full", "sigterm-requeue")     # --short: torchrun, 4 faults
+RESTARTING = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "node-joins")
+EVERY = 20          # checkpoint.every
+TAIL = 500          # steps after the last fault
+TRAIN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
+         "train.log_every=1", "train.threads=1", "data.workers=0", "checkpoint.resume=auto",
+         f"checkpoint.every={EVERY}", "checkpoint.keep=4", "train.heartbeat_timeout=3", "head.negatives_every=0",
+         "train.seed=7", "data.max_bad_samples=10"]
+
+
+# --- the plan ---------------------------------------------------------------------------------------------
+
+def plan(seed: int, kinds: Sequence[str], count: int, steps: int, nodes: int) -> List[Tuple[int, str]]:
+    """``count`` (step, kind) pairs: every kind at least once, each one possible where it falls (a node can be
+    lost or cut while all are up; one joins while one is down), a restart after the damaged sample (its rank
+    finds it when it opens the shard again); steps at least ``gap`` apart, the last one at least ``TAIL``
+    steps before the end (a fault's effect, a restart, takes seconds: at ~40 steps/s a shorter tail can end
+    the run first)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = 3 * EVERY, max(3 * EVERY + 2 * EVERY * count, steps - TAIL)
+    gap = max(EVERY, (hi - lo) // (2 * count))
+    while True:
+        at = sorted(int(x) for x in rng.choice(np.arange(lo, hi), size=count, replace=False))
+        if all(b - a >= gap for a, b in zip(at, at[1:])):
+            break
+    order, up, unused = [], nodes, list(kinds)
+    for i in range(count):
+        def possible(k):
+            return not ((k in ("node-lost", "link-cut") and up < nodes) or (k == "node-joins" and up == nodes)
+                        or (k == "bad-sample" and i == count - 1))
+        left = count - i
+        pool = [k for k in unused if possible(k)]
+        must = [k for k in pool if k != "node-joins" or up < nodes]
+        if left <= len(unused) and must:
+            pool = must
+        elif not pool or left > len(unused):      # every kind used: the least used ones
+            pool = [k for k in kinds if possible(k)]
+            fewest = min(order.count(k) for k in pool)
+            pool = [k for k in pool if order.count(k) == fewest]
+        if "node-joins" in unused and up < nodes and left <= len(unused) + 1:
+            pool = ["node-joins"]
+        kind = pool[int(rng.integers(len(pool)))]
+        if kind == "bad-sample" and not any(k in RESTARTING for k in unused if k != "bad-sample") and left == 2:
+            kind = "kill-rank"
+        order.append(kind)
+        unused = [k for k in unused if k != kind]
+        up += -1 if kind == "node-lost" else 1 if kind == "node-joins" else 0
+    return list(zip(at, order))
+
+
+# --- the faults ---------------------------------------------------------------------------------------------
+
+class Run:
+    """One run under chaos: its nodes, job, watch and what the faults did."""
+
+    def __init__(self, name, nodes, job, watch: Watch, run_dir: str, mount: str, shards: str, seed: int):
+        self.name, self.nodes, self.job, self.watch = name, nodes, job, watch
+        self.run_dir, self.mount, self.shards = run_dir, mount, shards
+        self.rng = np.random.default_rng(seed + 1000)
+        self.up = set(nodes.node_ids)
+        self.rows: List[Dict] = []
+        self.damaged: List[str] = []
+        self.preempt_codes: List[int] = []
+
+    def _recovered(self, t0: float, world: int, timeout: float = 150.0) -> Tuple[int, int, float, int]:
+        """Wait for a resume after ``t0`` and a step logged after it at ``world`` ranks (0: any). (resumed step,
+        world size, seconds from t0 until training went on, steps lost)."""
+        w = self.watch
+        box = {}
+
+        def done():
+            for t, step, _ in w.resumes(t0):
+                rec = w.went_on(step, t)
+                if rec and (not world or rec.get("world_size") == world):
+                    box.update(step=step, rec=rec, t=t)
+                    return True
+            return False
+        w.wait(done, timeout, f"{self.name}: training going on after the fault" + (f" at {world} ranks" if world else ""))
+        # rank 0 appends a record a step: the one before the first of the resumed run is the last step the
+        # old run did (after the fault too, until it noticed it)
+        i = next(i for i, r in enumerate(w.records) if r is box["rec"])
+        before = w.records[i - 1]["step"] if i else 0
+        return box["step"], box["rec"].get("world_size", 0), box["rec"]["time"] - t0, max(0, before - box["step"])
+
+    def inject(self, kind: str) -> Dict:
+        w = self.watch
+        w.poll()
+        row = {"kind": kind, "step": w.step, "world_before": w.world, "detail": ""}
+        t0 = time.time()
+        getattr(self, "_" + kind.replace("-", "_"))(row, t0)
+        ok, step, why = checkpoint_ok(self.run_dir)
+        row.update(latest_ok=ok, latest=step, latest_why=why)
+        self.rows.append(row)
+        return row
+
+    def _went_on(self, row, t0, world=0):
+        step, after, seconds, lost = self._recovered(t0, world)
+        row.update(resumed=step, world_after=after, seconds=round(seconds, 1), lost=lost)
+
+    def _kill_rank(self, row, t0):
+        node = int(self.rng.choice(sorted(self.up)))
+        pids = self.job.workers(node)
+        if not pids:
+            raise ChaosError(f"no rank found on node {node}")
+        kill(pids[0])
+        row["detail"] = f"node {node}"
+        self._went_on(row, t0, len(self.up))
+
+    def _node_lost(self, row, t0):
+        node = int(self.rng.choice(sorted(self.up - {1})))
+        self.nodes.kill_node(node)
+        self.up.discard(node)
+        row["detail"] = f"node {node}"
+        self._went_on(row, t0, len(self.up))
+
+    def _node_joins(self, row, t0):
+        node = int(self.rng.choice(sorted(set(self.nodes.node_ids) - self.up)))
+        self.nodes.kill_node(node)                     # whatever a lost node left behind
+        self.job.start(node)
+        self.up.add(node)
+        row["detail"] = f"node {node}"
+        self._went_on(row, t0, len(self.up))
+
+    def _link_cut(self, row, t0):
+        node = int(self.rng.choice(sorted(self.up - {1})))
+        self.nodes.cut(node=node)
+        row["detail"] = f"node {node}"
+        if isinstance(self.job, WrapperJob):           # the ranks end (heartbeat), then the link comes back
+            self.watch.wait(lambda: not any(self.job.workers(n) for n in self.nodes.node_ids), 60,
+                            "the ranks ending after the cut")
+            self.nodes.restore()
+            self._went_on(row, t0, len(self.up))
+            return
+        self._went_on(row, t0, len(self.up) - 1)       # the others go on without it
+        during = row["world_after"]
+        self.nodes.restore()
+        t1 = time.time()
+        try:                                           # its agent comes back into the job by itself ...
+            self._recovered(t1, len(self.up), timeout=25)
+        except ChaosError:                             # ... or it gave up: the node is started again
+            self.nodes.kill_node(node)
+            self.job.start(node)
+            self._recovered(time.time(), len(self.up))
+            row["detail"] += ", its agent restarted"
+        row["world_after"] = f"{during} -> {len(self.up)}"
+
+    def _sigterm_requeue(self, row, t0):
+        if isinstance(self.job, WrapperJob):           # one rank gets it; every rank checkpoints; exit 75
+            node = int(self.rng.choice(sorted(self.up)))
+            kill(self.job.workers(node)[0], signal.SIGTERM)
+            codes = self.job.wait(90)
+            row["detail"] = f"a rank on node {node}; the wrapper exited {codes[1]}"
+        else:                                          # the scheduler's SIGTERM to every agent
+            self.job.signal_all(signal.SIGTERM)
+            codes = self.job.wait(90)
+            row["detail"] = f"every agent; they exited {sorted(set(codes.values()))}"
+        self.preempt_codes += list(codes.values())
+        self.watch.poll()
+        stopped = self.watch.said("stopped by", t0)
+        row["detail"] += f"; {len(stopped)} ranks said 'stopped by'"
+        self.job.requeue(self.up)
+        self._went_on(row, t0, len(self.up))
+
+    def _disk_full(self, row, t0):
+        w = self.watch
+        ok, last, _ = checkpoint_ok(self.run_dir)
+        w.wait(lambda: w.step >= last + 1, 60, "a step after the last checkpoint")
+        fill = fill_disk(self.mount, leave_bytes=256 << 10)
+        t0 = time.time()
+        w.poll()
+        row["step"] = w.step
+        w.wait(lambda: bool(w.said("not written", t0)), 120, "the checkpoint failing on the full disk",
+               alive=self.job.alive)
+        os.remove(fill)
+        row["detail"] = "the next checkpoint failed: " + w.said("not written", t0)[0].split("not written")[0][-40:].strip()
+        if isinstance(self.job, WrapperJob):   # a full disk is not retried (exit 2): room made, the job requeued
+            codes = self.job.wait(90)
+            row["detail"] += f"; the wrapper exited {codes[1]}, requeued"
+            self.job.requeue()
+        self._went_on(row, t0, len(self.up))
+
+    def _bad_sample(self, row, t0):
+        where = make_undecodable(self.shards, self.rng)
+        self.damaged.append(where)
+        row.update(detail=where, seconds=0.0, lost=0, world_after=self.watch.world, resumed=None)
+
+
+def found_damaged(run: Run) -> List[str]:
+    """Which damaged samples the ranks named (``data.on_bad_sample: skip``)."""
+    run.watch.poll()
+    return [d for d in run.damaged if run.watch.said(d)]
+
+
+# --- the runs -----------------------------------------------------------------------------------------------
+
+def _mount_tmpfs(path: str, size_mb: int) -> None:
+    os.makedirs(path, exist_ok=True)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", path], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise twonode.Unavailable(f"cannot mount a tmpfs: {p.stderr.strip()}")
+
+
+def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, work: str,
+            quiet: bool = False) -> Dict:
+    """One run under chaos (``count`` faults of ``kinds``); its report (rows, checks, passed)."""
+    nodes = twonode.Nodes(3 if name == "torchrun" else 2, suffix=twonode.owner_suffix(), prefix=f"hpfc{name[0]}")
+    base = os.path.join(work, name)
+    shards, mount, logs = (os.path.join(base, d) for d in ("shards", "mnt", "logs"))
+    os.makedirs(logs, exist_ok=True)
+    tiny_faces(shards)
+    run_dir = os.path.join(mount, "run")
+    sets = TRAIN + [f"data.on_bad_sample={'skip' if name == 'torchrun' else 'stop'}"]
+    argv = ["-m", "hvd_partialfc.cli", "train", "--shards", shards, "--out", run_dir, "--steps", str(steps)]
+    for s in sets:
+        argv += ["--set", s]
+    schedule = plan(seed, kinds, max(count, len(kinds)), steps, nodes.count)
+    report = {"run": name, "seed": seed, "steps": steps, "plan": schedule, "rows": [], "checks": {}}
+    _mount_tmpfs(mount, 24)
+    t_start = time.time()
+    try:
+        nodes.setup()
+        watch = Watch(run_dir, logs)
+        if name == "torchrun":
+            job = TorchrunJob(nodes, argv, 29600 + seed % 100, logs, min_nodes=2)
+            for n in nodes.node_ids:
+                job.start(n)
+                time.sleep(0.3)
+        else:
+            job = WrapperJob(nodes, [sys.executable, *argv], logs, base)
+            job.start()
+        run = Run(name, nodes, job, watch, run_dir, mount, shards, seed)
+        for at, kind in schedule:
+            watch.wait(lambda: watch.step >= at, 300, f"step {at}", alive=job.alive)
+            row = run.inject(kind)
+            report["rows"].append(row)
+            if not quiet:
+                print(_row_line(row), flush=True)
+        codes = job.wait(600)
+        report["checks"] = final_checks(run, codes, argv, work)
+    except (ChaosError, twonode.Unavailable) as e:
+        report["checks"]["error"] = str(e)
+    finally:
+        nodes.teardown()
+        report["log_tail"] = _tails(logs)
+        keep = os.path.join(base, "run")
+        if os.path.isdir(run_dir):
+            shutil.copytree(run_dir, keep, dirs_exist_ok=True)
+        subprocess.run(["umount", "-l", mount], check=False)
+    report["seconds"] = round(time.time() - t_start, 1)
+    report["passed"] = not report["checks"].get("error") and all(
+        v is True for k, v in report["checks"].items() if k.startswith("ok_"))
+    return report
+
+
+def final_checks(run: Run, codes: Dict[int, int], argv: List[str], work: str) -> Dict:
+    from hvd_partialfc.run.checkpoint_files import list_checkpoints, read_meta
+    checks: Dict = {"exit_codes": codes, "ok_job_ended_well": all(c == 0 for c in codes.values())}
+    ok, step, why = checkpoint_ok(run.run_dir)
+    checks.update(final_step=step, ok_latest_valid=ok, ok_latest_after_every_fault=all(r["latest_ok"] for r in run.rows))
+    bad = []
+    for name in list_checkpoints(run.run_dir):
+        path = os.path.join(run.run_dir, "checkpoints", name)
+        try:
+            read_meta(path)
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{name}: {e}")
+    checks.update(checkpoints_kept=len(list_checkpoints(run.run_dir)), ok_every_checkpoint_loads=not bad, bad=bad)
+    meta = read_meta(os.path.join(run.run_dir, "checkpoints", list_checkpoints(run.run_dir)[-1]))
+    length = meta["length"]
+    g = length["segments"][-1]["global_batch"]
+    checks.update(samples=length["samples"], budget=length["budget_samples"], last_global_batch=g,
+                  worlds=[s["world_size"] for s in length["segments"]],
+                  ok_budget_consumed=abs(length["samples"] - length["budget_samples"]) <= g)
+    if run.name == "torchrun":
+        found = found_damaged(run)
+        checks.update(damaged=run.damaged, named=found, ok_damaged_sample_named=len(found) == len(run.damaged))
+    else:
+        checks["ok_preemption_exit_75"] = bool(run.preempt_codes) and all(c == 75 for c in run.preempt_codes)
+        ref = os.path.join(work, "horovod", "reference")
+        cmd = [sys.executable, "-m", "hvd_partialfc.cli", "simulate", "--ranks", "2"] + \
+            [a if a != run.run_dir else ref for a in argv[3:]]
+        p = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            checks["reference_error"] = p.stderr[-2000:]
+        mine, theirs = digests(run.run_dir), (digests(ref) if p.returncode == 0 else {})
+        checks.update(digests=mine, reference=theirs, ok_bitwise_fault_free=bool(theirs) and mine == theirs)
+    return checks
+
+
+def _tails(log_dir: str, n: int = 15) -> Dict[str, List[str]]:
+    out = {}
+    for name in sorted(os.listdir(log_dir))[-6:]:
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            out[name] = [x for x in f.read().replace("\r", "\n").splitlines() if x.strip() and "it/s]" not in x][-n:]
+    return out
+
+
+def _row_line(r: Dict) -> str:
+    return (f"{r['kind']:<16} {r['step']:>6} {r.get('seconds', ''):>8} {r.get('lost', ''):>6} "
+            f"{str(r.get('world_before', '')):>6} -> {str(r.get('world_after', '')):<8} "
+            f"{'ok' if r.get('latest_ok') else 'BAD'} {r.get('latest', '')}  {r.get('detail', '')}")
+
+
+def table(report: Dict) -> str:
+    head = (f"{report['run']}, seed {report['seed']}, {report['steps']} steps at the first world size, "
+            f"{len(report['rows'])} faults, {report.get('seconds', 0):.0f} s\n"
+            f"{'fault':<16} {'step':>6} {'went on':>8} {'lost':>6} {'world':>6}    {'':<8} latest\n")
+    lines = [_row_line(r) for r in report["rows"]]
+    checks = [f"  {k[3:]}: {'yes' if v else 'NO'}" for k, v in report["checks"].items() if k.startswith("ok_")]
+    extra = report["checks"]
+    info = []
+    if "samples" in extra:
+        info.append(f"  samples consumed {extra['samples']:,} of a budget of {extra['budget']:,} (one global batch "
+                    f"now: {extra['last_global_batch']}); world sizes {extra['worlds']}")
+    if extra.get("error"):
+        info.append(f"  error: {extra['error']}")
+    return head + "\n".join(lines) + "\n" + "\n".join(info + checks) + \
+        f"\n{'PASSED' if report['passed'] else 'FAILED'}\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1500, help="train.steps (at the run's first world size)")
+    ap.add_argument("--faults", type=int, default=12, help="faults in the torchrun run (the Horovod one: 6)")
+    ap.add_argument("--only", choices=["torchrun", "horovod"])
+    ap.add_argument("--short", action="store_true", help="the suite's version: 700 steps, 4 faults, torchrun")
+    ap.add_argument("--json", help="write the reports here")
+    ap.add_argument("--work", help="keep the shard sets, logs and runs here (default: a temporary folder)")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the nodes and the tmpfs go on the way out
+    reason = twonode.unavailable_reason()
+    if reason:
+        print(f"chaos: cannot run: {reason}", file=sys.stderr)
+        return 2
+    work = a.work or tempfile.mkdtemp(prefix="hpfc-chaos-")
+    runs = [a.only] if a.only else ["torchrun", "horovod"]
+    if a.short:
+        runs, a.steps = ["torchrun"], 700
+    reports = []
+    for name in runs:
+        if a.short:
+            kinds, count = SHORT_KINDS, len(SHORT_KINDS)
+        elif name == "torchrun":
+            kinds, count = TORCH_KINDS, a.faults
+        else:
+            kinds, count = HOROVOD_KINDS, min(a.faults, 6)
+        report = run_one(name, a.seed, a.steps, kinds, count, work)
+        print(table(report), flush=True)
+        reports.append(report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(reports, f, indent=1, default=str)
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r["passed"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

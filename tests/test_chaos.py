@@ -1,0 +1,42 @@
+"""The chaos run's short version (launch/chaos.py --short): elastic torchrun over three network-namespace nodes,
+four faults at seeded random steps (a node lost, a node joining back, a full disk at a checkpoint, the
+scheduler's SIGTERM and a requeue), each recovered by torchrun's restarts or the requeue; the run ends with
+its budget of samples consumed to within one global batch, ``latest`` valid after every fault, every
+checkpoint loadable. About a minute. The long runs (12+ faults, both launch paths) and their tables:
+docs/reliability.md."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, launch_env
+
+sys.path.insert(0, os.path.join(ROOT, "launch"))
+import twonode  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+
+def test_short_chaos_run(tmp_path):
+    reason = twonode.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "chaos.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--short", "--seed", "3",
+                        "--json", str(out), "--work", str(tmp_path / "work")],
+                       env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if p.returncode == 2:
+        pytest.skip(p.stderr.strip())
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    (report,) = json.loads(out.read_text())
+    assert sorted(r["kind"] for r in report["rows"]) == sorted(["node-lost", "node-joins", "disk-full",
+                                                                 "sigterm-requeue"])
+    checks = report["checks"]
+    assert checks["ok_budget_consumed"] and abs(checks["samples"] - checks["budget"]) <= checks["last_global_batch"]
+    assert checks["worlds"][0] == 3 and 2 in checks["worlds"] and all(r["latest_ok"] for r in report["rows"])
+    lost = {r["kind"]: r["lost"] for r in report["rows"]}
+    assert lost["sigterm-requeue"] == 0 and lost["node-joins"] == 0      # both stop with a checkpoint first
+    assert lost["disk-full"] <= 20 and lost["node-lost"] <= 20           # checkpoint.every
