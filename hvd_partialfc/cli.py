@@ -24,8 +24,8 @@ import os
 import sys
 from typing import List, Optional
 
-from .cli_support import (debug_requested, finish_subcommands, offline_user_errors, rank_error, report,
-                          run_command)
+from .cli_support import (debug_requested, finish_subcommands, offline_user_errors, rank_error, record_exit,
+                          report, run_command)
 
 
 def _train_config(args):
@@ -362,7 +362,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .config import ConfigError
         from .engine.select import launcher_rank
         # the config is the same on every rank: rank 0 reports its error, the others only exit 2
-        return run_command("hvd-partialfc", args, args.fn, (ConfigError,), quiet=launcher_rank(os.environ) != 0)
+        code = run_command("hvd-partialfc", args, args.fn, (ConfigError,), quiet=launcher_rank(os.environ) != 0)
+        if args.cmd == "train":
+            record_exit(code, os.environ)       # for a restart wrapper (launch/horovod_restarts.py)
+        return code
     return run_command("hvd-partialfc", args, args.fn, offline_user_errors())
 
 

@@ -59,6 +59,25 @@ def describe(err: BaseException) -> str:
     return str(err)
 
 
+EXIT_DIR_ENV = "HVD_PARTIALFC_EXIT_DIR"
+
+
+def record_exit(code: int, environ) -> None:
+    """This rank's exit status, written into the folder a restart wrapper named (``HVD_PARTIALFC_EXIT_DIR``,
+    launch/horovod_restarts.py) when this rank sees it. horovodrun turns any rank's non-zero exit into its
+    own 1; from these files the wrapper tells a stop on a signal (75: every rank checkpointed) and a user's
+    error (2) from a failure worth a restart. Both are agreed by every rank, so one rank's file is enough."""
+    folder = environ.get(EXIT_DIR_ENV)
+    if not folder or not os.path.isdir(folder):
+        return
+    from . import atomic
+    from .engine.select import launcher_rank
+    try:
+        atomic.write_text(os.path.join(folder, f"rank-{launcher_rank(environ):05d}"), f"{code}\n")
+    except OSError:
+        pass
+
+
 def report(prefix: str, err: BaseException, debug: bool) -> int:
     """``PREFIX: error: ...`` on stderr (after the traceback with --debug); returns the exit status, 2."""
     if debug:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -194,3 +195,65 @@ def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path)
     assert "step-00000010 at step 10 (written by 2 ranks)" in text
     _, meta = meta_of(run)
     assert meta["step"] == 10 + 2 * 20 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]   # by samples
+
+
+def _wrapper(shards, run, steps, sets=()):
+    return [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--np", "2",
+            "--horovodrun", os.path.join(BIN, "horovodrun"), "--horovodrun-args=--gloo", "--",
+            sys.executable] + train_cmd(shards, run, steps, list(sets))
+
+
+def _trainers(pid):
+    """The training processes under ``pid`` (not horovodrun, not the wrapper)."""
+    out = []
+    for c in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = c.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        launcher = any(w.endswith(("horovodrun", "horovod_restarts.py")) for w in cmd)
+        if "hvd_partialfc.cli" in cmd and not launcher and "python" in os.path.basename(cmd[0]):
+            out.append(c)
+    return out
+
+
+def test_horovod_wrapper_exits_75_when_preempted(small_run_shards, tmp_path):
+    """SIGTERM to one rank of a running 2-rank job under launch/horovod_restarts.py: every rank checkpoints and
+    exits 75, and so does the wrapper, after one attempt, for the scheduler to requeue. Before: horovodrun
+    exited 1 and the wrapper restarted the job ("attempt 0 exited 1; restarting from the last checkpoint")."""
+    run = tmp_path / "run"
+    p = subprocess.Popen(_wrapper(small_run_shards, run, 100000, ["checkpoint.every=50"]), env=env(), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (os.path.exists(run / "metrics.jsonl") and len(metrics(run)) >= 2):
+            assert time.time() < deadline and p.poll() is None, "no training under the wrapper"
+            time.sleep(0.2)
+        trainers = _trainers(p.pid)
+        assert len(trainers) == 2
+        trainers[1].send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    assert p.returncode == 75, err[-3000:]
+    assert "attempt 1" not in err and "preempted: every rank checkpointed" in err
+    ckpt, meta = meta_of(run)
+    # the stop's own checkpoint (not one of every 50 steps), at or after the last step logged
+    assert meta["step"] % 50 and meta["step"] >= max(r["step"] for r in metrics(run)) and meta["identical"]
+
+
+def test_horovod_wrapper_does_not_retry_a_users_error(small_run_shards, tmp_path):
+    """A config every rank refuses: the wrapper exits 2 after one attempt (before: three)."""
+    p = run_job(_wrapper(small_run_shards, tmp_path / "run", 10, ["model.name=no-such-model"]), env(), 120)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "attempt 0" in p.stderr and "attempt 1" not in p.stderr and "not restarted" in p.stderr
+
+
+def test_the_wrappers_decision():
+    sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from horovod_restarts import outcome
+    assert outcome(0, {}) == 0
+    assert outcome(1, {0: 75, 1: 75}) == 75 and outcome(1, {0: 75}) == 75     # one rank's file is enough
+    assert outcome(1, {0: 2, 1: 2}) == 2 and outcome(1, {0: 75, 1: 2}) == 2
+    assert outcome(1, {}) is None and outcome(1, {0: 1}) is None and outcome(1, {0: 75, 1: 1}) is None
