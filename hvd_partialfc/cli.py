@@ -72,16 +72,18 @@ def _train(args) -> int:
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         return report("hvd-partialfc train", e, debug_requested(args))
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
+    error = None
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
     except Exception as e:
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
         # The non-zero exit makes the launcher stop the others.
+        error = e
         return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
-    finally:   # a goodbye before this process ends: its neighbour does not take it for a lost peer
-        if heartbeat:
-            heartbeat.stop()
+    finally:   # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
+        if heartbeat:   # its neighbour ends now, naming it, instead of waiting for it in a collective
+            heartbeat.end(error)
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "

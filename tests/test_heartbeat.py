@@ -57,3 +57,52 @@ def test_a_busy_rank_is_not_taken_for_a_lost_one():
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all(f"[rank {r}] done" in o and "lost peer" not in o for r, o in enumerate(outs))
+
+
+def _ends(mode, timeout, mark):
+    """Run ``mode``; (rank 0's output, seconds from rank 1's ``mark`` line to rank 0's exit)."""
+    procs = _start(mode, timeout)
+    try:
+        out0, _ = procs[0].communicate(timeout=90)
+        ended = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+    out1 = procs[1].communicate()[0]
+    at = float(out1.split(f"[rank 1] {mark} at ")[1].split()[0])
+    return out0, ended - at
+
+
+def test_a_killed_rank_with_a_forked_child_is_mourned_at_once():
+    """Rank 1 forks a child that lingers (a DataLoader worker takes seconds to notice its parent's death), then
+    is SIGKILLed: rank 0 ends at once, well within the 10 s timeout. Before, the child held rank 1's
+    heartbeat connection open, and rank 0 waited the whole timeout (round a ring, N times that)."""
+    out0, took = _ends("forked", 10.0, "killed")
+    assert "lost peer rank 1" in out0 and "ended without a goodbye" in out0, out0
+    assert took < 3.0, took
+
+
+def test_a_ranks_own_error_leaves_without_a_goodbye():
+    """Rank 1 fails on its own and is slow to exit: rank 0, waiting for it in a collective, ends at once naming
+    it (before, the goodbye was said on any exception and rank 0 stopped watching)."""
+    out0, took = _ends("crash", 10.0, "failed")
+    assert "lost peer rank 1" in out0, out0
+    assert took < 3.0, took
+
+
+def test_an_agreed_error_says_goodbye():
+    procs = _start("agreed", 1.0)
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert all("lost peer" not in o and f"[rank {r}] agreed" in o for r, o in enumerate(outs)), outs
+
+
+def test_a_stray_connection_is_not_taken_for_the_neighbour():
+    """A stranger reaches rank 0's heartbeat port before rank 1 and leaves 2 s later: refused (no token), the
+    ring forms with rank 1, and nobody is mourned (before, rank 0 took the stranger for rank 1 and ended when
+    it left)."""
+    procs = _start("stray", 1.0)
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("lost peer" not in o for o in outs), outs

@@ -35,6 +35,20 @@ class RankFailure(RuntimeError):
         self.point, self.failures = point, list(failures)
 
 
+def mark_agreed(err: BaseException) -> BaseException:
+    """``err``, marked as raised by every rank at the same point (an agreement, or a decision every rank takes
+    alike from identical values: the averaged gradient's norm, an agreed count): ``agreed`` then holds. The
+    heartbeat says goodbye only for such errors (cli.py): after an error of one rank alone its neighbour
+    must not stop watching it."""
+    err.agreed_by_every_rank = True
+    return err
+
+
+def agreed(err: BaseException) -> bool:
+    """``err`` is every rank's (``mark_agreed``, or a RankFailure from an agreement point)."""
+    return bool(getattr(err, "agreed_by_every_rank", False)) or (isinstance(err, RankFailure) and bool(err.failures))
+
+
 def backbone_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """``module``'s named parameters, checking that ``optimizer`` holds exactly those (not a collective).
 

@@ -16,7 +16,16 @@ neighbour's connection closes without a goodbye (a killed process: the kernel cl
 
 and exits at once (exit code 1, ``EXIT_LOST_PEER``). Its own connection then closes, so its next neighbour
 ends too, and so round the ring: every rank ends within one timeout of the cut on each side of it. A rank
-that ends normally, or by an agreed error, says goodbye first (``stop``), and is not mourned.
+that ends normally, stops on a signal or ends by an error every rank raised (``base.agreed``) says goodbye
+first and is not mourned; after an error of its own it closes its connection without one (``end``), so its
+neighbour ends at once instead of waiting for it in a collective (before, any exception said goodbye).
+
+No forked child keeps the sockets: a DataLoader worker forked after the ring was up held a copy of them,
+so a killed rank's connection stayed open until its workers noticed their parent's death (seconds), and
+round the ring those seconds added up; every child closes its copies right after the fork
+(``os.register_at_fork``). The listening socket binds the advertised address only, and takes only the
+neighbour that presents the job's token (drawn by rank 0, shared with the addresses) and its rank: a stray
+connection (a port scan, another job) is closed and the wait goes on.
 
 The address a rank advertises is the one its peers can reach: the IPv4 address of ``GLOO_SOCKET_IFNAME``
 (or ``HOROVOD_GLOO_IFACE``) when set, else the local address of the route to the rendezvous host
@@ -27,15 +36,34 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import socket
 import struct
 import sys
 import threading
 import time
-from typing import Optional, Tuple
+import weakref
+from typing import List, Optional, Tuple
 
 EXIT_LOST_PEER = 1
 _BEAT, _BYE = b"B", b"E"
+_HELLO = b"hvd_partialfc-heartbeat"
+_HELLO_LEN = len(_HELLO) + 32 + 8          # the tag, the job's token (32 hex digits), the rank (8 digits)
+_LIVE: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """After a fork, in the child: close its copies of every heartbeat socket (the parent's stay open)."""
+    for hb in list(_LIVE):
+        for sock in hb.sockets():
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _iface_address(name: str) -> Optional[str]:
@@ -85,8 +113,16 @@ class Heartbeat:
         self.rank, self.size, self.timeout = rank, size, float(timeout_s)
         self.interval = max(0.05, self.timeout / 10)
         self._out: Optional[socket.socket] = None
+        self._in: Optional[socket.socket] = None
+        self._server: Optional[socket.socket] = None
         self._stopped = threading.Event()
         self.peers = []
+        self.token = ""
+        _LIVE.add(self)
+
+    def sockets(self) -> List[socket.socket]:
+        """This rank's heartbeat sockets (the listening one while the ring forms, then both connections)."""
+        return [s for s in (self._server, self._out, self._in) if s is not None]
 
     @classmethod
     def start(cls, comm, timeout_s: float) -> Optional["Heartbeat"]:
@@ -94,30 +130,71 @@ class Heartbeat:
         if comm.size == 1 or timeout_s <= 0:
             return None
         hb = cls(comm.rank, comm.size, timeout_s)
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        addr = advertised_address()
+        hb._server = server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("0.0.0.0", 0))
-        server.listen(1)
-        me = (socket.gethostname(), advertised_address(), server.getsockname()[1])
-        hb.peers = comm.allgather_object(me, name="heartbeat.addresses")
+        try:
+            server.bind((addr, 0))          # the address the peers are told, not every interface
+        except OSError:                     # not this host's (a NAT's, a name's): every interface, the token decides
+            server.bind(("0.0.0.0", 0))
+        server.listen(8)
+        token = secrets.token_hex(16) if comm.rank == 0 else ""
+        hb.peers = comm.allgather_object((socket.gethostname(), addr, server.getsockname()[1], token),
+                                         name="heartbeat.addresses")
+        hb.token = hb.peers[0][3]
         accepted = []
-        acceptor = threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True)
+        acceptor = threading.Thread(target=lambda: accepted.append(hb._accept(server, time.monotonic() + 60)),
+                                    daemon=True)
         acceptor.start()
         hb._out = hb._connect(hb.peers[(hb.rank + 1) % hb.size])
-        acceptor.join(timeout=60)
-        server.close()
-        if not accepted:
-            hb._lost((hb.rank - 1) % hb.size, "it never connected")
+        # beat as soon as the next rank is connected: it may watch already while this rank waits for its own
+        # previous one (behind a stray connection, say)
         threading.Thread(target=hb._send, daemon=True, name="heartbeat-send").start()
+        acceptor.join(timeout=65)
+        hb._server = None
+        server.close()
+        if not accepted or accepted[0] is None:
+            hb._lost((hb.rank - 1) % hb.size, "it never connected")
+        hb._in = accepted[0]
         threading.Thread(target=hb._watch, args=(accepted[0],), daemon=True, name="heartbeat-watch").start()
         return hb
+
+    def _hello(self, rank: int) -> bytes:
+        return _HELLO + self.token.encode() + b"%08d" % rank
+
+    def _accept(self, server: socket.socket, deadline: float) -> Optional[socket.socket]:
+        """The previous rank's connection: the first one that presents the job's token and that rank; any other
+        is closed (a stray connection is never taken for the neighbour). None at the deadline."""
+        want = self._hello((self.rank - 1) % self.size)
+        while time.monotonic() < deadline:
+            server.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return None
+            conn.settimeout(5)
+            got = b""
+            try:
+                while len(got) < _HELLO_LEN:
+                    chunk = conn.recv(_HELLO_LEN - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+            except OSError:
+                pass
+            if got == want:
+                conn.settimeout(None)
+                return conn
+            conn.close()
+        return None
 
     def _connect(self, peer: Tuple[str, str, int]) -> socket.socket:
         deadline = time.monotonic() + 60
         while True:
             try:
-                s = socket.create_connection(peer[1:], timeout=5)
+                s = socket.create_connection(peer[1:3], timeout=5)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.sendall(self._hello(self.rank))
                 return s
             except OSError as e:
                 if time.monotonic() > deadline:
@@ -153,7 +230,7 @@ class Heartbeat:
                 return
 
     def _lost(self, peer: int, why: str) -> None:
-        host, addr, _ = self.peers[peer] if self.peers else ("?", "?", 0)
+        host, addr = self.peers[peer][:2] if self.peers else ("?", "?")
         sys.stderr.write(f"[rank {self.rank}] error: lost peer rank {peer} ({host}, {addr}): {why}; "
                          "ending this rank (train.heartbeat_timeout)\n")
         sys.stderr.flush()
@@ -170,3 +247,24 @@ class Heartbeat:
             self._out.close()
         except OSError:
             pass
+
+    def abandon(self) -> None:
+        """Stop without a goodbye: the next rank sees the connection close and ends, naming this rank (an error
+        of this rank alone: the others must not wait for it in their next collective)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        try:
+            self._out.shutdown(socket.SHUT_RDWR)
+            self._out.close()
+        except OSError:
+            pass
+
+    def end(self, error: Optional[BaseException] = None) -> None:
+        """How this rank leaves the ring: a goodbye after a normal end or an error every rank raised
+        (``base.agreed``), none after its own error (``abandon``)."""
+        from .base import agreed
+        if error is None or agreed(error):
+            self.stop()
+        else:
+            self.abandon()

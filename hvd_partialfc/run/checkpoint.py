@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from .. import atomic
-from ..engine.base import RankFailure
+from ..engine.base import RankFailure, mark_agreed
 from . import faults
 from .checkpoint_files import (CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, CheckpointError, classifier_file,
                                list_checkpoints, load_file, parse_step, read_meta, rng_state, room_report,
@@ -191,11 +191,11 @@ class Checkpointer:
         self._agree_written(error, partial, step, "done")
         faults.pause("pause-after-ckpt", step, comm.rank)
         if not identical:
-            raise CheckpointError(
+            raise mark_agreed(CheckpointError(
                 f"backbones differ across ranks at step {step}: "
                 + ", ".join(f"rank {r}: {d[:12]}" for r, d in enumerate(digests))
                 + f"; each rank's copy is in {os.path.join(self.base, 'diverged-' + step_dir_name(step))}; "
-                f"{LATEST} and the earlier checkpoints are untouched")
+                f"{LATEST} and the earlier checkpoints are untouched"))
         return final_dir
 
     def _agree_written(self, error, partial: str, step: int, stage: str) -> None:
@@ -211,10 +211,10 @@ class Checkpointer:
             if self.comm.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
             self.comm.agree(None, name=f"ckpt.{stage}.{step}.removed")  # every rank measures after that
-            raise CheckpointError(
+            raise mark_agreed(CheckpointError(
                 f"checkpoint of step {step} not written: {failure}\n{room_report(self.base)}. The previous "
                 f"checkpoint and {LATEST} are untouched: make room (or move the run folder) and resume with "
-                "--resume auto") from None
+                "--resume auto")) from None
 
     def _meta(self, step: int, state: TrainingState, length, digests: List[str],
               identical: bool) -> Dict[str, Any]:

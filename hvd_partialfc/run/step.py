@@ -22,6 +22,7 @@ import torch
 from ..data.loader import prepare_batch
 from .progress import RunLength
 from ..classifier.rowsparse import grad_values
+from ..engine.base import mark_agreed
 
 
 def read_norms(norm: torch.Tensor, cls_norm: Optional[torch.Tensor]) -> Tuple[float, float]:
@@ -159,23 +160,28 @@ class Step:
                 else:
                     counters.classifier_skipped_steps += 1
                     counters.classifier_consecutive_skips += 1
-                    self._check_skips(counters.classifier_consecutive_skips, step, "this rank's classifier gradient")
+                    self._check_skips(counters.classifier_consecutive_skips, step, "this rank's classifier gradient",
+                                      every_rank=False)
         elif loss_scale.enabled or self.cfg.train.on_nonfinite == "skip":
             counters.skipped_steps += 1      # every rank skips: the averaged norm is the same everywhere
             counters.consecutive_skips += 1
             self._check_skips(counters.consecutive_skips, step, "the averaged gradient")
         else:
-            raise NonFiniteError(f"rank {self.comm.rank}: non-finite backbone gradient at step {step} "
-                                 f"(local loss {float(loss_sum)}); set train.on_nonfinite=skip to skip such steps")
+            raise mark_agreed(NonFiniteError(   # the averaged norm: every rank decides alike
+                f"rank {self.comm.rank}: non-finite backbone gradient at step {step} (local loss {float(loss_sum)}); "
+                "set train.on_nonfinite=skip to skip such steps"))
         return StepFigures({"loss": loss_sum}, grad_norm=grad_norm, lr_factor=lr_f, data_time=data_time,
                            step_time=time.perf_counter() - t0)
 
-    def _check_skips(self, consecutive: int, step: int, what: str) -> None:
+    def _check_skips(self, consecutive: int, step: int, what: str, every_rank: bool = True) -> None:
+        """SkippedStepsError after ``train.max_consecutive_skips`` skips in a row; ``every_rank``: the skips
+        were every rank's (the averaged gradient), so is the error (engine/base.py, mark_agreed)."""
         limit = self.cfg.train.max_consecutive_skips
         if limit and consecutive >= limit:
             ls = self.parts.loss_scale
             scale = f"; fp16 loss scale now {ls.scale:g}" if ls.enabled else ""
-            raise SkippedStepsError(
+            err = SkippedStepsError(
                 f"rank {self.comm.rank}: {consecutive} steps in a row skipped up to step {step}: {what} is not "
                 f"finite{scale}. The run is not training; stopping (train.max_consecutive_skips="
                 f"{limit}). Lower the learning rate, check the data, or resume from an earlier checkpoint")
+            raise mark_agreed(err) if every_rank else err

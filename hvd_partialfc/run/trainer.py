@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from . import faults
-from ..engine.base import gradient_bytes
+from ..engine.base import gradient_bytes, mark_agreed
 from ..config import dump_config
 from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
@@ -127,7 +127,7 @@ class Trainer:
                         ckpt_dir = self.save_checkpoint(done, averaged=scheduled or evaluate)
                         last_save = time.monotonic()
                     if too_many:
-                        raise ShardError(f"step {done}: {too_many}; checkpoint {ckpt_dir} written")
+                        raise mark_agreed(ShardError(f"step {done}: {too_many}; checkpoint {ckpt_dir} written"))
                     if evaluate:
                         try:
                             self.evaluate(done, bar=bar, metrics=metrics)

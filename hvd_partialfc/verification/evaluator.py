@@ -36,6 +36,8 @@ class EvaluationError(RuntimeError):
     """An evaluation failed on the main rank: raised on every rank, with the same message, once the failure
     is agreed and recorded in eval.jsonl."""
 
+    agreed_by_every_rank = True     # what engine/base.py's ``agreed`` reads: the heartbeat says goodbye
+
 
 class Evaluator:
     """Verification during training: decides when (`due`), averages buffers and evaluates (`maybe_run`).

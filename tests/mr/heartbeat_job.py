@@ -5,19 +5,40 @@ torchrun's variables, so that the test, not a launcher, sees each rank end).
                                              # rank 0 waits in a collective until its heartbeat ends it
     python heartbeat_job.py busy TIMEOUT     # rank 0's main thread computes for 3 x TIMEOUT while rank 1
                                              # waits in a collective: both must finish normally
+    python heartbeat_job.py forked TIMEOUT   # rank 1 forks a child that lingers (as a DataLoader worker does
+                                             # until it notices), then is SIGKILLed: rank 0 must end at once
+    python heartbeat_job.py crash TIMEOUT    # rank 1 fails on its own and lingers (a slow exit): it leaves
+                                             # the ring without a goodbye, rank 0 ends at once naming it
+    python heartbeat_job.py agreed TIMEOUT   # an error every rank raises (an agreement): goodbyes, no alarm
+    python heartbeat_job.py stray TIMEOUT    # a stray connection reaches rank 0 before rank 1 does: it is
+                                             # refused, and the ring forms with rank 1
 """
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hvd_partialfc.engine.base import RankFailure  # noqa: E402
 from hvd_partialfc.engine.heartbeat import Heartbeat  # noqa: E402
 from hvd_partialfc.engine.select import start_engine  # noqa: E402
 
 mode, timeout = sys.argv[1], float(sys.argv[2])
 comm = start_engine("torch", os.environ)
+if mode == "stray" and comm.rank == 1:
+    connect = Heartbeat._connect
+
+    def stray_first(self, peer):
+        """A stranger connects to rank 0's heartbeat port first, says something else, and leaves after 2 s."""
+        s = socket.create_connection(peer[1:3], timeout=5)
+        s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40)
+        threading.Timer(2.0, s.close).start()
+        time.sleep(0.3)
+        return connect(self, peer)
+    Heartbeat._connect = stray_first
 hb = Heartbeat.start(comm, timeout)
 print(f"[rank {comm.rank}] ring up at {time.time():.3f}", flush=True)
 if mode == "freeze" and comm.rank == 1:
@@ -26,6 +47,30 @@ if mode == "busy" and comm.rank == 0:
     t0, n = time.time(), 0
     while time.time() - t0 < 3 * timeout:       # pure Python: holds the GIL but for the switch interval
         n += sum(range(1000))
+if mode == "forked" and comm.rank == 1:
+    if os.fork() == 0:                          # the child holds whatever the fork left it, for 20 s
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1), os.dup2(devnull, 2)  # but not the test's pipes
+        time.sleep(20)
+        os._exit(0)
+    time.sleep(0.5)
+    print(f"[rank 1] killed at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "crash" and comm.rank == 1:
+    print(f"[rank 1] failed at {time.time():.3f}", flush=True)
+    hb.end(RuntimeError("this rank's own error"))
+    time.sleep(30)
+    sys.exit(1)
+if mode == "agreed":
+    try:
+        comm.agree("a bad shard on rank 1" if comm.rank == 1 else None, name="agreed")
+    except RankFailure as e:
+        hb.end(e)
+        time.sleep(2 * timeout)                 # no alarm while both linger
+        print(f"[rank {comm.rank}] agreed: {e}", flush=True)
+        sys.exit(2)
+if mode == "stray":
+    time.sleep(3)                               # past the stranger's leaving
 comm.allreduce_scalar(1.0, "sum", name="after")
 hb.stop()
 print(f"[rank {comm.rank}] done", flush=True)
