@@ -67,6 +67,7 @@ def _train(args) -> int:
     from .config import ConfigError
     try:
         comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, share_gpu=cfg.train.share_gpu,
+                            collective_timeout_s=cfg.train.collective_timeout,
                             allow_host_allreduce=cfg.train.allow_host_allreduce)
     except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)

@@ -149,6 +149,10 @@ class TrainConfig:
                       see="docs/engines.md#choosing")
     heartbeat_timeout: float = opt(20.0, "seconds of silence from a ring neighbour before the job ends naming it "
                                          "(0: off)", see="docs/engines.md#failures")
+    collective_timeout: float = opt(7200.0, "seconds a rank waits in one collective (or for the group to form) "
+                                            "before it fails: longer than rank 0's slowest work alone (an "
+                                            "evaluation, a large checkpoint); a lost peer ends the job sooner "
+                                            "(heartbeat_timeout)", see="docs/engines.md#timeouts")
     cudnn_benchmark: bool = opt(True, "CUDA: cuDNN picks its fastest convolution algorithms at the first step",
                                 see="docs/gpu.md#the-keys")
     channels_last: bool = opt(False, "channels_last (NHWC) backbone and batches, for Tensor Cores under fp16 / bf16",
@@ -223,6 +227,8 @@ class Config:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.heartbeat_timeout < 0:
             raise ConfigError("train.heartbeat_timeout must be >= 0 (0: off)")
+        if self.train.collective_timeout <= 0:
+            raise ConfigError("train.collective_timeout must be > 0 seconds")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
         return self

@@ -24,6 +24,12 @@ import torch.nn as nn
 from ..digest import state_digest
 
 
+# train.collective_timeout's default, seconds: longer than rank 0's slowest work alone (an IJB-C evaluation, a
+# checkpoint of a 10^7-class head), the other ranks waiting in a collective meanwhile; a lost peer is found by
+# the heartbeat in seconds, so this only bounds a rank that is alive but never arrives (a bug)
+DEFAULT_COLLECTIVE_TIMEOUT_S = 7200.0
+
+
 class RankFailure(RuntimeError):
     """Raised on *every* rank when at least one rank reported an error in an agreement point.
 

@@ -25,6 +25,7 @@ import importlib.util
 from typing import Mapping
 
 from ..config import ConfigError
+from .base import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 ENGINES = ("auto", "horovod", "torch")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -92,15 +93,15 @@ def check_gpu_operations(device: str, cuda_available: bool, nccl_version: int, a
 
 
 def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_gpu: bool = False,
-                 allow_host_allreduce: bool = False):
+                 allow_host_allreduce: bool = False, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
     """Choose (``choose_engine``) and start the engine; its ``Comm``. A collective across the launched ranks.
-    ``device``, ``share_gpu``, ``allow_host_allreduce``: the ``train.*`` keys of those names (device.py: the
-    GPU's choice, and ranks sharing one refused unless ``share_gpu``; Horovod without NCCL on a CUDA run
-    refused unless ``allow_host_allreduce``)."""
+    ``device``, ``share_gpu``, ``allow_host_allreduce``, ``collective_timeout_s``: the ``train.*`` keys of those
+    names (device.py: the GPU's choice, and ranks sharing one refused unless ``share_gpu``; Horovod without
+    NCCL on a CUDA run refused unless ``allow_host_allreduce``; how long a rank waits in one collective)."""
     if choose_engine(want, env) == "torch":
         from . import torchdist
-        return torchdist.init(device, share_gpu)
+        return torchdist.init(device, share_gpu, timeout_s=collective_timeout_s)
     import torch
     from . import horovod
     check_gpu_operations(device, torch.cuda.is_available(), horovod.nccl_version(), allow_host_allreduce)
-    return horovod.init(device, share_gpu)
+    return horovod.init(device, share_gpu, timeout_s=collective_timeout_s)

@@ -11,7 +11,13 @@ What it must reproduce, and how:
 * **The backbone's gradients only**, bucketed and overlapped with the backward pass: a post-accumulate hook
   per parameter counts its passes (``backward_passes_per_step``); when every parameter of a bucket has
   its last pass, the bucket (flattened, ~``BUCKET_MB``) starts an asynchronous all-reduce while autograd
-  goes on. ``synchronize()`` waits, scales and writes the averages back into ``.grad``. Not DDP: the
+  goes on. ``synchronize()`` waits, scales and writes the averages back into ``.grad``.
+* **Buckets in one order on every rank**: torch.distributed pairs the k-th all-reduce of every rank, so bucket b
+  starts only after buckets 0 .. b-1 (a ready bucket waits for its predecessors), and whatever never got ready
+  starts at ``synchronize`` in the same order, a missing gradient as zeros (as Horovod sends). Before, buckets
+  started as they got ready: a parameter with a gradient on some ranks only (a branch one rank skips) left
+  its bucket to ``synchronize`` there while the others launched it from the hook, and the k-th all-reduces
+  paired different buckets (wrong averages of equal-sized ones, or a hang). Horovod matches tensors by name. Not DDP: the
   step needs Horovod's ``synchronize`` / ``skip_synchronize`` (check the averaged norm, clip, skip on
   non-finite values, vote) and DDP would also wrap the module (its state-dict keys) and broadcast buffers.
 * **Collective order**: Horovod matches collectives by name, torch.distributed by the order of calls, so
@@ -37,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .base import CommBase, RankFailure, backbone_params
+from .base import DEFAULT_COLLECTIVE_TIMEOUT_S, CommBase, RankFailure, backbone_params
 from .device import agreed_device, uses_cuda
 from .optimizer import AveragingOptimizer
 from .round_store import agreed_prefix
@@ -225,6 +231,7 @@ class BucketAverager(AveragingOptimizer):
     def _reset(self) -> None:
         self._passes: Dict[int, int] = {}
         self._waiting = [len(ps) for ps in self.buckets]
+        self._next = 0                                               # the next bucket to launch, in order
         self._inflight: List[Tuple[int, Any, torch.Tensor]] = []     # (bucket, its all-reduce, its buffer)
 
     def _grad_ready(self, p: torch.Tensor) -> None:
@@ -234,8 +241,9 @@ class BucketAverager(AveragingOptimizer):
         if n == self.backward_passes_per_step:
             b = self._bucket_of[id(p)]
             self._waiting[b] -= 1
-            if self._waiting[b] == 0:
-                self._launch(b)
+            while self._next < len(self.buckets) and self._waiting[self._next] == 0:   # in bucket order only
+                self._launch(self._next)
+                self._next += 1
 
     def _launch(self, b: int) -> None:
         comm: TorchComm = self._comm
@@ -259,10 +267,9 @@ class BucketAverager(AveragingOptimizer):
         fewer passes than ``backward_passes_per_step``, are launched here in bucket order)."""
         if self._comm.size == 1:
             return
-        launched = {b for b, _, _ in self._inflight}
-        for b in range(len(self.buckets)):
-            if b not in launched:
-                self._launch(b)
+        for b in range(self._next, len(self.buckets)):     # what never got ready, in the same order
+            self._launch(b)
+        self._next = len(self.buckets)
         t0 = time.perf_counter()
         scale = 1.0 / self._comm.size
         with torch.no_grad():
@@ -303,18 +310,17 @@ def _restarts_across_nodes(environ) -> bool:
         int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and int(environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
 
-def _round_store(rank: int, size: int):
+def _round_store(rank: int, size: int, timeout: timedelta):
     """The torchrun agent's store (shared by every rendezvous round of the job), with the keys of this round
     only: the prefix every member of the round agreed on (round_store.py says why and how; keyed by
     ``TORCHELASTIC_RESTART_COUNT`` before, which agents count each on their own, so a node that joined back
     took another prefix than the rest and init_process_group hung)."""
-    timeout = timedelta(minutes=30)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, is_master=False,
                           timeout=timeout)
     return dist.PrefixStore(agreed_prefix(store, rank, size, timeout.total_seconds()), store)
 
 
-def init(device: str = "auto", share_gpu: bool = False) -> TorchComm:
+def init(device: str = "auto", share_gpu: bool = False, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> TorchComm:
     """Join the torch.distributed group: under torchrun from its environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``MASTER_PORT``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), alone as a group of one.
 
@@ -326,23 +332,29 @@ def init(device: str = "auto", share_gpu: bool = False) -> TorchComm:
     the first collective. With ``share_gpu`` (``train.share_gpu``) sharing ranks are allowed, and then every
     rank's collectives run on host tensors over Gloo (one backend per collective on all ranks); without
     sharing, NCCL.
+
+    ``timeout_s`` (``train.collective_timeout``): how long a rank waits in one collective, and for the group
+    to form (the store's waits). torch's default is 30 minutes, and ranks waiting while rank 0 evaluated
+    alone (a large verification set) died there; a lost peer is the heartbeat's to find, in seconds.
     """
     alone = "RANK" not in os.environ
     rank, size = (0, 1) if alone else (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = "cpu:gloo,cuda:nccl" if uses_cuda(device) else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if alone:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_round_store(rank, size), rank=rank, world_size=size)
+            dist.init_process_group(backend, store=_round_store(rank, size, timeout), rank=rank, world_size=size,
+                                    timeout=timeout)
             if rank == 0 and _restarts_across_nodes(os.environ):
                 print("note: torchrun shares its store across rounds (its default): a node that joins back "
                       "hangs torchrun's own rendezvous; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun "
                       "where nodes may join (docs/engines.md, Elastic)", flush=True)
         else:
-            dist.init_process_group(backend, rank=rank, world_size=size)
+            dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout)
     where, shared = agreed_device(device, rank, local_rank, size, share_gpu, _allgather_host)
     if shared:
         where = torch.device("cpu")                   # every rank's collectives on host tensors: Gloo

@@ -27,7 +27,7 @@ RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "tr
                     "data.on_bad_sample", "data.max_bad_samples",
                     "train.max_consecutive_skips",
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
-                    "train.heartbeat_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
+                    "train.heartbeat_timeout", "train.collective_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
                     "head.matmul", "train.allow_host_allreduce")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.

@@ -1,0 +1,49 @@
+"""The torch engine's timeout and bucket order (engine/torchdist.py), under real torchrun with 2 ranks.
+
+* ``train.collective_timeout``: a rank that waits in a collective longer than it fails, one that waits less
+  does not (torch's default was 30 minutes: ranks waiting while rank 0 evaluated alone died there);
+* buckets start in one order on every rank: a model with a branch one rank skips is averaged exactly as the
+  offline average of each rank's gradients (a missing one as zeros), bitwise; before, the k-th all-reduces
+  paired different buckets and the averages were wrong.
+"""
+import os
+
+import pytest
+import torch
+
+from conftest import MR, TORCHRUN, launch_env, run_job
+
+pytestmark = pytest.mark.multirank
+
+
+def _torchrun(*args, timeout=120):
+    return run_job([TORCHRUN, "--standalone", "--nproc-per-node", "2", os.path.join(MR, "torch_engine_job.py"),
+                    *map(str, args)], launch_env(), timeout)
+
+
+def test_a_collective_waits_as_long_as_the_timeout_says():
+    p = _torchrun("wait", 2, 6)                     # rank 1 arrives 6 s late: rank 0 gives up after 2 s
+    assert "[rank 0] failed after" in p.stdout, p.stdout + p.stderr[-2000:]
+    took = float(p.stdout.split("[rank 0] failed after ")[1].split()[0])
+    assert 1.5 <= took < 6, took
+    p = _torchrun("wait", 8, 1)                     # 1 s late, 8 s allowed: fine
+    assert "[rank 0] ok after" in p.stdout and "failed" not in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_the_config_key_reaches_the_engine():
+    from hvd_partialfc.config import ConfigError, load_config
+    from hvd_partialfc.run.resume import RESUME_FREE_KEYS
+    cfg = load_config(None, ["train.collective_timeout=90"], {"data": {"shards": "x"}})
+    assert cfg.train.collective_timeout == 90.0 and "train.collective_timeout" in RESUME_FREE_KEYS
+    with pytest.raises(ConfigError, match="collective_timeout"):
+        load_config(None, ["train.collective_timeout=0"], {"data": {"shards": "x"}})
+
+
+def test_buckets_pair_alike_when_one_rank_skips_a_branch(tmp_path):
+    p = _torchrun("branch", tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in (0, 1):
+        got = torch.load(tmp_path / f"rank-{r}.pt", weights_only=True)
+        assert got["buckets"] == 3
+        for name, want in got["offline"].items():
+            assert torch.equal(got["averaged"][name], want), (r, name, (got["averaged"][name] - want).abs().max())
