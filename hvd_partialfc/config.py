@@ -149,7 +149,7 @@ class TrainConfig:
                       see="docs/engines.md#choosing")
     heartbeat_timeout: float = opt(20.0, "seconds of silence from a ring neighbour before the job ends naming it "
                                          "(0: off)", see="docs/engines.md#failures")
-    collective_timeout: float = opt(7200.0, "seconds a rank waits in one collective (or for the group to form) "
+    collective_timeout: float = opt(10800.0, "seconds a rank waits in one collective (or for the group to form) "
                                             "before it fails: longer than rank 0's slowest work alone (an "
                                             "evaluation, a large checkpoint); a lost peer ends the job sooner "
                                             "(heartbeat_timeout)", see="docs/engines.md#timeouts")

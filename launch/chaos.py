@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import shutil
 import signal
@@ -55,7 +56,6 @@ from chaos_parts import (ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_
 TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "bad-sample", "node-joins")
 HOROVOD_KINDS = ("kill-rank", "link-cut", "sigterm-requeue", "disk-full")
 SHORT_KINDS = ("node-lost", "node-joins", "disk-full", "sigterm-requeue")     # --short: torchrun, 4 faults
-RESTARTING = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "node-joins")
 EVERY = 20          # checkpoint.every
 TAIL = 500          # steps after the last fault
 TRAIN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
@@ -67,11 +67,11 @@ TRAIN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 
 # --- the plan ---------------------------------------------------------------------------------------------
 
 def plan(seed: int, kinds: Sequence[str], count: int, steps: int, nodes: int) -> List[Tuple[int, str]]:
-    """``count`` (step, kind) pairs: every kind at least once, each one possible where it falls (a node can be
-    lost or cut while all are up; one joins while one is down), a restart after the damaged sample (its rank
-    finds it when it opens the shard again); steps at least ``gap`` apart, the last one at least ``TAIL``
-    steps before the end (a fault's effect, a restart, takes seconds: at ~40 steps/s a shorter tail can end
-    the run first)."""
+    """``count`` (step, kind) pairs: every kind once, then the kinds again as evenly as they go, in a random
+    order where each fault is possible when it comes (a node is lost or cut while all are up; one joins while
+    one is down) and the damaged sample is not last (its rank finds it when it next opens the shard: a later
+    fault's restart). Steps at least ``gap`` apart, the last ``TAIL`` steps before the end (a fault's effect,
+    a restart, takes seconds: at ~40 steps/s a shorter tail could end the run first)."""
     rng = np.random.default_rng(seed)
     lo, hi = 3 * EVERY, max(3 * EVERY + 2 * EVERY * count, steps - TAIL)
     gap = max(EVERY, (hi - lo) // (2 * count))
@@ -79,29 +79,21 @@ def plan(seed: int, kinds: Sequence[str], count: int, steps: int, nodes: int) ->
         at = sorted(int(x) for x in rng.choice(np.arange(lo, hi), size=count, replace=False))
         if all(b - a >= gap for a, b in zip(at, at[1:])):
             break
-    order, up, unused = [], nodes, list(kinds)
-    for i in range(count):
-        def possible(k):
-            return not ((k in ("node-lost", "link-cut") and up < nodes) or (k == "node-joins" and up == nodes)
-                        or (k == "bad-sample" and i == count - 1))
-        left = count - i
-        pool = [k for k in unused if possible(k)]
-        must = [k for k in pool if k != "node-joins" or up < nodes]
-        if left <= len(unused) and must:
-            pool = must
-        elif not pool or left > len(unused):      # every kind used: the least used ones
-            pool = [k for k in kinds if possible(k)]
-            fewest = min(order.count(k) for k in pool)
-            pool = [k for k in pool if order.count(k) == fewest]
-        if "node-joins" in unused and up < nodes and left <= len(unused) + 1:
-            pool = ["node-joins"]
-        kind = pool[int(rng.integers(len(pool)))]
-        if kind == "bad-sample" and not any(k in RESTARTING for k in unused if k != "bad-sample") and left == 2:
-            kind = "kill-rank"
-        order.append(kind)
-        unused = [k for k in unused if k != kind]
-        up += -1 if kind == "node-lost" else 1 if kind == "node-joins" else 0
-    return list(zip(at, order))
+
+    def possible(order: Sequence[str]) -> bool:
+        up = nodes
+        for kind in order:
+            if (kind in ("node-lost", "link-cut") and up < nodes) or (kind == "node-joins" and up == nodes):
+                return False
+            up += -1 if kind == "node-lost" else 1 if kind == "node-joins" else 0
+        return order[-1] != "bad-sample"
+    extra = [str(k) for _ in range(count // len(kinds) + 1) for k in rng.permutation(list(kinds))]
+    for _ in range(10000):
+        order = list(kinds) + extra[:max(0, count - len(kinds))]
+        rng.shuffle(order)
+        if possible(order):
+            return list(zip(at, order))
+    raise ChaosError(f"no order of {count} faults of {', '.join(kinds)} is possible on {nodes} nodes")
 
 
 # --- the faults ---------------------------------------------------------------------------------------------
@@ -166,6 +158,7 @@ class Run:
         node = int(self.rng.choice(sorted(self.up - {1})))
         self.nodes.kill_node(node)
         self.up.discard(node)
+        self.job.forget(node)
         row["detail"] = f"node {node}"
         self._went_on(row, t0, len(self.up))
 
@@ -192,7 +185,7 @@ class Run:
         self.nodes.restore()
         t1 = time.time()
         try:                                           # its agent comes back into the job by itself ...
-            self._recovered(t1, len(self.up), timeout=25)
+            self._recovered(t1, len(self.up), timeout=10)
         except ChaosError:                             # ... or it gave up: the node is started again
             self.nodes.kill_node(node)
             self.job.start(node)
@@ -228,7 +221,8 @@ class Run:
         w.wait(lambda: bool(w.said("not written", t0)), 120, "the checkpoint failing on the full disk",
                alive=self.job.alive)
         os.remove(fill)
-        row["detail"] = "the next checkpoint failed: " + w.said("not written", t0)[0].split("not written")[0][-40:].strip()
+        said = re.search(r"checkpoint of step \d+", w.said("not written", t0)[0])
+        row["detail"] = f"the next checkpoint failed ({said.group(0) if said else 'not written'})"
         if isinstance(self.job, WrapperJob):   # a full disk is not retried (exit 2): room made, the job requeued
             codes = self.job.wait(90)
             row["detail"] += f"; the wrapper exited {codes[1]}, requeued"
@@ -285,9 +279,14 @@ def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, 
             job = WrapperJob(nodes, [sys.executable, *argv], logs, base)
             job.start()
         run = Run(name, nodes, job, watch, run_dir, mount, shards, seed)
+        settle = 0
         for at, kind in schedule:
-            watch.wait(lambda: watch.step >= at, 300, f"step {at}", alive=job.alive)
+            # the planned step, and a checkpoint written by the world the last fault left (a fault that came
+            # back to back would only ever see the previous one's first step)
+            watch.wait(lambda: watch.step >= max(at, settle), 300, f"step {max(at, settle)}", alive=job.alive)
             row = run.inject(kind)
+            watch.poll()
+            settle = watch.step + EVERY + 1
             report["rows"].append(row)
             if not quiet:
                 print(_row_line(row), flush=True)

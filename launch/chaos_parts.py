@@ -194,6 +194,10 @@ class TorchrunJob:
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.agents.values())
 
+    def forget(self, node: int) -> None:
+        """``node`` is gone (its agent killed with it): the job's end no longer waits for it."""
+        self.agents.pop(node, None)
+
     def signal_all(self, sig: int) -> None:
         for p in self.agents.values():
             if p.poll() is None:
@@ -284,33 +288,42 @@ def digests(run: str) -> Dict[str, str]:
     """sha256 of the last checkpoint's backbone (BatchNorm statistics included), its optimizer, and every rank's
     classifier rows and optimizer state: what a bitwise comparison of two runs looks at."""
     import torch
-    from hvd_partialfc.digest import state_dict_digest
     from hvd_partialfc.run.checkpoint_files import read_meta, resolve_checkpoint
     path = resolve_checkpoint(run)
     meta = read_meta(path)
     load = lambda name: torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)  # noqa: E731
     bb = load("backbone.pt")
-    out = {"step": str(meta["step"]), "backbone": state_dict_digest(bb["state_dict"]),
-           "backbone_optimizer": state_dict_digest(_flat(bb["optimizer"]))}
+    out = {"step": str(meta["step"]), "backbone": _digest(bb["state_dict"]), "backbone_optimizer": _digest(bb["optimizer"])}
     for r, name in enumerate(meta["classifier_files"]):
         f = load(name)
-        out[f"rank{r}.classifier"] = state_dict_digest({"weight": f["weight"], **_flat(f["optimizer"])})
+        out[f"rank{r}.classifier"] = _digest({"weight": f["weight"], "optimizer": f["optimizer"]})
     return out
 
 
-def _flat(obj, prefix: str = "") -> Dict[str, object]:
-    """An optimizer's state dict as {path: tensor or plain value}, for a digest."""
-    if isinstance(obj, dict):
-        out = {}
-        for k in sorted(obj, key=str):
-            out.update(_flat(obj[k], f"{prefix}{k}."))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flat(v, f"{prefix}{i}."))
-        return out
-    return {prefix.rstrip("."): obj}
+def _digest(obj) -> str:
+    """sha256 of nested dicts / lists of tensors (dtype, shape, bytes) and plain values (repr), keys sorted."""
+    import hashlib
+    import torch
+    h = hashlib.sha256()
+
+    def feed(o):
+        if torch.is_tensor(o):
+            t = o.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(f"K{k!r}".encode())
+                feed(o[k])
+        elif isinstance(o, (list, tuple)):
+            h.update(b"[")
+            for v in o:
+                feed(v)
+            h.update(b"]")
+        else:
+            h.update(repr(o).encode())
+    feed(obj)
+    return h.hexdigest()
 
 
 def fill_disk(mount: str, leave_bytes: int) -> str:

@@ -65,12 +65,13 @@ def discover(script: str) -> List[Tuple[str, int]]:
 def outcome(rc: int, codes: Dict[int, int]) -> Optional[int]:
     """The wrapper's exit after an attempt that horovodrun ended with ``rc`` and whose ranks wrote ``codes``
     (rank -> status), or None to restart: 0 when done; 2 when any rank says 2 (a user's error: agreed, every
-    rank refuses); 75 when every rank that wrote says 75 (a stop signal, checkpointed); else None."""
+    rank refuses); 75 when any rank says 75: a rank exits 75 only after the stop's checkpoint, which every
+    rank wrote (agreed), and horovodrun may end the others before they write their file; else None."""
     if rc == 0:
         return 0
     if EXIT_USER_ERROR in codes.values():
         return EXIT_USER_ERROR
-    if rc == EXIT_PREEMPTED or (codes and set(codes.values()) == {EXIT_PREEMPTED}):
+    if rc == EXIT_PREEMPTED or EXIT_PREEMPTED in codes.values():
         return EXIT_PREEMPTED
     return None
 

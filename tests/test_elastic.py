@@ -256,4 +256,5 @@ def test_the_wrappers_decision():
     assert outcome(0, {}) == 0
     assert outcome(1, {0: 75, 1: 75}) == 75 and outcome(1, {0: 75}) == 75     # one rank's file is enough
     assert outcome(1, {0: 2, 1: 2}) == 2 and outcome(1, {0: 75, 1: 2}) == 2
-    assert outcome(1, {}) is None and outcome(1, {0: 1}) is None and outcome(1, {0: 75, 1: 1}) is None
+    assert outcome(1, {0: 75, 1: 1}) == 75                  # the other ended by horovodrun after the checkpoint
+    assert outcome(1, {}) is None and outcome(1, {0: 1}) is None and outcome(1, {0: -9}) is None

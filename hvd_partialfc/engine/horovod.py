@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import horovod.torch as hvd
 
-from .base import DEFAULT_COLLECTIVE_TIMEOUT_S, CommBase, backbone_params
+from .base import CommBase, backbone_params
 from .device import agreed_device
 
 
@@ -112,15 +112,14 @@ def build_info() -> Dict[str, Any]:
             "nccl": nccl_version()}
 
 
-def init(device: str = "auto", share_gpu: bool = False, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Comm:
+def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     """Start Horovod (once per process). Works under horovodrun/mpirun, and alone (size 1).
 
-    ``timeout_s`` (``train.collective_timeout``): Horovod has no per-collective timeout; a tensor some rank
-    never submits is a *stall*, warned about every 60 s, and ended after ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``
-    (Horovod's default: never). Unless the user set it, it becomes ``timeout_s``: a job where a rank stopped
-    submitting (a bug, a rank stuck in its own work) ends as under the torch engine, while rank 0's long work
-    alone (an evaluation) stays under it. Gloo's own ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (its rendezvous) is left
-    to Horovod.
+    ``train.collective_timeout`` has no counterpart here: Horovod has no timeout for a rank that is alive
+    but late. A tensor some rank never submits is a *stall*, warned about every 60 s; neither
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (measured: a rank 12 s late with it at 5 s still all-reduced; it bounds
+    Horovod's start-up) nor ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5`` (a 12 s wait was not ended) bounds it.
+    A lost peer is the heartbeat's (engine/heartbeat.py) under both engines.
 
     Without CUDA, and unless the user set it, HOROVOD_CYCLE_TIME becomes ``CPU_CYCLE_TIME_MS``. On a GPU
     (``device`` as ``train.device``; ``device.select_device`` picks it), ranks sharing one are refused on
@@ -129,8 +128,6 @@ def init(device: str = "auto", share_gpu: bool = False, timeout_s: float = DEFAU
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
-    # at least Horovod's stall check time (60 s), which the shutdown time must not undercut
-    os.environ.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(60, int(timeout_s))))
     hvd.init()
     comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
     agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,

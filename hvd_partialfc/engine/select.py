@@ -104,4 +104,4 @@ def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_
     import torch
     from . import horovod
     check_gpu_operations(device, torch.cuda.is_available(), horovod.nccl_version(), allow_host_allreduce)
-    return horovod.init(device, share_gpu, timeout_s=collective_timeout_s)
+    return horovod.init(device, share_gpu)     # no collective timeout in Horovod (horovod.init says why)
