@@ -52,8 +52,9 @@ def mark_agreed(err: BaseException) -> BaseException:
 
 
 def agreed(err: BaseException) -> bool:
-    """``err`` is every rank's (``mark_agreed``, or a RankFailure from an agreement point)."""
-    return bool(getattr(err, "agreed_by_every_rank", False)) or (isinstance(err, RankFailure) and bool(err.failures))
+    """``err`` is every rank's: ``mark_agreed``, or a RankFailure (raised on every rank by construction: an
+    agreement point, the identity check of the backbones, the check of collective names)."""
+    return bool(getattr(err, "agreed_by_every_rank", False)) or isinstance(err, RankFailure)
 
 
 def backbone_params(optimizer: torch.optim.Optimizer, module: nn.Module) -> List[Tuple[str, nn.Parameter]]:

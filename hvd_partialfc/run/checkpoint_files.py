@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from ..engine.base import mark_agreed
 from ..engine.device import cuda_in_use
 
 CHECKPOINTS = "checkpoints"
@@ -234,6 +235,7 @@ def agree_on_resume(comm, path: Optional[str]) -> Optional[str]:
     if len({(step, digest) for _, step, digest in everyone}) > 1 or any(s < 0 for _, s, _ in everyone):
         lines = "; ".join(f"rank {r}: {p or 'no checkpoint'} (step {s}, meta {(d or '-')[:12]})"
                           for r, (p, s, d) in enumerate(everyone))
-        raise CheckpointError("ranks resolved different checkpoints to resume from: " + lines
-                              + ". The run folder must be one shared file system for all ranks")
+        raise mark_agreed(CheckpointError(   # every rank sees the same gathered choices
+            "ranks resolved different checkpoints to resume from: " + lines
+            + ". The run folder must be one shared file system for all ranks"))
     return path

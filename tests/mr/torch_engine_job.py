@@ -1,8 +1,8 @@
 """Two ranks of the torch engine under torchrun (tests/test_torch_engine.py).
 
-    torchrun --standalone --nproc-per-node 2 torch_engine_job.py wait TIMEOUT SLEEP
-        rank 1 sleeps SLEEP s before an all-reduce that rank 0 waits in, with train.collective_timeout=TIMEOUT:
-        rank 0 prints how it ended ("ok" or "failed after S s: ...")
+    torchrun --standalone --nproc-per-node 2 torch_engine_job.py wait TIMEOUT SLEEP [SLEEP ...]
+        with train.collective_timeout=TIMEOUT, for each SLEEP: rank 1 sleeps SLEEP s before an all-reduce that
+        rank 0 waits in; rank 0 prints how each ended ("ok after S s" or "failed after S s: ...")
     torchrun --standalone --nproc-per-node 2 torch_engine_job.py branch OUT
         a model with a branch that rank 1 skips, its gradients averaged by the engine's buckets (three, 4 KB
         each); each rank writes the averaged gradients and the ones computed offline to OUT/rank-R.pt
@@ -22,17 +22,19 @@ from hvd_partialfc.engine.base import backbone_params  # noqa: E402
 
 mode = sys.argv[1]
 if mode == "wait":
-    timeout, sleep = float(sys.argv[2]), float(sys.argv[3])
+    timeout = float(sys.argv[2])
     comm = torchdist.init("cpu", timeout_s=timeout)
     comm.allreduce_scalar(1.0, "sum", name="warm")
-    if comm.rank == 1:
-        time.sleep(sleep)
-    t0 = time.time()
-    try:
-        comm.allreduce_scalar(1.0, "sum", name="after")
-        print(f"[rank {comm.rank}] ok after {time.time() - t0:.1f} s", flush=True)
-    except Exception as e:  # noqa: BLE001 (what ended it is the figure)
-        print(f"[rank {comm.rank}] failed after {time.time() - t0:.1f} s: {type(e).__name__}", flush=True)
+    for sleep in map(float, sys.argv[3:]):
+        if comm.rank == 1:
+            time.sleep(sleep)
+        t0 = time.time()
+        try:
+            comm.allreduce_scalar(1.0, "sum", name=f"after {sleep}")
+            print(f"[rank {comm.rank}] ok after {time.time() - t0:.1f} s", flush=True)
+        except Exception as e:  # noqa: BLE001 (what ended it is the figure)
+            print(f"[rank {comm.rank}] failed after {time.time() - t0:.1f} s: {type(e).__name__}", flush=True)
+            break
     sys.stdout.flush()
     os._exit(0)
 
