@@ -1,6 +1,7 @@
 """The chaos run's short version (launch/chaos.py --short): elastic torchrun over three network-namespace nodes,
-four faults at seeded random steps (a node lost, a node joining back, a full disk at a checkpoint, the
-scheduler's SIGTERM and a requeue), each recovered by torchrun's restarts or the requeue; the run ends with
+three faults at seeded random steps (a node lost, a node joining back, the scheduler's SIGTERM and a
+requeue; the full disk, the rest of the kinds and the Horovod wrapper are the long runs'), each recovered by
+torchrun's restarts or the requeue; the run ends with
 its budget of samples consumed to within one global batch, ``latest`` valid after every fault, every
 checkpoint loadable. It is also the three-node test of a lost node: the other two go on (a checkpoint of
 2 ranks is written, re-sharded) and take the node back. About 70 s. The long runs (12 faults under
@@ -34,11 +35,10 @@ def test_short_chaos_run(tmp_path):
     print(p.stdout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     (report,) = json.loads(out.read_text())
-    assert sorted(r["kind"] for r in report["rows"]) == sorted(["node-lost", "node-joins", "disk-full",
-                                                                 "sigterm-requeue"])
+    assert sorted(r["kind"] for r in report["rows"]) == ["node-joins", "node-lost", "sigterm-requeue"]
     checks = report["checks"]
     assert checks["ok_budget_consumed"] and abs(checks["samples"] - checks["budget"]) <= checks["last_global_batch"]
     assert checks["worlds"][0] == 3 and 2 in checks["worlds"] and all(r["latest_ok"] for r in report["rows"])
     lost = {r["kind"]: r["lost"] for r in report["rows"]}
     assert lost["sigterm-requeue"] == 0 and lost["node-joins"] == 0      # both stop with a checkpoint first
-    assert lost["disk-full"] <= 20 and lost["node-lost"] <= 20           # checkpoint.every
+    assert lost["node-lost"] <= 20                                       # checkpoint.every

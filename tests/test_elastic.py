@@ -243,15 +243,16 @@ def test_horovod_wrapper_exits_75_when_preempted(small_run_shards, tmp_path):
     assert meta["step"] % 50 and meta["step"] >= max(r["step"] for r in metrics(run)) and meta["identical"]
 
 
-def test_horovod_wrapper_does_not_retry_a_users_error(small_run_shards, tmp_path):
-    """A config every rank refuses: the wrapper exits 2 after one attempt (before: three)."""
-    p = run_job(_wrapper(small_run_shards, tmp_path / "run", 10, ["model.name=no-such-model"]), env(), 120)
-    assert p.returncode == 2, p.stderr[-3000:]
-    assert "attempt 0" in p.stderr and "attempt 1" not in p.stderr and "not restarted" in p.stderr
-
-
-def test_the_wrappers_decision():
+def test_the_wrappers_decision(tmp_path):
+    """How an attempt ended, from horovodrun's exit and the ranks' files (written by the exit path every rank
+    takes, ``cli_support.record_exit``; the preemption test above runs it under horovodrun): a user's error
+    (2) is not restarted (before: ``--max-restarts`` + 1 runs of a config every rank refuses)."""
+    from hvd_partialfc.cli_support import EXIT_DIR_ENV, record_exit
     sys.path.insert(0, os.path.join(ROOT, "launch"))
+    from horovod_restarts import _read_codes
+    record_exit(2, {EXIT_DIR_ENV: str(tmp_path), "HOROVOD_RANK": "1"})
+    record_exit(2, {EXIT_DIR_ENV: str(tmp_path / "absent"), "HOROVOD_RANK": "0"})     # not on this host: nothing
+    assert _read_codes(str(tmp_path)) == {1: 2}
     from horovod_restarts import outcome
     assert outcome(0, {}) == 0
     assert outcome(1, {0: 75, 1: 75}) == 75 and outcome(1, {0: 75}) == 75     # one rank's file is enough

@@ -99,7 +99,7 @@ def test_an_agreed_error_says_goodbye():
 
 
 def test_a_stray_connection_is_not_taken_for_the_neighbour():
-    """A stranger reaches rank 0's heartbeat port before rank 1 and leaves 2 s later: refused (no token), the
+    """A stranger reaches rank 0's heartbeat port before rank 1 and leaves 1 s later: refused (no token), the
     ring forms with rank 1, and nobody is mourned (before, rank 0 took the stranger for rank 1 and ended when
     it left)."""
     procs = _start("stray", 1.0)

@@ -168,19 +168,17 @@ def _workers(procs):
 def test_both_launchers_train_across_two_nodes(nodes, tmp_path, small_run_shards):
     """torchrun (c10d rendezvous on node 1) and horovodrun (Gloo, ssh = the launch agent) each train 4 ranks
     on 2 nodes; every checkpoint's backbones agree across ranks, and the two engines agree with each other."""
-    runs = {}
-    procs = _torchrun(nodes, tmp_path, _train(small_run_shards, tmp_path / "t", 10, ["checkpoint.every=5"]), 29412)
-    outs = _finish(procs, 200)
-    assert [p.returncode for p in procs] == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-2000:] for k in (1, 2)]
-    runs["torch"] = tmp_path / "t"
-    argv = nodes.horovodrun_argv([sys.executable] + _train(small_run_shards, tmp_path / "h", 10, ["checkpoint.every=5"]))
+    runs = {"torch": tmp_path / "t", "horovod": tmp_path / "h"}
+    # both jobs at once (each mostly waits on its start-up): torchrun's 4 ranks and horovodrun's 4
+    procs = _torchrun(nodes, tmp_path, _train(small_run_shards, runs["torch"], 10, ["checkpoint.every=5"]), 29412)
+    argv = nodes.horovodrun_argv([sys.executable] + _train(small_run_shards, runs["horovod"], 10, ["checkpoint.every=5"]))
     # one all-reduce per gradient (no fusion): Horovod's order of addition then does not depend on which
     # tensors a cycle happened to fuse, so the figure below is the same at every run
     p = nodes.popen(1, argv, env=_env(nodes, 1, HOROVOD_FUSION_THRESHOLD="0"), cwd=ROOT, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True)
-    outs = _finish([p], 200)
-    assert p.returncode == 0, outs[0][-3000:]
-    runs["horovod"] = tmp_path / "h"
+    outs = _finish(procs + [p], 200)
+    assert [q.returncode for q in procs] == [0, 0], [(tmp_path / f"node{k}.log").read_text()[-2000:] for k in (1, 2)]
+    assert p.returncode == 0, outs[-1][-3000:]
     import torch
     states = {}
     for name, run in runs.items():

@@ -32,10 +32,10 @@ if mode == "stray" and comm.rank == 1:
     connect = Heartbeat._connect
 
     def stray_first(self, peer):
-        """A stranger connects to rank 0's heartbeat port first, says something else, and leaves after 2 s."""
+        """A stranger connects to rank 0's heartbeat port first, says something else, and leaves after 1 s."""
         s = socket.create_connection(peer[1:3], timeout=5)
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40)
-        threading.Timer(2.0, s.close).start()
+        threading.Timer(1.0, s.close).start()
         time.sleep(0.3)
         return connect(self, peer)
     Heartbeat._connect = stray_first
@@ -70,7 +70,7 @@ if mode == "agreed":
         print(f"[rank {comm.rank}] agreed: {e}", flush=True)
         sys.exit(2)
 if mode == "stray":
-    time.sleep(3)                               # past the stranger's leaving
+    time.sleep(1.5)                             # past the stranger's leaving
 comm.allreduce_scalar(1.0, "sum", name="after")
 hb.stop()
 print(f"[rank {comm.rank}] done", flush=True)
