@@ -81,14 +81,19 @@ def probe_sample_shape(index: SampleIndex, size: Optional[Sequence[int]], color:
 
 
 def load_blocks(jobs: Iterator[np.ndarray], workers: int) -> Iterator:
-    """Results of `_load_block` for ``jobs`` in order, at most ``2 * workers + 2`` in flight."""
+    """Results of `_load_block` for ``jobs`` in order, at most ``2 * workers + 2`` in flight.
+
+    The worker processes start here, before any shard file is open: a worker forked while a shard was open for
+    writing held that file's HDF5 lock (a lock is shared across fork) as long as it lived, and the skip path's
+    rewrite of the shard (`_compact`) could not open it ("unable to lock file")."""
     if workers <= 1:
-        for rows in jobs:
-            yield _load_block(rows)
-        return
-    with mp.get_context("fork").Pool(workers) as pool:
+        return (_load_block(rows) for rows in jobs)
+    return _pooled(mp.get_context("fork").Pool(workers), iter(jobs), workers)
+
+
+def _pooled(pool, it: Iterator[np.ndarray], workers: int) -> Iterator:
+    with pool:
         pending: deque = deque()
-        it = iter(jobs)
         for rows in it:
             pending.append(pool.apply_async(_load_block, (rows,)))
             if len(pending) >= 2 * workers + 2:

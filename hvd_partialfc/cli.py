@@ -1,4 +1,4 @@
-"""``hvd-partialfc``: thin subcommands that parse, build, call and clean up.
+"""``hvd-partialfc``: the command line (its subcommands parse, build, call and clean up; ``ABOUT`` is its help).
 
     hvd-partialfc train  [--config FILE] [--shards DIR] [--out RUN] [--steps N] [--set key=value ...]
     hvd-partialfc simulate --ranks N [the train options]   (N virtual ranks in one process, no horovodrun)
@@ -253,10 +253,15 @@ def _train_arguments(t) -> None:
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, e.g. optim.backbone_lr=0.05")
 
 
+ABOUT = """Train a face-recognition (or any many-class) model over millions of classes on many GPUs: every rank
+holds its own slice of the classifier and reads only its classes' samples; the backbone is averaged across
+ranks (Horovod or torch.distributed). Then evaluate it (IJB-B/C, pairs, 1:N) and export it (ONNX)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hvd-partialfc", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="hvd-partialfc", description=ABOUT,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Examples:\n  " + "\n  ".join(EXAMPLES["train"][:1] + EXAMPLES["config"][:1])
+                                epilog="Examples:\n  " + "\n  ".join([EXAMPLES["train"][0], EXAMPLES["eval"][1]])
                                        + "\n  hvd-partialfc SUBCOMMAND --help")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train under torchrun, horovodrun or mpirun (or alone, as one rank; train.engine, docs/engines.md)")

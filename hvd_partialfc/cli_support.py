@@ -24,7 +24,7 @@ def offline_user_errors() -> Tuple[Type[BaseException], ...]:
     """What the offline commands (everything but train and simulate) raise for bad input: their checks raise
     ValueError (ConfigError, ShardError, PairSetError, ... are ValueErrors), OSError for a missing or
     unreadable file, and the checkpoint and export errors. A generic RuntimeError, TypeError, ... is a bug."""
-    from .run.checkpoint_files import CheckpointError
+    from .run_files import CheckpointError
     from .tools.export import ExportError
     return ValueError, OSError, CheckpointError, ExportError
 
@@ -36,7 +36,7 @@ def trainer_user_errors() -> Tuple[Type[BaseException], ...]:
     from .config import ConfigError
     from .data.shards import ShardError
     from .engine.base import RankFailure
-    from .run.checkpoint_files import CheckpointError
+    from .run_files import CheckpointError
     from .run.step import NonFiniteError
     from .verification.evaluator import EvaluationError
     return RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError
@@ -120,7 +120,7 @@ def rank_error(err: BaseException, rank: int, size: int, args: argparse.Namespac
     from .config import ConfigError
     from .data.shards import ShardError
     from .engine.base import RankFailure
-    from .run.checkpoint_files import CheckpointError
+    from .run_files import CheckpointError
     expected = isinstance(err, trainer_user_errors())
     if not expected or debug_requested(args):
         traceback.print_exception(type(err), err, err.__traceback__)

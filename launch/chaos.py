@@ -308,7 +308,7 @@ def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, 
 
 
 def final_checks(run: Run, codes: Dict[int, int], argv: List[str], work: str) -> Dict:
-    from hvd_partialfc.run.checkpoint_files import list_checkpoints, read_meta
+    from hvd_partialfc.run_files import list_checkpoints, read_meta
     checks: Dict = {"exit_codes": codes, "ok_job_ended_well": all(c == 0 for c in codes.values())}
     ok, step, why = checkpoint_ok(run.run_dir)
     checks.update(final_step=step, ok_latest_valid=ok, ok_latest_after_every_fault=all(r["latest_ok"] for r in run.rows))

@@ -271,7 +271,7 @@ def checkpoint_ok(run: str) -> Tuple[bool, int, str]:
     """(valid, step, why): ``latest`` names a complete checkpoint whose files load (weights only) and whose
     ranks' backbones agree."""
     import torch
-    from hvd_partialfc.run.checkpoint_files import read_meta, resolve_checkpoint
+    from hvd_partialfc.run_files import read_meta, resolve_checkpoint
     try:
         path = resolve_checkpoint(run)
         meta = read_meta(path)
@@ -288,7 +288,7 @@ def digests(run: str) -> Dict[str, str]:
     """sha256 of the last checkpoint's backbone (BatchNorm statistics included), its optimizer, and every rank's
     classifier rows and optimizer state: what a bitwise comparison of two runs looks at."""
     import torch
-    from hvd_partialfc.run.checkpoint_files import read_meta, resolve_checkpoint
+    from hvd_partialfc.run_files import read_meta, resolve_checkpoint
     path = resolve_checkpoint(run)
     meta = read_meta(path)
     load = lambda name: torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)  # noqa: E731

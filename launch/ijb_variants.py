@@ -17,7 +17,7 @@ import tempfile
 
 from PIL import Image
 
-from hvd_partialfc.tools.export import load_backbone
+from hvd_partialfc.models.pretrained import load_backbone
 from hvd_partialfc.verification import ijb
 from hvd_partialfc.verification.align import ARCFACE_TEMPLATE_112, arcface_template
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hvd_partialfc.atomic import write_text  # noqa: E402
-from hvd_partialfc.run.checkpoint_files import load_file, read_meta, resolve_checkpoint  # noqa: E402
+from hvd_partialfc.run_files import load_file, read_meta, resolve_checkpoint  # noqa: E402
 
 
 def slice_weights(ckpt_dir: str) -> List[torch.Tensor]:

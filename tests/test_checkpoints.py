@@ -60,7 +60,7 @@ def latest(run):
 
 
 def steps_in(run):
-    from hvd_partialfc.run.checkpoint_files import list_checkpoints
+    from hvd_partialfc.run_files import list_checkpoints
     return list_checkpoints(str(run))
 
 
@@ -91,7 +91,7 @@ def test_resume_from_older_checkpoint_never_loses_latest(shards2, tmp_path, capf
 
 
 def test_dangling_latest_is_an_error_never_a_fresh_start(tmp_path):
-    from hvd_partialfc.run.checkpoint_files import CheckpointError, find_resume
+    from hvd_partialfc.run_files import CheckpointError, find_resume
     base = tmp_path / "run" / "checkpoints"
     base.mkdir(parents=True)
     (base / "latest").write_text("step-00000015\n")
@@ -189,7 +189,7 @@ def test_format1_checkpoint_upgrades_then_resumes_bitwise(shards2, tmp_path, cap
     _downgrade_to_format1(ck)
     with pytest.raises(Exception):
         torch.load(ck / "classifier-00000-of-00001.pt", weights_only=True)
-    from hvd_partialfc.run.checkpoint_files import CheckpointError, find_resume, read_meta
+    from hvd_partialfc.run_files import CheckpointError, find_resume, read_meta
     with pytest.raises(CheckpointError, match=r"checkpoint format 1, .* `hvd-partialfc upgrade "):
         read_meta(find_resume(str(run)))   # what resume reads first, on every rank
     code, out, err = cli_here(capsys, "upgrade", run)

@@ -193,3 +193,18 @@ def test_every_subcommand_help_ends_with_examples(capsys, prog, module, monkeypa
         tail = text[text.rindex("\nExamples:\n"):].splitlines()[2:]
         assert tail and all(l.startswith("  ") for l in tail), f"{prog} {name}: {tail}"
         assert f"{prog} {name or ''}".strip() + " " in tail[0], f"{prog} {name}: {tail[0]}"   # its own command first
+
+
+def test_the_top_level_help_says_what_the_tool_does_and_its_commands_parse(capsys):
+    """``hvd-partialfc --help`` opens with what the tool does (it opened with a note for developers) and its
+    examples are commands the parser takes."""
+    from hvd_partialfc.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    about = text.split("\n\n")[1]
+    assert about.startswith("Train ") and "classes" in about and "subcommands" not in text.split("Examples:")[0]
+    commands = [l.strip() for l in text[text.index("Examples:"):].splitlines()[1:] if "--help" not in l]
+    assert [c.split("hvd-partialfc ")[1].split()[0] for c in commands] == ["train", "eval"]
+    for c in commands:
+        build_parser().parse_args(c.split("hvd-partialfc ")[1].split())

@@ -230,6 +230,39 @@ def test_unreadable_image_fail_or_skip(folder, tmp_path, capsys):
     assert m.num_samples == 9 and len(m.skipped) == 1 and "broken.png" in m.skipped[0]
 
 
+@pytest.mark.parametrize("fmt, store", [("imagefolder", "raw"), ("imagefolder", "encoded"), ("list", "raw"),
+                                        ("recordio", "raw")])
+def test_skip_drops_a_truncated_image_with_a_worker_pool(folder, tmp_path, capsys, fmt, store):
+    """The command the build's own error and ``inspect --decode`` recommend, as a user runs it: a real PNG cut
+    in half, ``--on-error skip``, the default worker pool (two processes here). The shard is rewritten without
+    the sample (`_compact`); before, the pool's workers, forked while the shard was open, held its lock and the
+    rewrite failed: "unable to lock file"."""
+    root, pixels = folder
+    whole = png(image(7))
+    (root / "c" / "cut.png").write_bytes(whole[:len(whole) // 2])
+    files = sorted(str(p) for p in root.rglob("*.png"))
+    if fmt == "imagefolder":
+        source = root
+    elif fmt == "list":
+        source = tmp_path / "all.lst"
+        source.write_text("".join(f"{p} {os.path.basename(os.path.dirname(p))}\n" for p in files))
+    else:
+        source = tmp_path / "all"
+        write_rec(str(source), [open(p, "rb").read() for p in files], ["abc".index(p.split(os.sep)[-2]) for p in files])
+        source = tmp_path / "all.rec"
+    out = tmp_path / "s"
+    assert main(["build", fmt, str(source), "--out", str(out), "--num-shards", "1", "--store", store, "--size", "8",
+                 "--on-error", "skip", "--workers", "2"]) == 0, capsys.readouterr().err
+    m = read_manifest(str(out))
+    assert m.num_samples == len(files) - 1 and len(m.skipped) == 1
+    assert "cut.png" in m.skipped[0] or fmt == "recordio"
+    if store == "raw":          # the samples that stayed are the images, in order, each with its class
+        samples, labels = load_all(out)
+        want = [(pixels[p], "abc".index(p.split(os.sep)[-2])) for p in files if p in pixels]
+        assert sorted((int(y), x.tobytes()) for x, y in zip(samples, labels)) == \
+            sorted((y, x.tobytes()) for x, y in want)
+
+
 @pytest.mark.parametrize("case, message", [
     ("no_classes", "no class subfolders"),
     ("empty_list", "no classes"),

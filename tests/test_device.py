@@ -175,7 +175,8 @@ def cpu_streams():
 def test_the_codec_saves_the_current_device_only_and_restores_onto_it(monkeypatch, cpu_streams, tmp_path):
     """Written on device 3 of 4 (one tensor), read back as a checkpoint is (weights_only), restored where one
     GPU is visible: onto device 0, the saved state."""
-    from hvd_partialfc.run.checkpoint_files import load_file, rng_state, set_rng_state
+    from hvd_partialfc.run_files import load_file
+    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
     FakeGpus(monkeypatch, 4, current=3)
     state = rng_state()
     assert torch.is_tensor(state["cuda"]) and torch.equal(state["cuda"], FakeGpus.state(3))
@@ -193,7 +194,8 @@ def test_the_codec_saves_the_current_device_only_and_restores_onto_it(monkeypatc
 def test_old_checkpoints_lists_still_load(monkeypatch, cpu_streams, tmp_path, visible, current, entries, want):
     """A checkpoint of before (get_rng_state_all: one state per visible device, saved through a file) sets
     one state, onto the current device."""
-    from hvd_partialfc.run.checkpoint_files import load_file, rng_state, set_rng_state
+    from hvd_partialfc.run_files import load_file
+    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
     FakeGpus(monkeypatch, 0)                         # the CPU part of the state, as saved then
     state = dict(rng_state(), cuda=[FakeGpus.state(i) for i in range(entries)])
     torch.save(state, tmp_path / "old.pt")

@@ -24,7 +24,8 @@ def _line(out, start):
 
 def test_shard_set_that_fits_reports_layout_and_memory(capsys, tmp_path):
     """2 ranks on 2 shards: ok, and the memory line is the estimator's figure for that config."""
-    from hvd_partialfc.tools.estimate import estimate, human
+    from hvd_partialfc.sizes import human
+    from hvd_partialfc.tools.estimate import estimate
     rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run", "--shards", FEATURES, "--np", 2, *SMALL)
     assert rc == 0, out
     assert "20-20 classes a rank" in _line(out, "ok    2 ranks: 1 shard(s) a rank, equal blocks")

@@ -17,7 +17,7 @@ import pins
 from conftest import build_shards, make_image_npz, read_json_lines, simulate_here
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.engine.base import CommBase
-from hvd_partialfc.run.checkpoint_files import list_checkpoints, resolve_checkpoint
+from hvd_partialfc.run_files import list_checkpoints, resolve_checkpoint
 from hvd_partialfc.verification.evaluator import EvaluationError, Evaluator
 from data_tools.pair_sets import write_pairs_h5
 

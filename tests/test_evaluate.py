@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_partialfc import evaluate as ev
+from hvd_partialfc.verification.all_pairs import all_pairs_metrics
+from hvd_partialfc.verification.embedding import embed, score_pairs
+from hvd_partialfc.verification.evaluator import Evaluator
+from hvd_partialfc.verification.metrics import (best_threshold, far_key, kfold_accuracy, roc_auc, roc_curve, roc_points,
+                                                tar_at_far, verification_metrics)
+from hvd_partialfc.verification.verify_pairs import evaluate_backbone, evaluate_baselines
 from hvd_partialfc.models import create_model
 from data_tools.pair_sets import write_bin, write_pairs_h5
 from hvd_partialfc.data.pair_files import PairSet, read_pairs
@@ -26,29 +31,29 @@ HAND_SAME = np.array([True, True, False, True, False, False])
 
 
 def test_hand_roc_auc_and_threshold():
-    far, tar, thr = ev.roc_curve(HAND_SCORES, HAND_SAME)
+    far, tar, thr = roc_curve(HAND_SCORES, HAND_SAME)
     np.testing.assert_allclose(far, [0, 0, 0, 1 / 3, 1 / 3, 2 / 3, 1])
     np.testing.assert_allclose(tar, [0, 1 / 3, 2 / 3, 2 / 3, 1, 1, 1])
     assert thr[0] == math.inf and list(thr[1:]) == list(HAND_SCORES)
     # same > different in 3 + 3 + 2 of the 9 (same, different) combinations
-    assert ev.roc_auc(HAND_SCORES, HAND_SAME) == pytest.approx(8 / 9)
+    assert roc_auc(HAND_SCORES, HAND_SAME) == pytest.approx(8 / 9)
     # accepting {0.9, 0.8} and accepting {0.9 .. 0.6} are both 5/6 right: the stricter one wins, and the
     # threshold is the midpoint between the lowest accepted and the highest rejected score
-    t, acc = ev.best_threshold(HAND_SCORES, HAND_SAME)
+    t, acc = best_threshold(HAND_SCORES, HAND_SAME)
     assert t == pytest.approx(0.75) and acc == pytest.approx(5 / 6)
-    r = ev.tar_at_far(HAND_SCORES, HAND_SAME, 0.34)          # one false accept of three allowed
+    r = tar_at_far(HAND_SCORES, HAND_SAME, 0.34)          # one false accept of three allowed
     assert r["tar"] == 1.0 and r["threshold"] == 0.6 and r["far"] == pytest.approx(1 / 3)
 
 
 def test_ties_count_half():
     scores = np.array([1.0, 0.5, 0.5, 0.0])
     same = np.array([True, True, False, False])
-    far, tar, _ = ev.roc_curve(scores, same)
+    far, tar, _ = roc_curve(scores, same)
     # the tied pair moves FAR and TAR together: one diagonal segment, not a staircase
     np.testing.assert_allclose(far, [0, 0, 0.5, 1])
     np.testing.assert_allclose(tar, [0, 0.5, 1, 1])
-    assert ev.roc_auc(scores, same) == pytest.approx(3.5 / 4)
-    assert ev.roc_auc(np.zeros(6), np.array([1, 0, 1, 0, 1, 0], bool)) == pytest.approx(0.5)
+    assert roc_auc(scores, same) == pytest.approx(3.5 / 4)
+    assert roc_auc(np.zeros(6), np.array([1, 0, 1, 0, 1, 0], bool)) == pytest.approx(0.5)
 
 
 def test_auc_equals_pairwise_probability_with_ties():
@@ -57,14 +62,14 @@ def test_auc_equals_pairwise_probability_with_ties():
     scores = np.round(rng.normal(size=300) + same, 1)        # rounding makes many ties
     pos, neg = scores[same][:, None], scores[~same][None, :]
     expected = np.mean((pos > neg) + 0.5 * (pos == neg))
-    assert ev.roc_auc(scores, same) == pytest.approx(expected, abs=1e-12)
+    assert roc_auc(scores, same) == pytest.approx(expected, abs=1e-12)
 
 
 def test_tar_at_far_hand_case():
     neg = np.arange(100) / 100.0                             # 0.00 .. 0.99
     pos = np.array([0.995, 0.985, 0.5])
     scores, same = np.r_[pos, neg], np.r_[np.ones(3, bool), np.zeros(100, bool)]
-    r = ev.tar_at_far(scores, same, 1e-2)                    # one false accept allowed (0.99)
+    r = tar_at_far(scores, same, 1e-2)                    # one false accept allowed (0.99)
     assert r["tar"] == pytest.approx(2 / 3) and r["threshold"] == 0.985 and r["far"] == 0.01
 
 
@@ -72,11 +77,11 @@ def test_tar_at_far_null_when_too_few_negatives():
     rng = np.random.default_rng(0)
     same = np.r_[np.ones(200, bool), np.zeros(1000, bool)]
     scores = rng.random(len(same)) + same
-    m = ev.verification_metrics(scores, same)
+    m = verification_metrics(scores, same)
     assert m["tar@far=1e-2"] is not None and m["tar@far=1e-3"] is not None   # 1000 negatives: enough
     assert m["tar@far=1e-4"] is None
     assert "1000 different pairs" in m["notes"]["tar@far=1e-4"] and "10000" in m["notes"]["tar@far=1e-4"]
-    r = ev.tar_at_far(scores[:-1], same[:-1], 1e-3)          # 999 negatives
+    r = tar_at_far(scores[:-1], same[:-1], 1e-3)          # 999 negatives
     assert r["tar"] is None and r["reason"]
 
 
@@ -85,7 +90,7 @@ def test_perfect_scorer():
     same = np.r_[np.ones(1000, bool), np.zeros(10000, bool)]
     same = same[rng.permutation(len(same))]
     scores = np.where(same, rng.uniform(0.5, 1.0, len(same)), rng.uniform(-1.0, 0.4, len(same)))
-    m = ev.verification_metrics(scores, same)
+    m = verification_metrics(scores, same)
     assert m["acc"] == 1.0 and m["acc_std"] == 0.0 and m["auc"] == 1.0 and m["best_acc"] == 1.0
     assert m["tar@far=1e-2"] == m["tar@far=1e-3"] == m["tar@far=1e-4"] == 1.0
     assert 0.4 < m["best_threshold"] < 0.5
@@ -95,7 +100,7 @@ def test_perfect_scorer():
 def test_random_scorer():
     rng = np.random.default_rng(2)
     same = rng.random(20000) < 0.5
-    m = ev.verification_metrics(rng.random(20000), same)
+    m = verification_metrics(rng.random(20000), same)
     assert m["auc"] == pytest.approx(0.5, abs=0.02)           # sd of the AUC here is ~0.004
     assert m["acc"] == pytest.approx(0.5, abs=0.03)
 
@@ -105,7 +110,7 @@ def test_kfold_follows_lfw_fold_order():
     same = np.arange(23) % 2 == 0
     scores = same.astype(float)
     scores[9] = 0.0 if same[9] else 1.0                      # one pair that looks like the other class
-    r = ev.kfold_accuracy(scores, same)
+    r = kfold_accuracy(scores, same)
     expected = [1.0] * 10
     expected[3] = 0.5
     np.testing.assert_allclose(r["fold_acc"], expected)
@@ -115,22 +120,22 @@ def test_kfold_follows_lfw_fold_order():
 
 def test_metric_input_errors():
     with pytest.raises(ValueError, match="both same and different"):
-        ev.verification_metrics(np.arange(20.0), np.ones(20, bool))
+        verification_metrics(np.arange(20.0), np.ones(20, bool))
     with pytest.raises(ValueError, match="at least 10 pairs"):
-        ev.kfold_accuracy(np.arange(6.0), np.arange(6) % 2 == 0)
+        kfold_accuracy(np.arange(6.0), np.arange(6) % 2 == 0)
     with pytest.raises(ValueError, match="not finite"):
-        ev.roc_auc(np.array([0.0, np.nan]), np.array([True, False]))
+        roc_auc(np.array([0.0, np.nan]), np.array([True, False]))
 
 
 def test_roc_points_thinning_keeps_the_steps():
     rng = np.random.default_rng(4)
     same = rng.random(6000) < 0.3
     scores = rng.normal(size=6000) + 2 * same
-    pts = ev.roc_points(scores, same, max_points=300)
+    pts = roc_points(scores, same, max_points=300)
     assert len(pts["far"]) <= 300 and pts["far"][0] == 0.0 and pts["far"][-1] == 1.0
     for f in (1e-2, 1e-1):                                   # the sampled curve agrees with TAR@FAR
         i = np.searchsorted(pts["far"], f, side="right") - 1
-        assert pts["tar"][i] <= ev.tar_at_far(scores, same, f)["tar"] + 1e-12
+        assert pts["tar"][i] <= tar_at_far(scores, same, f)["tar"] + 1e-12
         assert pts["far"][i] <= f
 
 
@@ -147,13 +152,13 @@ def _model(seed=0, **kw):
 
 def test_embed_normalised_batched_and_flip():
     model, imgs = _model(), _images(10)
-    e = ev.embed(model, imgs, batch_size=3)
+    e = embed(model, imgs, batch_size=3)
     assert e.shape == (10, 16) and e.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(e, ev.embed(model, imgs, batch_size=256), atol=1e-5)
+    np.testing.assert_allclose(e, embed(model, imgs, batch_size=256), atol=1e-5)
     # the flip sum is the same for an image and its mirror image, and differs from no flip
-    ef = ev.embed(model, imgs, flip=True)
-    np.testing.assert_allclose(ef, ev.embed(model, imgs[:, :, ::-1], flip=True), atol=1e-5)
+    ef = embed(model, imgs, flip=True)
+    np.testing.assert_allclose(ef, embed(model, imgs[:, :, ::-1], flip=True), atol=1e-5)
     assert not np.allclose(ef, e, atol=1e-3)
 
 
@@ -178,12 +183,12 @@ def test_bin_round_trip_and_evaluate(tmp_path):
     np.testing.assert_array_equal(ps.images, imgs)            # PNG is lossless
     np.testing.assert_array_equal(ps.left, np.arange(0, 40, 2))
     np.testing.assert_array_equal(ps.same, issame)
-    m = ev.evaluate_backbone(_model(), ps, batch_size=8)
+    m = evaluate_backbone(_model(), ps, batch_size=8)
     assert 0.0 <= m["acc"] <= 1.0 and 0.0 <= m["auc"] <= 1.0 and m["pairs"] == 20
     assert m["tar@far=1e-2"] is None and "tar@far=1e-2" in m["notes"]   # 10 different pairs only
     # scores equal a direct cosine of the embeddings
-    e = ev.embed(_model(), ps.images)
-    np.testing.assert_allclose(ev.score_pairs(_model(), ps), np.sum(e[0::2] * e[1::2], axis=1), atol=1e-5)
+    e = embed(_model(), ps.images)
+    np.testing.assert_allclose(score_pairs(_model(), ps), np.sum(e[0::2] * e[1::2], axis=1), atol=1e-5)
 
 
 def test_baselines_on_a_set_pixels_can_solve():
@@ -197,14 +202,14 @@ def test_baselines_on_a_set_pixels_can_solve():
     ps = PairSet("noise", images, left, right, np.arange(30) % 2 == 0)
     args = {"name": "resnet", "in_shape": [32, 32], "embedding_dim": 16, "kwargs": {"width": 4}}
     state = torch.get_rng_state()
-    b = ev.evaluate_baselines(args, ps, batch_size=16, seed=1)
+    b = evaluate_baselines(args, ps, batch_size=16, seed=1)
     assert torch.equal(state, torch.get_rng_state())          # random init under a forked RNG
     assert set(b) == {"pixels", "pixels_ncc", "random_init"}
     assert b["pixels"]["auc"] == 1.0 and b["pixels_ncc"]["auc"] == 1.0 and b["random_init"]["seed"] == 1
-    again = ev.evaluate_baselines(args, ps, batch_size=16, seed=1)["random_init"]
+    again = evaluate_baselines(args, ps, batch_size=16, seed=1)["random_init"]
     assert again["acc"] == b["random_init"]["acc"] and again["auc"] == b["random_init"]["auc"]
     with pytest.raises(ValueError, match="shape"):
-        ev.evaluate_baselines(dict(args, in_shape=[64, 64]), ps)
+        evaluate_baselines(dict(args, in_shape=[64, 64]), ps)
 
 
 # ------------------------------------------------------------------------------------------- Evaluator
@@ -225,7 +230,7 @@ def test_evaluator_leaves_model_and_rng_untouched(tmp_path):
     model.features.eval()                                     # a caller's frozen BatchNorm stays frozen
     flags = [m.training for m in model.modules()]
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    evaluator = ev.Evaluator([_write_h5_set(tmp_path / "held.h5")], every=5, batch_size=16,
+    evaluator = Evaluator([_write_h5_set(tmp_path / "held.h5")], every=5, batch_size=16,
                              out_dir=str(tmp_path / "run"))
     assert [evaluator.due(s, False) for s in (1, 5, 7, 10)] == [False, True, False, True]
     assert evaluator.due(7, True)
@@ -240,17 +245,17 @@ def test_evaluator_leaves_model_and_rng_untouched(tmp_path):
     assert [(r["step"], r["set"]) for r in lines] == [(5, "held"), (10, "held")]
     assert lines[1] == recs["held"]
     assert {"acc", "acc_std", "auc", "tar@far=1e-2", "tar@far=1e-3", "tar@far=1e-4", "best_threshold"} <= set(lines[0])
-    assert "held_acc" in ev.Evaluator.summary(recs)
+    assert "held_acc" in Evaluator.summary(recs)
 
 
 def test_evaluator_checks_sets_up_front(tmp_path):
-    assert not ev.Evaluator([], every=5).due(5, True)          # no pair sets: never due
+    assert not Evaluator([], every=5).due(5, True)          # no pair sets: never due
     with pytest.raises(FileNotFoundError):
-        ev.Evaluator([str(tmp_path / "missing.h5")], every=0)
+        Evaluator([str(tmp_path / "missing.h5")], every=0)
     path = str(tmp_path / "one.h5")
     write_pairs_h5(path, _images(4), np.array([[0, 1], [2, 3]] * 6), np.ones(12, bool))
     with pytest.raises(ValueError, match="both same and different"):
-        ev.Evaluator([path], every=0)
+        Evaluator([path], every=0)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -347,25 +352,25 @@ def test_all_pairs_matches_the_exact_pair_metrics():
     y = rng.integers(0, k, n)
     e = rng.normal(size=(k, 16))[y] + 1.5 * rng.normal(size=(n, 16))
     e /= np.linalg.norm(e, axis=1, keepdims=True)
-    m = ev.all_pairs_metrics(e, y, fars=(1e-2, 1e-3, 1e-6), block=64)
+    m = all_pairs_metrics(e, y, fars=(1e-2, 1e-3, 1e-6), block=64)
     i, j = np.triu_indices(n, 1)
     scores, same = (e[i] * e[j]).sum(1), y[i] == y[j]
     assert (m["pairs"], m["same_pairs"]) == (len(scores), int(same.sum()))
     for far in (1e-2, 1e-3):
-        assert m[ev.far_key(far)] == pytest.approx(ev.tar_at_far(scores, same, far)["tar"], abs=2.0 / same.sum())
-    assert m["auc"] == pytest.approx(ev.roc_auc(scores, same), abs=1e-5)
+        assert m[far_key(far)] == pytest.approx(tar_at_far(scores, same, far)["tar"], abs=2.0 / same.sum())
+    assert m["auc"] == pytest.approx(roc_auc(scores, same), abs=1e-5)
     assert m["tar@far=1e-6"] is None and "needs at least 1000000" in m["notes"]["tar@far=1e-6"]
 
 
 def test_all_pairs_perfect_and_refusals():
     y = np.repeat(np.arange(4), 3)
     e = np.eye(8)[y]                                   # classes on orthogonal axes: perfect separation
-    m = ev.all_pairs_metrics(e, y, fars=(1e-1,))
+    m = all_pairs_metrics(e, y, fars=(1e-1,))
     assert m["auc"] == 1.0 and m["tar@far=1e-1"] == 1.0
     with pytest.raises(ValueError, match="at least two classes"):
-        ev.all_pairs_metrics(e[:3], y[:3])
+        all_pairs_metrics(e[:3], y[:3])
     with pytest.raises(ValueError, match="n >= 2"):
-        ev.all_pairs_metrics(e[:1], y[:1])
+        all_pairs_metrics(e[:1], y[:1])
 
 
 def test_collapsed_embeddings_give_tar_0_with_its_reason_in_both_protocols():
@@ -373,20 +378,20 @@ def test_collapsed_embeddings_give_tar_0_with_its_reason_in_both_protocols():
     binned protocol gave an IndexError, the exact one TAR 0 without a word; both now say TAR 0 and why."""
     y = np.repeat(np.arange(30), 4)                      # 180 same-class and 6,960 different-class pairs
     e = np.full((120, 8), 8 ** -0.5)                     # collapsed: every cosine is 1
-    m = ev.all_pairs_metrics(e, y, fars=(1e-2, 1e-3))
+    m = all_pairs_metrics(e, y, fars=(1e-2, 1e-3))
     assert m["tar@far=1e-2"] == 0.0 and m["tar@far=1e-3"] == 0.0
     assert "top score bin (width 1e-05) alone holds 6960 of 6960 different pairs" in m["notes"]["tar@far=1e-2"]
     assert "FAR 1e-2 allows (69)" in m["notes"]["tar@far=1e-2"]
     i, j = np.triu_indices(120, 1)
     scores, same = (e[i] * e[j]).sum(1), y[i] == y[j]
-    r = ev.tar_at_far(scores, same, 1e-2)
+    r = tar_at_far(scores, same, 1e-2)
     assert r["tar"] == 0.0 and "top score alone holds 6960 of 6960" in r["reason"]
-    assert ev.verification_metrics(scores, same, (1e-2,))["notes"]["tar@far=1e-2"] == r["reason"]
+    assert verification_metrics(scores, same, (1e-2,))["notes"]["tar@far=1e-2"] == r["reason"]
     # a genuine score on top, then a tie of 3 impostors where 1e-1 allows 1: the top's TAR, no reason
     s2 = np.array([0.9, 0.5, 0.5, 0.5, 0.5, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1])
     y2 = np.array([True, True, False, False, False] + [False] * 8)
-    assert ev.tar_at_far(s2, y2, 1e-1) == {"tar": 0.5, "threshold": 0.9, "far": 0.0, "reason": None}
-    assert ev.all_pairs_metrics(np.eye(30)[y], y, fars=(1e-1,))["notes"] == {}
+    assert tar_at_far(s2, y2, 1e-1) == {"tar": 0.5, "threshold": 0.9, "far": 0.0, "reason": None}
+    assert all_pairs_metrics(np.eye(30)[y], y, fars=(1e-1,))["notes"] == {}
 
 
 def test_all_pairs_refuses_non_finite_embeddings_naming_the_backbone(tiny_run, tmp_path, capsys, monkeypatch):
@@ -398,7 +403,7 @@ def test_all_pairs_refuses_non_finite_embeddings_naming_the_backbone(tiny_run, t
     e = np.random.default_rng(0).normal(size=(120, 8))
     e[3] = np.nan
     with pytest.raises(ValueError, match="^runs/x: 1 of 120 embeddings are not finite"):
-        ev.all_pairs_metrics(e, y, source="runs/x")
+        all_pairs_metrics(e, y, source="runs/x")
     real = all_pairs.embed
     monkeypatch.setattr(all_pairs, "embed", lambda *a: real(*a) * np.where(np.arange(200) == 5, np.inf, 1)[:, None])
     run, shards = str(tiny_run / "run"), str(tiny_run / "shards")

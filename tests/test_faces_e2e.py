@@ -105,7 +105,7 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
     # export --onnx of the resumed run, through the CLI's entry point (in-process: no second torch import)
     from hvd_partialfc.cli import main
     from hvd_partialfc.tools import onnx_export
-    from hvd_partialfc.tools.export import load_backbone
+    from hvd_partialfc.models.pretrained import load_backbone
     import onnxruntime as ort
     monkeypatch.setattr(onnx_export, "export_onnx", functools.partial(onnx_export.export_onnx, samples=4))
     onnx_path = tmp_path / "model.onnx"

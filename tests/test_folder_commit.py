@@ -267,7 +267,7 @@ def test_checkpointer_recovers_a_checkpoint_left_aside_by_a_crash(tmp_path):
     (``Checkpointer.prepare``) moves it back, and ``latest`` names a complete checkpoint again."""
     from hvd_partialfc.engine.local import LocalComm
     from hvd_partialfc.run.checkpoint import Checkpointer
-    from hvd_partialfc.run.checkpoint_files import find_resume
+    from hvd_partialfc.run_files import find_resume
     base = tmp_path / "run" / "checkpoints"
     (base / "step-00000004.old").mkdir(parents=True)
     (base / "step-00000004.old" / "meta.json").write_text("{}")

@@ -164,7 +164,8 @@ def test_resume_on_cuda_is_bitwise(image_shards, tmp_path):
 def test_rng_codec_round_trip_on_the_gpu(tmp_path):
     """The CUDA state saved (one tensor), written, read back (weights_only) and restored: the next draws
     repeat; an old checkpoint's list restores its current-device entry."""
-    from hvd_partialfc.run.checkpoint_files import load_file, rng_state, set_rng_state
+    from hvd_partialfc.run_files import load_file
+    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
     torch.zeros(1, device="cuda")                    # CUDA started, as in a run: its state is saved then
     saved = rng_state()
     assert torch.is_tensor(saved["cuda"]) and saved["cuda"].dtype == torch.uint8

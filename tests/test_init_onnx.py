@@ -21,7 +21,8 @@ from conftest import build_shards
 from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, random_state
 from hvd_partialfc.cli import main
-from hvd_partialfc.tools.export import ExportError, export_backbone, load_backbone
+from hvd_partialfc.models.pretrained import load_backbone
+from hvd_partialfc.tools.export import ExportError, export_backbone
 from hvd_partialfc.models import create_model, list_models, model_input_shape
 from hvd_partialfc.tools.onnx_export import export_onnx
 from hvd_partialfc.models.pretrained import InitBackboneError, load_initial_backbone

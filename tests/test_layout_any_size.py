@@ -143,7 +143,7 @@ def _sim(ranks, shards, out, steps, *sets, timeout=60):
 
 def _rows(ckpt):
     """(slices, every classifier row, its momentum) of a checkpoint, read with the package's loaders."""
-    from hvd_partialfc.run.checkpoint_files import load_file, read_meta
+    from hvd_partialfc.run_files import load_file, read_meta
     meta = read_meta(ckpt)
     files = [load_file(os.path.join(ckpt, f), "classifier") for f in meta["classifier_files"]]
     assert [[f["label_start"], f["label_end"]] for f in files] == meta["slices"]
@@ -169,7 +169,7 @@ def test_resume_on_a_world_size_that_does_not_divide_the_shards(shards6, tmp_pat
     # the offline re-sharding cuts the same slices and rows
     copy = reshard_checkpoint(first, str(tmp_path / "resharded4"), 4)
     assert _rows(copy)[0] == slices4 and torch.equal(_rows(copy)[1], weight)
-    from hvd_partialfc.run.checkpoint_files import CheckpointError
+    from hvd_partialfc.run_files import CheckpointError
     # meta.json records the shards' sample counts: no shard set needed; an older checkpoint (without them)
     # reads the manifest, and says why when it cannot
     assert json.load(open(os.path.join(first, "meta.json")))["shard_samples"] == [40, 40, 120, 80, 40, 40]

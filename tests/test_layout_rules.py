@@ -1,5 +1,5 @@
-"""Sizes a person can hold, names that say one job, and no import circles, in hvd_partialfc/ and data_tools/:
-kept by this test so later work keeps them (docs/architecture.md says why)."""
+"""Sizes a person can hold, names that say one job, layers that import only downwards, and no import circles, in
+hvd_partialfc/ and data_tools/: kept by this test so later work keeps them (docs/architecture.md says why)."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +11,18 @@ from conftest import ROOT
 PACKAGES = ("hvd_partialfc", "data_tools")
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 300
+
+# docs/architecture.md's layers, top first. A module imports its own group or any layer below; the groups of
+# one layer do not import each other (the four parts stand side by side). Every module is in one layer.
+LAYERS = [
+    [("hvd_partialfc.cli", "hvd_partialfc.cli_support", "hvd_partialfc.config_docs", "data_tools")],
+    [("hvd_partialfc.tools",)],
+    [("hvd_partialfc.run",)],
+    [("hvd_partialfc.verification",)],
+    [("hvd_partialfc.classifier",), ("hvd_partialfc.engine",), ("hvd_partialfc.data",), ("hvd_partialfc.models",)],
+    [("hvd_partialfc", "hvd_partialfc.config", "hvd_partialfc.seeds", "hvd_partialfc.atomic", "hvd_partialfc.digest",
+      "hvd_partialfc.run_files", "hvd_partialfc.sizes")],
+]
 
 
 def _modules():
@@ -74,6 +86,45 @@ def test_no_two_modules_share_a_name():
         if not MODULES[m][1] and leaf not in ("__main__",):
             by_name[leaf].append(m)
     assert {k: v for k, v in by_name.items() if len(v) > 1} == {}
+
+
+def _place(module, layers):
+    """(layer index, group index) of the longest prefix of ``module`` named in ``layers``; None if none."""
+    best = None
+    for i, groups in enumerate(layers):
+        for j, group in enumerate(groups):
+            for prefix in group:
+                if (module == prefix or module.startswith(prefix + ".")) and (best is None or len(prefix) > best[2]):
+                    best = (i, j, len(prefix))
+    return best[:2] if best else None
+
+
+def _upward(graph, layers):
+    """Imports that point up a layer or across to another group of the same layer, and unplaced modules."""
+    bad, unplaced = [], sorted(m for m in graph if _place(m, layers) is None)
+    for m, deps in graph.items():
+        here = _place(m, layers)
+        for d in deps:
+            there = _place(d, layers)
+            if here and there and (there[0] < here[0] or (there[0] == here[0] and there[1] != here[1])):
+                bad.append(f"{m} -> {d}")
+    return sorted(bad), unplaced
+
+
+def test_imports_only_point_down():
+    graph = {m: _imports(m, p, pkg) for m, (p, pkg) in MODULES.items()}
+    bad, unplaced = _upward(graph, LAYERS)
+    assert unplaced == [], f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+    assert bad == [], f"imports that point up a layer or across to a sibling: {bad}"
+    # the rule can fail: the three imports that pointed up before they moved
+    old = {"hvd_partialfc.run.checkpoint_files": {"hvd_partialfc.tools.estimate"},
+           "hvd_partialfc.verification.suite": {"hvd_partialfc.tools.export"},
+           "hvd_partialfc.models.pretrained": {"hvd_partialfc.run.checkpoint_files", "hvd_partialfc.engine.base"},
+           "hvd_partialfc.cli": {"hvd_partialfc.run.trainer"}}
+    assert _upward(old, LAYERS)[0] == ["hvd_partialfc.models.pretrained -> hvd_partialfc.engine.base",
+                                      "hvd_partialfc.models.pretrained -> hvd_partialfc.run.checkpoint_files",
+                                      "hvd_partialfc.run.checkpoint_files -> hvd_partialfc.tools.estimate",
+                                      "hvd_partialfc.verification.suite -> hvd_partialfc.tools.export"]
 
 
 def test_no_import_circles():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hvd_partialfc import evaluate as ev
+from hvd_partialfc.verification.evaluator import Evaluator
 from data_tools.pair_sets import write_bin, write_pairs_h5
 from hvd_partialfc.data.pair_files import PairSetError, read_pairs
 
@@ -147,7 +147,7 @@ def test_a_bin_holding_code_is_refused_before_it_runs(tmp_path, payload, asks, p
                               f"only lists of image bytes and bools")
     assert not made.exists()
     with pytest.raises(PairSetError, match="refused to load"):     # the loader training uses (rank 0)
-        ev.Evaluator([str(path)], every=0)
+        Evaluator([str(path)], every=0)
     assert not made.exists()
 
 

@@ -74,7 +74,7 @@ def simulate_here(capsys, ranks, shards, out, sets=(), steps=20):
 def reshard_offline(src, world_size, out):
     """``hvd-partialfc reshard SRC --world-size M --out OUT`` (in this process); the classifier files written."""
     from hvd_partialfc.cli import main
-    from hvd_partialfc.run.checkpoint_files import read_meta
+    from hvd_partialfc.run_files import read_meta
     assert main(["reshard", str(src), "--world-size", str(world_size), "--out", str(out)]) == 0
     m = read_meta(out)
     assert m["world_size"] == world_size and len(m["classifier_files"]) == world_size
@@ -112,7 +112,7 @@ def latest(run):
 
 
 def load_ckpt(run):
-    from hvd_partialfc.run.checkpoint_files import read_meta, resolve_checkpoint
+    from hvd_partialfc.run_files import read_meta, resolve_checkpoint
     ck = resolve_checkpoint(run)
     meta = read_meta(ck)
     bb = torch.load(os.path.join(ck, "backbone.pt"), weights_only=True)

@@ -58,7 +58,7 @@ def _sim(ranks, shards, out, steps, *sets, fault=None):
 
 
 def _files(ckpt):
-    from hvd_partialfc.run.checkpoint_files import load_file, read_meta
+    from hvd_partialfc.run_files import load_file, read_meta
     meta = read_meta(ckpt)
     return meta, [load_file(os.path.join(ckpt, f), "classifier") for f in meta["classifier_files"]]
 

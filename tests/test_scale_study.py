@@ -180,7 +180,7 @@ def test_row_geometry_cosines_of_known_rows(tmp_path, capsys):
     # three are orthogonal (0): the script's figures are those, and the nearest row over all is 1 for a row
     # of slice 0 and 0 for one of slice 1 (mean over every row: 0.5)
     import torch
-    from hvd_partialfc.run.checkpoint_files import FORMAT_VERSION, classifier_file, step_dir_name
+    from hvd_partialfc.run_files import FORMAT_VERSION, classifier_file, step_dir_name
     rg = _launch_script("row_geometry")
     ckpt = tmp_path / "run" / "checkpoints" / step_dir_name(2)
     ckpt.mkdir(parents=True)

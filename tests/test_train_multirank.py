@@ -207,7 +207,7 @@ def test_cli_train_loss_falls_then_info_and_export(runs, tmp_path, capsys):
     code = ("import sys, torch; from hvd_partialfc.cli import main; "
             "assert main(['export', sys.argv[2], '--rank', '1', '--out', sys.argv[1]]) == 0; "
             "d = torch.load(sys.argv[1], weights_only=True); "
-            "from hvd_partialfc.tools.export import load_backbone; m, a = load_backbone(sys.argv[1]); "
+            "from hvd_partialfc.models.pretrained import load_backbone; m, a = load_backbone(sys.argv[1]); "
             "assert 'horovod' not in sys.modules; print(a['name'], d['digest'][:8])")
     r = subprocess.run([sys.executable, "-c", code, str(out), run], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -306,7 +306,7 @@ def test_options_train_and_stay_identical(runs, which):
                 scale *= 2 if good % 4 == 0 else 1
             want.append(scale)
         assert [m["loss_scale"] for m in metrics] == want and max(want) > min(want) * 2, metrics
-    from hvd_partialfc.run.checkpoint_files import load_file, resolve_checkpoint
+    from hvd_partialfc.run_files import load_file, resolve_checkpoint
     state = load_file(os.path.join(resolve_checkpoint(run), "backbone.pt"))["optimizer"]["state"]
     assert ("exp_avg" in next(iter(state.values()))) == ("optim.name=adamw" in options)
 
@@ -315,7 +315,8 @@ def test_evaluation_during_training_np2(runs):
     """Rank 0 evaluates every 5 steps and at the end, after all ranks averaged their BatchNorm buffers; a
     pair set that does not exist is an agreed error before training, on every rank."""
     from hvd_partialfc.verification.verify_pairs import evaluate_backbone
-    from hvd_partialfc.tools.export import load_backbone, run_summary
+    from hvd_partialfc.models.pretrained import load_backbone
+    from hvd_partialfc.tools.export import run_summary
     from hvd_partialfc.data.pair_files import read_pairs
     run = runs.finished("eval")
     evals = read_json_lines(os.path.join(run, "eval.jsonl"))

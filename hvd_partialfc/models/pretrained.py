@@ -15,12 +15,13 @@ shape mismatches. Only the backbone is read; the classifier starts fresh.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from ..run.checkpoint_files import load_file
+from ..run_files import load_file, resolve_checkpoint
 
 
 class InitBackboneError(ValueError):
@@ -79,3 +80,22 @@ def load_initial_backbone(model: nn.Module, path: str, model_args: Dict[str, Any
                                 f"(embedding_dim {model_args['embedding_dim']}): " + "; ".join(problems))
     model.load_state_dict(state, strict=True)
     return {"path": path, "format": "hvd_partialfc" if args is not None else "state_dict", "tensors": len(state)}
+
+
+def load_backbone(path: str) -> Tuple[nn.Module, Dict[str, Any]]:
+    """Rebuild a backbone (on CPU, eval mode) from an exported file, a checkpoint folder or a run folder.
+
+    The file is read with ``weights_only=True``: a downloaded file cannot run code here."""
+    if os.path.isdir(path):
+        path = os.path.join(resolve_checkpoint(path), "backbone.pt")
+    state = load_file(path, "backbone file")
+    return build_backbone(state["model"], state["state_dict"]), state["model"]
+
+
+def build_backbone(m: Dict[str, Any], state_dict: Dict[str, Any]) -> nn.Module:
+    """The backbone described by ``m`` (a file's ``model``: name, in_shape, embedding_dim, kwargs) with
+    ``state_dict`` loaded, on CPU, in eval mode."""
+    from .model_registry import create_model
+    model = create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"], **m["kwargs"])
+    model.load_state_dict(state_dict)
+    return model.eval()

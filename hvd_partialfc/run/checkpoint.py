@@ -23,8 +23,8 @@ Order: when a run starts, every checkpoint of its folder with a higher step than
 moved aside (``superseded-<time>``, said on rank 0), so inside ``checkpoints/`` step order is write order
 and keep-last-k never deletes the checkpoint a run restarted from; ``latest``'s target is never pruned.
 
-Names, reading and finding live in checkpoint_files.py, re-sharding in reshard.py, the format upgrade in
-upgrade.py. This module does not import Horovod: the collectives go through the ``comm`` it is given.
+Names, reading and finding live in ../run_files.py, the RNG codec in checkpoint_files.py, re-sharding in
+reshard.py, the format upgrade in upgrade.py. This module does not import Horovod: the collectives go through the ``comm`` it is given.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ import torch.nn as nn
 from .. import atomic
 from ..engine.base import RankFailure, mark_agreed
 from . import faults
-from .checkpoint_files import (CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, CheckpointError, classifier_file,
-                               list_checkpoints, load_file, parse_step, read_meta, rng_state, room_report,
-                               set_rng_state, step_dir_name)
+from ..run_files import (CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, CheckpointError, classifier_file,
+                         list_checkpoints, load_file, parse_step, read_meta, step_dir_name)
+from .checkpoint_files import rng_state, room_report, set_rng_state
 from .reshard import gather_classifier_rows
 
 # --- what a checkpoint holds --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .. import atomic
-from .checkpoint_files import CheckpointError, classifier_file, load_file, read_meta, resolve_checkpoint
+from ..run_files import CheckpointError, classifier_file, load_file, read_meta, resolve_checkpoint
 
 def _row_sliced(value: Any, width: int, dim: int) -> bool:
     """Per-row optimizer state: shaped like the weight (W, D) (momentum, moments), or a (W,) vector (the

@@ -13,7 +13,8 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from . import checkpoint as ckpt
-from .checkpoint_files import agree_on_resume, find_resume, read_meta, resolve_checkpoint
+from ..run_files import find_resume, read_meta, resolve_checkpoint
+from .checkpoint_files import agree_on_resume
 from ..config import ConfigError, config_from_dict, diff_configs
 from ..data import class_identity
 from ..classifier.modes import get_mode

@@ -175,7 +175,8 @@ def _memory(manifest, world_size: int, cfg) -> Check:
     """The estimator's memory per rank for the config's backbone, head and batch on these shards (a backbone
     that does not take their samples, or an unknown mode, is a FAIL: training would stop on it too)."""
     from ..classifier.modes import get_mode
-    from .estimate import estimate, human
+    from ..sizes import human
+    from .estimate import estimate
     h, o = cfg.head, cfg.optim
     optimizer = "adamw" if o.name == "adamw" else ("sgd" if o.classifier_momentum else "sgd-nomomentum")
     try:

@@ -46,6 +46,7 @@ import torch
 from ..classifier.modes import get_mode, list_modes
 from ..data.layout import RankLayout
 from ..classifier.negatives import negatives_share as negatives_share_rows
+from ..sizes import human
 
 DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
 LOGIT_COPIES = 1
@@ -135,14 +136,6 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
             "width": width, "logit_rows": rows, "memory_bytes": mem,
             "memory_total": sum(mem.values()), "traffic_bytes": traffic, "traffic_total": sum(traffic.values()),
             "backbone_params": bb["params"]}
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if abs(n) < 1024 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return str(n)
 
 
 def table(results: Sequence[Dict[str, Any]]) -> str:

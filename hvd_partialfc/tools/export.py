@@ -3,7 +3,7 @@
 Since all ranks' backbones are bitwise identical (verified by digest at every checkpoint), the backbone is
 stored once. Exporting "rank K's copy" therefore means: check that every rank recorded the same digest,
 that rank K's recorded digest is the digest of the stored backbone (recomputed from the file), and write
-that backbone as a standalone file (a plain ``torch.load``-able dict; ``load_backbone`` rebuilds the
+that backbone as a standalone file (a plain ``torch.load``-able dict; ``models.pretrained.load_backbone`` rebuilds the
 module). When the ranks' digests differ (a run that diverged), export refuses: there is no single model.
 """
 from __future__ import annotations
@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Tuple
 
-import torch.nn as nn
-
-from ..run.checkpoint_files import load_file, read_meta, resolve_checkpoint
+from ..run_files import load_file, read_meta, resolve_checkpoint
 from .. import atomic
 from ..digest import state_dict_digest
 
@@ -70,22 +68,3 @@ def export_backbone(path: str, out: str, rank: int = 0) -> Dict[str, Any]:
     atomic.torch_save(payload, out)
     return {"out": out, "digest": actual, "step": meta["step"], "rank": rank,
             "model": state["model"]}
-
-
-def load_backbone(path: str) -> Tuple[nn.Module, Dict[str, Any]]:
-    """Rebuild a backbone (on CPU, eval mode) from an exported file, a checkpoint folder or a run folder.
-
-    The file is read with ``weights_only=True``: a downloaded file cannot run code here."""
-    if os.path.isdir(path):
-        path = os.path.join(resolve_checkpoint(path), "backbone.pt")
-    state = load_file(path, "backbone file")
-    return build_backbone(state["model"], state["state_dict"]), state["model"]
-
-
-def build_backbone(m: Dict[str, Any], state_dict: Dict[str, Any]) -> nn.Module:
-    """The backbone described by ``m`` (a file's ``model``: name, in_shape, embedding_dim, kwargs) with
-    ``state_dict`` loaded, on CPU, in eval mode."""
-    from ..models import create_model
-    model = create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"], **m["kwargs"])
-    model.load_state_dict(state_dict)
-    return model.eval()

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 
 from .. import atomic
-from .export import ExportError, build_backbone, load_backbone, verified_backbone
+from ..models.pretrained import build_backbone, load_backbone
+from .export import ExportError, verified_backbone
 from ..models import model_input_shape
 
 TOLERANCE = 1e-4

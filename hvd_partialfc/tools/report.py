@@ -70,7 +70,7 @@ def pair_grid(backbone: str, pairs_path: str, threshold: float, out: str, per_ki
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from ..verification.embedding import score_pairs
-    from .export import load_backbone
+    from ..models.pretrained import load_backbone
     from ..data.pair_files import read_pairs
     model, _ = load_backbone(backbone)
     ps = read_pairs(pairs_path)

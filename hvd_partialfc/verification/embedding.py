@@ -114,7 +114,7 @@ def pixel_embed(images: np.ndarray, centre: bool = False, batch_size: int = 1024
 
 
 def random_init_backbone(model_args: Dict[str, Any], seed: int = 0) -> nn.Module:
-    """The same architecture as ``model_args`` (``export.load_backbone``'s second value) at a seeded random
+    """The same architecture as ``model_args`` (``models.pretrained.load_backbone``'s second value) at a seeded random
     init, in eval mode. Built under a forked RNG so the caller's torch RNG state is untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

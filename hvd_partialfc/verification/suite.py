@@ -7,7 +7,7 @@ metrics), ``ijb`` (``IJBB``/``IJBC`` -> `metrics.template_metrics` keys, the opt
 counts and times) and ``identification`` (shard dir -> rank-k and ``tpir@fpir=...``). Every protocol's
 TAR keys are the same ``tar@far=...``. PNGs: ``roc.png`` (pair sets), ``roc-ijbc.png`` / ``roc-ijbb.png``.
 
-The backbone is a file or folder written by this package (`hvd_partialfc.tools.export.load_backbone`), or a
+The backbone is a file or folder written by this package (`hvd_partialfc.models.pretrained.load_backbone`), or a
 plain ``state_dict`` file such as arcface_torch's ``backbone.pth`` together with the registered backbone
 ``model`` name it loads into (its keys must match exactly; ``in_shape`` and ``embedding_dim`` give the
 architecture's input and width).
@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch.nn as nn
 
 from ..atomic import write_text
-from ..tools.export import load_backbone
+from ..models.pretrained import load_backbone
 from ..models import create_model
 from ..models.pretrained import key_mismatch, read_backbone_file
 from ..data.pair_files import read_pairs

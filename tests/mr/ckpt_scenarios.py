@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
-from hvd_partialfc.run.checkpoint_files import CheckpointError  # noqa: E402
+from hvd_partialfc.run_files import CheckpointError  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.run.startup import start_trainer  # noqa: E402
