@@ -214,7 +214,10 @@ class Run:
         w = self.watch
         ok, last, _ = checkpoint_ok(self.run_dir)
         w.wait(lambda: w.step >= last + 1, 60, "a step after the last checkpoint")
-        fill = fill_disk(self.mount, leave_bytes=256 << 10)
+        # room for half the last checkpoint: the next one fails at once (a fixed 256 KB let a 2-rank run's
+        # small checkpoints through for 780 steps, its pruning freeing room for each next one)
+        from hvd_partialfc.run_files import folder_bytes, resolve_checkpoint
+        fill = fill_disk(self.mount, leave_bytes=folder_bytes(resolve_checkpoint(self.run_dir)) // 2)
         t0 = time.time()
         w.poll()
         row["step"] = w.step

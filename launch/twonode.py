@@ -53,11 +53,12 @@ Choices, and why:
   (no ~/.horovod entry keyed on host names that every pair shares). mpirun is run from node 1 with
   ``plm_rsh_agent`` = netns_rsh and btl/oob_tcp_if_include hpfc0; ``--bind-to none`` (shared cores).
 * No namespaces (not root, no iproute2/unshare, ``ip netns add`` refused in a container): set-up raises
-  Unavailable with the reason; ``unavailable_reason()`` returns it without side effects, for pytest.skip.
+  Unavailable with the reason; ``unavailable_reason()`` returns it without side effects, ``tried_reason()`` by trying (for pytest.skip).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import ipaddress
 import os
@@ -98,6 +99,28 @@ def unavailable_reason() -> Optional[str]:
         if shutil.which(tool) is None:
             return f"no `{tool}` on PATH"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def tried_reason() -> Optional[str]:
+    """Why network-namespace nodes can't run here, found by trying (None: they can): ``unavailable_reason()``,
+    then a namespace made, a UTS namespace entered in it, and the namespace deleted. A root container that
+    refuses ``ip netns add`` (no CAP_SYS_ADMIN, seccomp) answers here, so a test can run its one-host
+    fallback instead of skipping both versions."""
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    ns = "hpfc-probe" + owner_suffix()
+    try:
+        made = _sh("ip", "netns", "add", ns, check=False)
+        if made.returncode != 0:
+            return f"ip netns add refused: {made.stderr.strip() or made.returncode}"
+        entered = _sh("ip", "netns", "exec", ns, "unshare", "--uts", "true", check=False)
+        if entered.returncode != 0:
+            return f"unshare --uts in a network namespace refused: {entered.stderr.strip() or entered.returncode}"
+        return None
+    finally:
+        _sh("ip", "netns", "del", ns, check=False)
 
 
 def owner_suffix() -> str:

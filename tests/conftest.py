@@ -205,6 +205,15 @@ def launch_env(fault=None):
     return e
 
 
+def free_port():
+    """A TCP port the OS says is free now (a fixed range such as 29000 + pid % 1000 met torchrun's default
+    29500 and other jobs' ports)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_job(cmd, env, timeout, cwd=ROOT):
     """``subprocess.run`` for launched jobs: on a timeout the whole process group goes (the launcher *and*
     its ranks; killing only the launcher leaves ranks spinning in a collective, slowing every later test)."""

@@ -6,26 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import MR, launch_env
+from conftest import MR, free_port, launch_env
 
 pytestmark = pytest.mark.multirank
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(mode, timeout):
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for r in range(2):
         env = dict(launch_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HVD_PARTIALFC_CHECK_COLLECTIVES="1")

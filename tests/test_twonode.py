@@ -39,7 +39,7 @@ hvd.shutdown()
 
 @pytest.fixture(scope="module")
 def pair():
-    reason = twonode.unavailable_reason()
+    reason = twonode.tried_reason()
     if reason:
         pytest.skip(reason)
     nodes = twonode.TwoNodes(suffix=twonode.owner_suffix())
@@ -230,7 +230,7 @@ def test_a_cut_link_ends_every_rank_naming_the_lost_peer(nodes, tmp_path, small_
 def test_the_command_line_keeps_its_state_in_a_private_folder(tmp_path):
     """`twonode.py up` puts the ssh wrapper (run as root in every node) in a fresh 0700 folder, not a fixed
     /tmp path another user could prepare; `exec` and `down` find it again."""
-    reason = twonode.unavailable_reason()
+    reason = twonode.tried_reason()
     if reason:
         pytest.skip(reason)
     suffix = f"-c{os.getpid()}"
@@ -250,3 +250,20 @@ def test_the_command_line_keeps_its_state_in_a_private_folder(tmp_path):
         subprocess.run(cli + ["down"], capture_output=True, timeout=60)
     assert not os.path.exists(state)
     assert f"hpfc-n1{suffix}" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_whether_nodes_work_is_decided_by_trying(tmp_path, monkeypatch):
+    """A root container whose ``ip netns add`` is refused: ``tried_reason`` says so (the tools and root alone
+    looked fine, and both the chaos test and its one-host fallback skipped)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ip").write_text('#!/bin/sh\n[ "$2" = add ] && { echo "mount --make-shared /run/netns failed: '
+                             'Operation not permitted" >&2; exit 1; }\nexit 0\n')
+    (fake / "ip").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    twonode.tried_reason.cache_clear()
+    try:
+        reason = twonode.tried_reason()
+    finally:
+        twonode.tried_reason.cache_clear()
+    assert reason and ("Operation not permitted" in reason or "root" in reason or "Linux" in reason), reason
