@@ -6,6 +6,7 @@ the layout of a run folder and the write protocol are checkpoint.py's.
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from typing import Any, Dict, Optional
