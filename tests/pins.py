@@ -15,9 +15,18 @@ on): a run resumed from one must reach the pinned step-30 digest, so an old chec
 bitwise after the code around it moved. The shard builders are pinned too: the sha256 of the shard files
 that the in-memory and the streaming builder write from one small RecordIO source.
 
-Float results depend on the torch build and the CPU's kernels: pins are kept per environment (torch
-version, CPU capability). A machine without pins of its own records them on a commit known to be right
-(landed ``main``) before any code moves; the test says so.
+Float results depend on the torch build and the CPU's kernels, shard bytes on numpy, h5py and Pillow: pins
+are kept per environment (``environment()``: those versions and the CPU capability). They are this
+machine's regression checks: elsewhere the bitwise tests skip, naming the environments pinned. A developer
+moving code on another machine records that machine's pins first, on a commit known to be right (landed
+``main``).
+
+What runs on every build (``summary``, ``within``): each pinned run's losses at steps 10, 20, 30 and the
+norms of its backbone and classifier rows, against the values recorded here, within the case's recorded tolerance:
+ten times the largest difference measured across builds on this machine (``--measure``: the CPU kernels of
+AVX2 and of no vector extension through ``ATEN_CPU_CAPABILITY``, 4 threads instead of 1, oneDNN off;
+docs/development.md has the figures). A change of method (a margin, a schedule, a gradient scale) moves
+these figures by far more.
 """
 from __future__ import annotations
 
@@ -30,7 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pins")
@@ -59,9 +68,52 @@ CASES: Dict[str, Dict] = {
 
 
 def environment() -> str:
-    """What float results depend on: the torch build and the CPU kernels it picks."""
+    """What the pinned bytes depend on: the torch build and the CPU kernels it picks (runs); numpy, h5py and
+    its HDF5, Pillow (shards). ``HVD_PARTIALFC_PINS_ENV`` stands in for it (tests of another machine)."""
+    if os.environ.get("HVD_PARTIALFC_PINS_ENV"):
+        return os.environ["HVD_PARTIALFC_PINS_ENV"]
+    import h5py
+    import numpy
+    import PIL
     import torch
-    return f"torch {torch.__version__} / {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+    return (f"torch {torch.__version__} / {platform.machine()} {torch.backends.cpu.get_cpu_capability()} / "
+            f"numpy {numpy.__version__} / h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}) / "
+            f"Pillow {PIL.__version__}")
+
+
+# --- what runs on every build: losses and norms within a measured tolerance ------------------------------
+
+def summary(ckpt: str) -> Dict[str, float]:
+    """Losses at the logged steps and norms of a run's step-30 checkpoint (``ckpt``): what every build must
+    reproduce closely, not bitwise."""
+    import torch
+    run = os.path.dirname(os.path.dirname(ckpt))
+    out = {}
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            if "loss" in r and r.get("step"):
+                out[f"loss@{r['step']}"] = float(r["loss"])
+    bb = torch.load(os.path.join(ckpt, "backbone.pt"), map_location="cpu", weights_only=True)["state_dict"]
+    out["norm:backbone"] = float(torch.sqrt(sum((v.double() ** 2).sum() for v in bb.values() if v.is_floating_point())))
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        files = json.load(f)["classifier_files"]
+    for r, name in enumerate(files):
+        w = torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)["weight"]
+        out[f"norm:rank{r}.classifier"] = float(w.double().norm())
+    return out
+
+
+def within(got: Dict[str, float], want: Dict[str, float], tolerance: Dict[str, float]) -> List[str]:
+    """The figures of ``got`` outside ``tolerance`` (relative) of ``want``; empty when all agree."""
+    bad = []
+    if sorted(got) != sorted(want):
+        return [f"figures {sorted(got)} != recorded {sorted(want)}"]
+    for k, w in want.items():
+        tol = tolerance["loss" if k.startswith("loss") else "norm"]
+        if abs(got[k] - w) > tol * max(abs(w), 1e-12):
+            bad.append(f"{k}: {got[k]:.6g}, recorded {w:.6g} (relative difference {abs(got[k] - w) / abs(w):.2e} > {tol:.1e})")
+    return bad
 
 
 # --- hashing, independent of the package --------------------------------------------------------------
@@ -124,8 +176,9 @@ def _env() -> Dict[str, str]:
     return e
 
 
-def _run(cmd: List[str], timeout: int = 300) -> None:
-    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd: List[str], timeout: int = 300, env: Optional[Dict[str, str]] = None) -> None:
+    p = subprocess.run(cmd, env=dict(_env(), **(env or {})), cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
 
@@ -244,9 +297,67 @@ def record() -> Dict:
     return mine
 
 
+# The other builds a user may have, as this machine can stand in for them: (name, environment, code run
+# before the CLI). ATEN_CPU_CAPABILITY picks torch's CPU kernels (an AVX2 or an older CPU's).
+VARIANTS = [
+    ("AVX2 kernels", {"ATEN_CPU_CAPABILITY": "avx2"}, ""),
+    ("no vector kernels", {"ATEN_CPU_CAPABILITY": "default"}, ""),
+    ("4 threads", {"HVD_PARTIALFC_PINS_THREADS": "4"}, ""),
+    ("oneDNN off", {}, "import torch; torch.backends.mkldnn.enabled = False; "),
+]
+
+
+def _summary_run(name: str, out: str, env: Dict[str, str], prelude: str) -> Dict[str, float]:
+    case = CASES[name]
+    argv = ["simulate", "--ranks", "2", "--shards", os.path.join(FIXTURES, "data", case["data"]), "--out", out,
+            "--steps", str(STEPS)]
+    for s in case["sets"] + ([f"train.threads={env['HVD_PARTIALFC_PINS_THREADS']}"]
+                             if "HVD_PARTIALFC_PINS_THREADS" in env else []):
+        argv += ["--set", s]
+    _run([sys.executable, "-c", prelude + "import sys; from hvd_partialfc.cli import main; "
+          f"sys.exit(main({argv!r}))"], env=env)
+    return summary(os.path.join(out, "checkpoints", f"step-{STEPS:08d}"))
+
+
+def measure() -> Dict:
+    """The simulated cases' figures here, then under each of ``VARIANTS``: per case, the largest relative
+    difference of its losses and of its norms under each variant; a case's tolerance is ten times its largest
+    (at least 1e-6). Written to tests/pins.json's ``portable`` section; a table printed."""
+    cases = [c for c in CASES if not CASES[c].get("real")]
+    ref, worst = {}, {c: {} for c in cases}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in cases:
+            ref[name] = _summary_run(name, os.path.join(tmp, name), {}, "")
+        for i, (label, env, prelude) in enumerate(VARIANTS):
+            for name in cases:
+                got = _summary_run(name, os.path.join(tmp, f"{name}-{i}"), env, prelude)
+                w = {"loss": 0.0, "norm": 0.0}
+                for k, v in ref[name].items():
+                    kind = "loss" if k.startswith("loss") else "norm"
+                    w[kind] = max(w[kind], abs(got[k] - v) / max(abs(v), 1e-12))
+                worst[name][label] = w
+    tolerance = {c: {k: max(1e-6, 10 * max(w[k] for w in worst[c].values())) for k in ("loss", "norm")}
+                 for c in cases}
+    print(f"{'case':<16} " + " ".join(f"{label:>22}" for label, _, _ in VARIANTS) + "   tolerance (loss, norm)")
+    for c in cases:
+        print(f"{c:<16} " + " ".join(f"{worst[c][l]['loss']:>10.1e} {worst[c][l]['norm']:>10.1e} " for l, _, _ in VARIANTS)
+              + f"  {tolerance[c]['loss']:.1e}, {tolerance[c]['norm']:.1e}")
+    pins = load_pins()
+    pins["portable"] = {"recorded_on": environment(), "reference": ref, "measured": worst, "tolerance": tolerance}
+    with open(PINS, "w") as f:
+        json.dump(pins, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return pins["portable"]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--record", action="store_true", help="record this machine's pins into tests/pins.json")
-    if ap.parse_args().record:
+    ap.add_argument("--measure", action="store_true",
+                    help="measure the cross-build differences and record the portable figures and tolerance")
+    a = ap.parse_args()
+    if a.record:
         record()
         print(f"recorded pins for {environment()} in {os.path.relpath(PINS, ROOT)}")
+    if a.measure:
+        measure()
