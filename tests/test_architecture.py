@@ -108,3 +108,33 @@ def test_the_config_is_plain_data():
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_the_test_extra_holds_what_the_suite_imports():
+    """``pip install -e .[test]`` gives everything the suite imports (a new user installed the test needs by
+    hand, and Horovod's tests errored): every third-party module imported under tests/ is in install_requires,
+    the ``test`` extra, or an optional extra whose tests skip without it."""
+    import ast
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    names = lambda text: {l.split("=")[0].split(">")[0].split("<")[0].strip().lower()   # noqa: E731
+                          for l in text.splitlines() if l.strip() and not l.strip().startswith("#")}
+    have = names(cfg["options"]["install_requires"])
+    extras = cfg["options.extras_require"]
+    have |= names(extras["test"]) | names(extras["horovod"]) | names(extras["tensorboard"])
+    dist = {"PIL": "pillow", "yaml": "pyyaml", "fontTools": "fonttools"}
+    local = {"conftest", "pins", "helpers_face", "helpers_recordio", "ckpt_scenarios", "engines_launch", "twonode",
+             "horovod_build_env", "horovod_restarts", "hvd_partialfc", "data_tools"}
+    found = set()
+    for folder in ("tests", os.path.join("tests", "mr")):
+        for f in os.listdir(os.path.join(ROOT, folder)):
+            if f.endswith(".py"):
+                for node in ast.walk(ast.parse(open(os.path.join(ROOT, folder, f)).read())):
+                    if isinstance(node, ast.Import):
+                        found |= {a.name.split(".")[0] for a in node.names}
+                    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                        found.add(node.module.split(".")[0])
+    third = {m for m in found if m not in sys.stdlib_module_names and m not in local}
+    missing = sorted(m for m in third if dist.get(m, m).lower() not in have)
+    assert not missing, f"imported by the tests, in no requirement of setup.cfg: {missing}"

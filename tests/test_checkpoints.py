@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import MR, ROOT, build_shards, launch_cmd, launch_env, simulate_here, make_feature_npz, read_json_lines, run_hvd
+from conftest import MR, ROOT, TORCHRUN, build_shards, launch_cmd, launch_env, simulate_here, make_feature_npz, read_json_lines, run_hvd
 
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
 
@@ -195,9 +195,11 @@ def test_format1_checkpoint_upgrades_then_resumes_bitwise(shards2, tmp_path, cap
     code, out, err = cli_here(capsys, "upgrade", run)
     assert code == 0 and "upgraded" in out, err
     sim(1, shards2, run, 8, ["checkpoint.every=4", "checkpoint.resume=auto"])
-    a = torch.load(straight / "checkpoints" / "step-00000008" / "classifier-00000-of-00001.pt", weights_only=True)
-    b = torch.load(run / "checkpoints" / "step-00000008" / "classifier-00000-of-00001.pt", weights_only=True)
-    assert torch.equal(a["weight"], b["weight"])
+    # all of it: the backbone (BatchNorm buffers included) and its optimizer, the classifier rows, their
+    # optimizer state, the torch stream, the counters and the head's state (tests/pins.py's digests)
+    import pins
+    want = pins.checkpoint_digests(str(straight / "checkpoints" / "step-00000008"))
+    assert pins.checkpoint_digests(str(run / "checkpoints" / "step-00000008")) == want
 
 
 # --- 2. diverged checkpoints; 9. skip limits (real horovodrun); 8. replicated clipping and re-sharding -----
@@ -270,7 +272,10 @@ def test_skips_are_counted_and_a_stuck_run_stops(np2):
 def test_replicated_classifier_gradient_is_clipped(shards2, tmp_path):
     # one rank is enough: the classifier's gradient was left out of the clip whatever the world size
     out = tmp_path / "rep"
-    p = subprocess.run([sys.executable, os.path.join(MR, "ckpt_scenarios.py"), "replicated", shards2, str(out)],
+    import importlib.util       # alone, Horovod's one rank; without Horovod (a torch-only install), torchrun's
+    start = [sys.executable] if importlib.util.find_spec("horovod") else [TORCHRUN, "--standalone",
+                                                                           "--nproc-per-node", "1"]
+    p = subprocess.run(start + [os.path.join(MR, "ckpt_scenarios.py"), "replicated", shards2, str(out)],
                        capture_output=True, text=True, env=launch_env(), cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.load(open(out / "rank-0.json"))

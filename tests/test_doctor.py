@@ -73,3 +73,20 @@ def test_horovod_blocked_is_a_note_for_auto_and_a_failure_for_the_horovod_engine
     assert "every requirement of the torch engine is met" in auto
     assert horovod.startswith("hvd-partialfc doctor: engine horovod") and horovod.rstrip().endswith("rc 1"), p.stdout
     assert "launch/install.sh" in _line(horovod, "FAIL  Horovod: not importable")
+
+
+def test_the_oldest_supported_torch_is_stated_once_and_checked(capsys, tmp_path, monkeypatch):
+    """setup.cfg's ``torch>=`` is ``hvd_partialfc.MIN_TORCH``; doctor fails an older torch, naming both, and
+    leaves the folder it runs in as it found it (it wrote nothing, ``--out`` included)."""
+    import configparser
+    import torch
+    from hvd_partialfc import MIN_TORCH
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(ROOT, "setup.cfg"))
+    assert f"torch>={MIN_TORCH}" in cfg["options"]["install_requires"].split()
+    monkeypatch.chdir(tmp_path)
+    rc, out = _doctor(capsys, "--engine", "torch")
+    assert rc == 0 and os.listdir(tmp_path) == [], (out, os.listdir(tmp_path))
+    monkeypatch.setattr(torch, "__version__", "2.1.2+cu121")
+    rc, out = _doctor(capsys, "--engine", "torch")
+    assert rc == 1 and f"torch 2.1.2+cu121: older than {MIN_TORCH}" in _line(out, "FAIL")

@@ -22,7 +22,8 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, SMALL_RUN, free_port, launch_env, run_job, simulate_here, small_run_argv as train_cmd
+from conftest import (BIN, ROOT, SMALL_RUN, free_port, launch_env, require_horovod, run_job, simulate_here,
+                      small_run_argv as train_cmd)
 import pins
 
 sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -174,6 +175,7 @@ def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path)
     """horovod_restarts.py: attempt 0 on 2 slots loses rank 1 at step 15; the discovery script then lists 1
     slot; attempt 1 resumes the step-10 checkpoint re-sharded to 1 rank and finishes the run's samples (20
     steps of 2 ranks left: 40 at 1)."""
+    require_horovod()
     calls = tmp_path / "calls"
     hosts = tmp_path / "hosts.sh"
     hosts.write_text(f"#!/bin/sh\necho x >> {calls}\n[ $(wc -l < {calls}) -le 1 ] && echo localhost:2 || echo localhost:1\n")
@@ -215,6 +217,7 @@ def test_horovod_wrapper_exits_75_when_preempted(small_run_shards, tmp_path):
     """SIGTERM to one rank of a running 2-rank job under launch/horovod_restarts.py: every rank checkpoints and
     exits 75, and so does the wrapper, after one attempt, for the scheduler to requeue. Before: horovodrun
     exited 1 and the wrapper restarted the job ("attempt 0 exited 1; restarting from the last checkpoint")."""
+    require_horovod()
     run = tmp_path / "run"
     p = subprocess.Popen(_wrapper(small_run_shards, run, 100000, ["checkpoint.every=50"]), env=env(), cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -50,8 +50,16 @@ def _gpu_wanted(device: str, cuda: bool) -> bool:
     return device == "cuda" or (device == "auto" and cuda)
 
 
+def _release(version: str) -> tuple:
+    return tuple(int(x) for x in version.split("+")[0].split(".")[:2] if x.isdigit())
+
+
 def check_torch(device: str) -> List[Check]:
     import torch
+    from .. import MIN_TORCH
+    if _release(torch.__version__) < _release(MIN_TORCH):
+        return [Check(FAIL, f"torch {torch.__version__}: older than {MIN_TORCH}, the oldest this package supports",
+                      f"pip install 'torch>={MIN_TORCH}'")]
     cuda = torch.cuda.is_available()
     if cuda:
         gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]

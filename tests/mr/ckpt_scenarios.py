@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
+from hvd_partialfc.engine.select import start_engine  # noqa: E402
 from hvd_partialfc.run_files import CheckpointError  # noqa: E402
 from hvd_partialfc.config import load_config  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
@@ -36,7 +36,7 @@ def _write(out, comm, rec):
 def scenario_diverged(shards, out):
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}/run", "train.steps=10", "checkpoint.keep=1",
                              *BASE])
-    comm = comm_lib.init()
+    comm = start_engine("auto", os.environ, "cpu")   # Horovod under horovodrun; alone: Horovod, else torch
     trainer = start_trainer(cfg, comm)
     batches = iter(trainer.loader)
     for step in range(2):
@@ -60,7 +60,7 @@ def scenario_skips(shards, out):
     back-offs) until the limit stops every rank."""
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}/run", "train.steps=40", "train.on_nonfinite=skip",
                              "train.max_consecutive_skips=3", *BASE])
-    comm = comm_lib.init()
+    comm = start_engine("auto", os.environ, "cpu")   # Horovod under horovodrun; alone: Horovod, else torch
     trainer = start_trainer(cfg, comm)
     state = {"step": 0}
     if comm.rank == 1:
@@ -97,7 +97,7 @@ def scenario_replicated(shards, out):
                              f"optim.clip_grad_norm={clip}", f"optim.backbone_lr={lr}", f"optim.classifier_lr={lr}",
                              "optim.backbone_momentum=0", "optim.classifier_momentum=0",
                              "optim.backbone_weight_decay=0", "optim.classifier_weight_decay=0", *BASE])
-    comm = comm_lib.init()
+    comm = start_engine("auto", os.environ, "cpu")   # Horovod under horovodrun; alone: Horovod, else torch
     trainer = start_trainer(cfg, comm)
     before = [p.detach().clone() for p in trainer.parts.backbone_opt_params()]
     cls_before = trainer.parts.head.weight.detach().clone()
@@ -111,7 +111,7 @@ def scenario_nonfinite(shards, out):
     """Two trainers in one launch. ``skip`` (train.on_nonfinite=skip): a NaN sample on rank 1 at step 2;
     the parameters' digests after each of 5 steps. ``stop`` (the default): a NaN sample on rank 1 at step 0;
     what each rank raised and how long after the step began."""
-    comm = comm_lib.init()
+    comm = start_engine("auto", os.environ, "cpu")   # Horovod under horovodrun; alone: Horovod, else torch
     digest = lambda module: state_dict_digest(dict(module.named_parameters()))  # noqa: E731
     cfg = load_config(None, [f"data.shards={shards}", f"out={out}/skip", "train.steps=5", "data.batch_size=8",
                              "model.name=mlp", "train.on_nonfinite=skip", "optim.schedule=constant"])
