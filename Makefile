@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 # Re-run the installer when its inputs change; it skips what is already there.
 $(STAMP): launch/install.sh launch/build_horovod.sh launch/horovod_build_env.py setup.cfg pyproject.toml
-	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash launch/install.sh
+	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash launch/install.sh --test-fonts
 	touch $(STAMP)
 
 install: $(STAMP)

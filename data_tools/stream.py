@@ -45,6 +45,18 @@ from .stream_restart import (DONE, PLAN, check_fingerprint, clear_work_folder, d
 from .stream_write import load_blocks, probe_sample_shape, set_reader, write_item
 
 
+PAUSE = "HVD_PARTIALFC_BUILD_PAUSE"     # tests: stop after this many shards, said, until killed
+
+
+def _pause_point(shards_done: int) -> None:
+    """A test's kill point: with ``HVD_PARTIALFC_BUILD_PAUSE=N``, after this process's N-th shard the build
+    says so and waits to be killed (a kill timed by polling for done records raced a fast build)."""
+    if os.environ.get(PAUSE) == str(shards_done):
+        print(f"build: paused after {shards_done} shards ({PAUSE})", flush=True)
+        while True:
+            time.sleep(60)
+
+
 def build_streaming(fmt: str, source: str, opts, part: Tuple[int, int] = (1, 1)) -> Dict[str, Any]:
     """Index, plan, write this part's missing shards; with part 1/1, assemble. Returns a summary
     (``already``: every set was published by an earlier run of the same command; nothing done)."""
@@ -170,6 +182,7 @@ def _write_part(fmt, source, opts, part, index, plan, labels, item, fp, publishe
             write_text(os.path.join(folder, it["file"] + DONE), json.dumps(done))
             written += done["num_samples"]
             bar.update(it["num_samples"])
+            _pause_point(todo.index(j) + 1)
     finally:
         blocks.close()
         bar.close()

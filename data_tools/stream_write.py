@@ -81,28 +81,44 @@ def probe_sample_shape(index: SampleIndex, size: Optional[Sequence[int]], color:
 
 
 def load_blocks(jobs: Iterator[np.ndarray], workers: int) -> Iterator:
-    """Results of `_load_block` for ``jobs`` in order, at most ``2 * workers + 2`` in flight.
+    """Results of `_load_block` for ``jobs`` in order, at most ``2 * workers + 2`` in flight; ``close()`` ends
+    the workers.
 
     The worker processes start here, before any shard file is open: a worker forked while a shard was open for
     writing held that file's HDF5 lock (a lock is shared across fork) as long as it lived, and the skip path's
     rewrite of the shard (`_compact`) could not open it ("unable to lock file")."""
     if workers <= 1:
         return (_load_block(rows) for rows in jobs)
-    return _pooled(mp.get_context("fork").Pool(workers), iter(jobs), workers)
+    return _Pooled(mp.get_context("fork").Pool(workers), iter(jobs), workers)
 
 
-def _pooled(pool, it: Iterator[np.ndarray], workers: int) -> Iterator:
-    with pool:
+class _Pooled:
+    def __init__(self, pool, it: Iterator[np.ndarray], workers: int):
+        self.pool = pool
+        self.results = self._results(it, workers)
+
+    def _results(self, it, workers):
         pending: deque = deque()
         for rows in it:
-            pending.append(pool.apply_async(_load_block, (rows,)))
+            pending.append(self.pool.apply_async(_load_block, (rows,)))
             if len(pending) >= 2 * workers + 2:
                 break
         while pending:
             yield pending.popleft().get()
             nxt = next(it, None)
             if nxt is not None:
-                pending.append(pool.apply_async(_load_block, (nxt,)))
+                pending.append(self.pool.apply_async(_load_block, (nxt,)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.results)
+
+    def close(self) -> None:
+        self.results.close()
+        self.pool.terminate()
+        self.pool.join()
 
 
 # --- writing --------------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@
 #                                   # needs no Horovod. An already installed Horovod is left in place.
 #   launch/install.sh --fonts       # also the Debian CJK font packages used by the `fonts` data set (combines
 #                                   # with --no-horovod)
+#   launch/install.sh --test-fonts  # also the four small font packages the suite's font tests render with
+#                                   # (make test passes it: the demo's data path is tested in CI)
 #
 # The venv is $HVD_PARTIALFC_VENV (default .venv in the repository root, the Makefile's VENV).
 #
@@ -32,12 +34,14 @@ PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 HOROVOD_VERSION="0.28.1"
 WITH_FONTS=0
+WITH_TEST_FONTS=0
 WITH_HOROVOD=1
 for arg in "$@"; do
   case "$arg" in
     --fonts) WITH_FONTS=1 ;;
+    --test-fonts) WITH_TEST_FONTS=1 ;;
     --no-horovod) WITH_HOROVOD=0 ;;
-    *) echo "install.sh: unknown option $arg (known: --fonts, --no-horovod)" >&2; exit 2 ;;
+    *) echo "install.sh: unknown option $arg (known: --fonts, --test-fonts, --no-horovod)" >&2; exit 2 ;;
   esac
 done
 
@@ -56,6 +60,8 @@ fonts-horai-umefont fonts-umeplus fonts-komatuna fonts-hanazono fonts-mona fonts
 fonts-motoya-l-maruberi fonts-seto fonts-misaki fonts-droid-fallback fonts-cwtex-fs fonts-cwtex-heib \
 fonts-cwtex-kai fonts-cwtex-ming fonts-cwtex-yen fonts-ukij-uyghur fonts-smiley-sans fonts-ipamj-mincho \
 fonts-klee fonts-kouzan-mouhitsu fonts-nanum"
+# What tests/test_data_tools.py and tests/test_fonts_cjk.py render with (about 30 MB; seconds to install).
+TEST_FONT_PACKAGES="fontconfig fonts-wqy-zenhei fonts-wqy-microhei fonts-droid-fallback fonts-vlgothic fonts-arphic-gbsn00lp"
 
 apt_install() {
   # Install only what is missing; `apt-get update` once, only when something is missing.
@@ -77,6 +83,7 @@ if command -v apt-get >/dev/null; then
   # Open MPI and cmake serve only Horovod: its build (cmake, mpicc) and its MPI controller (mpirun).
   if [ "$WITH_HOROVOD" = 1 ]; then apt_install openmpi-bin libopenmpi-dev cmake; fi
   if [ "$WITH_FONTS" = 1 ]; then apt_install $FONT_PACKAGES; fi
+  if [ "$WITH_TEST_FONTS" = 1 ]; then apt_install $TEST_FONT_PACKAGES; fi
 elif [ "$WITH_HOROVOD" = 1 ]; then
   log "no apt-get: install MPI (optional), cmake >= 3.13 and the fonts yourself"
 else

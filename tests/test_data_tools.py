@@ -19,8 +19,9 @@ from hvd_partialfc.data.shards import read_manifest
 from helpers_recordio import write_rec
 
 WQY = "/usr/share/fonts/truetype/wqy"
-needs_wqy = pytest.mark.skipif(not os.path.isfile(os.path.join(WQY, "wqy-zenhei.ttc")),
-                               reason="fonts-wqy-zenhei is not installed (bash launch/install.sh --fonts)")
+needs_wqy = pytest.mark.skipif(
+    not all(os.path.isfile(os.path.join(WQY, f)) for f in ("wqy-zenhei.ttc", "wqy-microhei.ttc")),
+    reason="fonts-wqy-zenhei or fonts-wqy-microhei is not installed (bash launch/install.sh --test-fonts)")
 
 
 def png(arr: np.ndarray) -> bytes:

@@ -152,11 +152,9 @@ def test_an_error_on_one_rank_at_start_is_agreed_by_every_rank(tmp_path, which="
     case = {"data": "features", "sets": CASES["local_negatives"]["sets"] + ["data.verify_sha256=true"]}
     args = train_args(case, tmp_path / "run", 10)
     args[1] = str(shards)
-    t0 = time.time()
     p = run_job(launcher(which) + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
-    took = time.time() - t0
     text = p.stdout + p.stderr
-    assert p.returncode != 0 and took < 60
+    assert p.returncode != 0      # every rank exits (a hang meets run_job's timeout; how fast: test_reliability)
     # agreed: rank 0 prints it, once for the job; every rank exits
     assert "[rank 0] error: RankFailure: 1 of 2 ranks failed at 'setup'" in text, text[-3000:]
     assert "[rank 1] error" not in text, text[-3000:]

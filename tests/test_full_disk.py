@@ -1,8 +1,13 @@
-"""A full disk while a checkpoint is written (issue 36 item 11), on a real file system: a small tmpfs as the
-run folder, filled up in the middle of the run. Every rank stops with one CheckpointError naming the folder,
-its free space and the previous checkpoint's size; the previous checkpoint and ``latest`` stay valid; the run
-resumed once there is room ends bitwise where the uninterrupted run does. ``simulate`` with 2 virtual ranks
-in this process (the agreement is the real one, engine/sim.py); the tmpfs needs root (skipped otherwise)."""
+"""A full disk while a checkpoint is written (issue 36 item 11): the run folder fills up in the middle of the
+run. Every rank stops with one CheckpointError naming the folder, its free space and the previous
+checkpoint's size; the previous checkpoint and ``latest`` stay valid; the run resumed once there is room ends
+bitwise where the uninterrupted run does. ``simulate`` with 2 virtual ranks in this process (the agreement is
+the real one, engine/sim.py).
+
+Two disks: ``injected`` runs anywhere: every file the checkpoint writes (they all go through ``atomic.py``'s
+``open``) draws on a budget of free bytes, and a write past it raises ENOSPC, as a file system does;
+``tmpfs`` is a real small file system filled to the last byte (root only: skipped elsewhere, the injected
+one still runs)."""
 from __future__ import annotations
 
 import errno
@@ -21,18 +26,77 @@ STEPS, FULL_AT = 6, 4          # checkpoints at 2, 4, 6; the disk fills up befor
 LEAVE = 131072                  # free bytes left before the checkpoint: the backbone's torch.save fails half-way
 
 
-@pytest.fixture
-def disk(tmp_path):
-    """A 4 MiB tmpfs (room for about six of these 640 KB checkpoints), unmounted after."""
+class InjectedDisk:
+    """A folder whose writes through ``atomic.py`` draw on ``free`` bytes (None: no limit); a write past them
+    writes what fits and raises OSError(ENOSPC)."""
+
+    def __init__(self, path, monkeypatch):
+        from hvd_partialfc import atomic
+        self.path, self.free = path, None
+        disk = self
+
+        class Limited:
+            def __init__(self, f):
+                self.f = f
+
+            def write(self, data):
+                if disk.free is not None and len(data) > disk.free:
+                    self.f.write(data[:disk.free])
+                    disk.free = 0
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                if disk.free is not None:
+                    disk.free -= len(data)
+                return self.f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+        def limited_open(file, mode="r", *args, **kwargs):
+            f = open(file, mode, *args, **kwargs)
+            inside = os.path.abspath(file).startswith(str(path) + os.sep)
+            return Limited(f) if inside and any(c in mode for c in "wax+") else f
+        monkeypatch.setattr(atomic, "open", limited_open, raising=False)
+
+    def fill(self, leave: int = 0) -> None:
+        self.free = leave
+
+    def empty(self) -> None:
+        self.free = None
+
+
+class Tmpfs:
+    """A 4 MiB tmpfs (room for about six of these 640 KB checkpoints), filled by a file to the last byte."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def fill(self, leave: int = 0) -> None:
+        fill(self.path, leave)
+
+    def empty(self) -> None:
+        os.unlink(self.path / "filler")
+
+
+@pytest.fixture(params=["injected", "tmpfs"])
+def disk(request, tmp_path, monkeypatch):
     d = tmp_path / "disk"
     d.mkdir()
+    if request.param == "injected":
+        yield InjectedDisk(d, monkeypatch)
+        return
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+        pytest.skip("mounting a tmpfs needs root (the injected disk runs here)")
     p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
     if p.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()} (the injected disk runs here)")
     try:
-        yield d
+        yield Tmpfs(d)
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
 
@@ -97,7 +161,7 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
     from hvd_partialfc.run import faults, simulate as sim_module
     from hvd_partialfc.run_files import CheckpointError, find_resume, read_meta
     from hvd_partialfc.run.simulate import SimFailure
-    run, errors, real_start, real_pause = disk / "run", {}, sim_module.start_trainer, faults.pause
+    run, errors, real_start, real_pause = disk.path / "run", {}, sim_module.start_trainer, faults.pause
 
     def start(cfg, comm):
         trainer = real_start(cfg, comm)
@@ -112,14 +176,14 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
 
         def train_step(step, batches):
             if when == "files" and comm.rank == 0 and step == FULL_AT - 1:
-                fill(disk, leave=LEAVE)
+                disk.fill(leave=LEAVE)
             return step_fn(step, batches)
         trainer.fit, trainer.train_step = recorded, train_step
         return trainer
 
     def pause(kind, step, rank):                 # the point between the ranks' files and meta.json
         if when == "meta" and kind == "pause-in-ckpt" and step == FULL_AT and rank == 0:
-            fill(disk)
+            disk.fill()
         return real_pause(kind, step, rank)
     monkeypatch.setattr(sim_module, "start_trainer", start)
     monkeypatch.setattr(faults, "pause", pause)
@@ -143,8 +207,9 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
     assert sorted(os.listdir(base)) == ["latest", "step-00000002"]
     assert find_resume(str(run)).endswith("step-00000002") and read_meta(find_resume(str(run)))["step"] == 2
     # room again: the same command resumes and ends bitwise where the uninterrupted run does
-    monkeypatch.undo()
-    os.unlink(disk / "filler")
+    monkeypatch.setattr(sim_module, "start_trainer", real_start)
+    monkeypatch.setattr(faults, "pause", real_pause)
+    disk.empty()
     resumed = _sim(2, feature_shards, run, "checkpoint.resume=auto").checkpoint
     want, got = _state(straight), _state(resumed)
     assert sorted(want) == sorted(got) and want["digests"] == got["digests"]
