@@ -172,3 +172,18 @@ def test_the_rules_can_fail(tmp_path):
         assert _imports("p.a", str(a), False) == {"p.b"} and _imports("p.b", str(b), False) == {"p.a"}
     finally:
         MODULES = saved
+
+
+def test_every_script_the_docs_name_exists():
+    """Every ``launch/...``, ``tests/...``, ``data_tools/...`` or ``hvd_partialfc/...`` file that README.md,
+    docs/ and launch/'s scripts name is there (scripts moved to launch/studies/ kept their documented
+    commands working)."""
+    import re
+    texts = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "launch", "README.md")]
+    texts += [os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    for dp, _, files in os.walk(os.path.join(ROOT, "launch")):
+        texts += [os.path.join(dp, f) for f in files if f.endswith((".py", ".sh", ".sbatch"))]
+    pattern = re.compile(r"(?<![\w/.-])((?:launch|tests|data_tools|hvd_partialfc)/[\w/.-]*\.(?:py|sh|sbatch|md|json|yaml))")
+    missing = sorted({f"{os.path.relpath(t, ROOT)}: {m}" for t in texts for m in pattern.findall(open(t).read())
+                      if not os.path.exists(os.path.join(ROOT, m))})
+    assert not missing, missing

@@ -1,4 +1,4 @@
-"""launch/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
+"""launch/studies/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
 a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
 classes-per-rank series)."""
 import importlib.util
@@ -29,8 +29,8 @@ def _strings(obj):
 
 
 def _launch_script(name: str):
-    """launch/NAME.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", f"{name}.py"))
+    """launch/studies/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", "studies", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod             # scale_study's dataclass looks its module up
     spec.loader.exec_module(mod)

@@ -4,9 +4,9 @@
 # family keys, 10% of the characters held out, >= 20 samples per class; then 6,000 verification pairs
 # from the held-out characters. Deterministic (same fonts, same options: same shard sha256).
 #
-#   bash launch/build_cjk20k.sh [OUT]          # default OUT: data/cjk-20k; extra build options via $BUILD_ARGS
+#   bash launch/studies/build_cjk20k.sh [OUT]          # default OUT: data/cjk-20k; extra build options via $BUILD_ARGS
 set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${1:-$ROOT/data/cjk-20k}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

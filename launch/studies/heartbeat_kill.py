@@ -2,8 +2,8 @@
 """How long until every rank has exited after one rank is SIGKILLed: N training processes of the torch engine
 on this machine, each with a DataLoader worker (``data.workers=1``), one killed mid-training.
 
-    python launch/heartbeat_kill.py --ranks 8 16 --timeout 5 --json heartbeat_kill.json
-    python launch/heartbeat_kill.py --ranks 8 16 --code OLD_CHECKOUT     # the same, another checkout's code
+    python launch/studies/heartbeat_kill.py --ranks 8 16 --timeout 5 --json heartbeat_kill.json
+    python launch/studies/heartbeat_kill.py --ranks 8 16 --code OLD_CHECKOUT     # the same, another checkout's code
 
 The ranks are started by hand (torch.distributed's variables, rank 0 hosting the store), not by a launcher:
 horovodrun or torchrun would end the others themselves, and this measures what the ranks do on their own
@@ -30,7 +30,7 @@ import time
 from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",
         "train.log_every=5", "train.threads=1", "data.workers=1", "head.negatives_every=0", "train.engine=torch"]
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python launch/heartbeat_kill.py " + " ".join(argv or sys.argv[1:]), "rows": rows},
+            json.dump({"command": "python launch/studies/heartbeat_kill.py " + " ".join(argv or sys.argv[1:]), "rows": rows},
                       f, indent=1)
     return 0 if all(r["met"] for r in rows) else 1
 

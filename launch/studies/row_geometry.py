@@ -6,7 +6,7 @@ Used by the scale study (docs/accuracy.md, "At 64-256 ranks") to see what sample
 rank does to its slices' centres: a row is pushed away from other classes only when it is scored, and at
 r = 0.1 of 97 rows a row is a scored negative in about 5 of 97 steps, by the rank's 4 samples.
 
-    python launch/row_geometry.py runs/scale/local-n256-seed1 runs/scale/local_sampled-n256-seed1 \
+    python launch/studies/row_geometry.py runs/scale/local-n256-seed1 runs/scale/local_sampled-n256-seed1 \
         --json runs/row_geometry.json
 
 Per run (its latest checkpoint, or a checkpoint folder): the rows' mean norm; within a slice, the mean
@@ -25,7 +25,7 @@ from typing import Any, Dict, List
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from hvd_partialfc.atomic import write_text  # noqa: E402
 from hvd_partialfc.run_files import load_file, read_meta, resolve_checkpoint  # noqa: E402
 
