@@ -3,7 +3,7 @@
 (launch/twonode.py), recovered by the project's own launch paths, with a table of what each fault cost.
 
     python launch/chaos.py --seed 1                    # both runs, the figures in docs/reliability.md
-    python launch/chaos.py --seed 1 --short            # the suite's version: 2 faults, under a minute
+    python launch/chaos.py --seed 1 --short            # the suite's version: 3 faults, under a minute
     python launch/chaos.py --seed 2 --only torchrun --steps 1500 --faults 12 --json chaos.json
 
 Needs root (network namespaces, a tmpfs); exit 0 when every check holds, 1 otherwise, 2 when it cannot run.
@@ -55,7 +55,7 @@ from chaos_parts import (ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_
 
 TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "bad-sample", "node-joins")
 HOROVOD_KINDS = ("kill-rank", "link-cut", "sigterm-requeue", "disk-full")
-SHORT_KINDS = ("node-lost", "node-joins")     # --short: torchrun, 2 faults
+SHORT_KINDS = ("node-lost", "node-joins", "bad-sample")     # --short: torchrun, 3 faults
 EVERY = 20          # checkpoint.every
 TAIL = 500          # steps after the last fault
 TRAIN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1500, help="train.steps (at the run's first world size)")
     ap.add_argument("--faults", type=int, default=12, help="faults in the torchrun run (the Horovod one: 6)")
     ap.add_argument("--only", choices=["torchrun", "horovod"])
-    ap.add_argument("--short", action="store_true", help="the suite's version: 400 steps, 2 faults, torchrun")
+    ap.add_argument("--short", action="store_true", help="the suite's version: 400 steps, 3 faults, torchrun")
     ap.add_argument("--json", help="write the reports here")
     ap.add_argument("--work", help="keep the shard sets, logs and runs here (default: a temporary folder)")
     ap.add_argument("--show", metavar="JSON", help="print the tables of a --json report again, and run nothing")

@@ -1,12 +1,12 @@
 """The chaos run's short version (launch/chaos.py --short): elastic torchrun over three network-namespace nodes,
-two faults at seeded random steps (a node lost, the node joining back; the rest of the kinds and the Horovod
-wrapper are the long runs', the preemption and the full disk tested alone in test_elastic.py, test_checkpoints.py
-and test_full_disk.py), each recovered by torchrun's restarts; the run ends with
-its budget of samples consumed to within one global batch, ``latest`` valid after every fault, every
-checkpoint loadable. It is also the three-node test of a lost node: the other two go on (a checkpoint of
-2 ranks is written, re-sharded) and take the node back. About 40 s. The long runs (12 faults under
-torchrun, 6 under the Horovod wrapper, compared bitwise with a fault-free run) and their tables:
-docs/reliability.md."""
+three faults at seeded random steps: a node lost, the node joining back, a sample made undecodable (the rest
+of the kinds and the Horovod wrapper are the long runs'; the preemption and the full disk also have tests of
+their own in test_elastic.py, test_checkpoints.py and test_full_disk.py), recovered by torchrun's restarts;
+the run ends with its budget of samples consumed to within one global batch, ``latest`` valid after every
+fault, every checkpoint loadable, the damaged sample named. It is also the three-node test of a lost node:
+the other two go on (a checkpoint of 2 ranks is written, re-sharded) and take the node back. About 50 s.
+The long runs (12 faults under torchrun, 6 under the Horovod wrapper, compared bitwise with a fault-free
+run) and their tables: docs/reliability.md."""
 import json
 import os
 import subprocess
@@ -35,10 +35,11 @@ def test_short_chaos_run(tmp_path):
     print(p.stdout)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     (report,) = json.loads(out.read_text())
-    assert sorted(r["kind"] for r in report["rows"]) == ["node-joins", "node-lost"]
+    assert sorted(r["kind"] for r in report["rows"]) == ["bad-sample", "node-joins", "node-lost"]
     checks = report["checks"]
     assert checks["ok_budget_consumed"] and abs(checks["samples"] - checks["budget"]) <= checks["last_global_batch"]
     assert checks["worlds"][0] == 3 and 2 in checks["worlds"] and all(r["latest_ok"] for r in report["rows"])
+    assert checks["ok_damaged_sample_named"] and len(checks["damaged"]) == 1 and checks["named"]
     lost = {r["kind"]: r["lost"] for r in report["rows"]}
     assert lost["node-joins"] == 0                                       # the group stops with a checkpoint first
     assert lost["node-lost"] <= 20                                       # checkpoint.every
