@@ -197,8 +197,12 @@ def _estimate(args) -> int:
 
 
 def _config(args) -> int:
-    """Every config key: a plain table (--list), or docs/configuration.md's markdown (--markdown [PATH])."""
+    """Every config key: a plain table (--list), docs/configuration.md's markdown (--markdown [PATH]), or an
+    arcface_torch config file translated (--from-arcface FILE)."""
     from .config_docs import key_rows, plain_table, write_markdown
+    if args.from_arcface:
+        from .tools.arcface_config import run as from_arcface
+        return from_arcface(args)
     if args.list:
         print(plain_table(key_rows()))
         return 0
@@ -228,7 +232,10 @@ EXAMPLES = {
              "hvd-partialfc eval --backbone runs/r50 --ijb IJB_release/IJBC --ijb-name IJBC"],
     "bench": ["hvd-partialfc bench --classes 10000,100000 --dims 128 --modes local,global --np 2"],
     "estimate": ["hvd-partialfc estimate --classes 1e6 --world-size 64 --dim 512 --batch 128 --backbone iresnet50"],
-    "config": ["hvd-partialfc config --list", "hvd-partialfc config --markdown docs/configuration.md"],
+    "config": ["hvd-partialfc config --list", "hvd-partialfc config --markdown docs/configuration.md",
+               "hvd-partialfc config --from-arcface arcface_torch/configs/ms1mv3_r50.py --world-size 8 --out r50.yaml"],
+    "import-arcface": ["hvd-partialfc import-arcface work_dirs/ms1mv3_r50 --shards shards/ms1mv3 --config r50.yaml "
+                       "--out runs/r50"],
     "doctor": ["hvd-partialfc doctor --engine horovod --out runs/r50",
                "hvd-partialfc doctor --shards shards/train --np 64 --config configs/ms1mv3_r50.yaml"],
 }
@@ -353,7 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--list", action="store_true", help="a plain table on stdout")
     what.add_argument("--markdown", metavar="PATH", nargs="?", const="-",
                       help="write docs/configuration.md's page to PATH (stdout without PATH)")
+    from .tools.arcface_config import add_arguments as arcface_config_arguments
+    arcface_config_arguments(c, what)
     c.set_defaults(fn=_config)
+    from .tools import arcface_import
+    a = sub.add_parser("import-arcface", help="an arcface_torch run's checkpoint_gpu_<rank>.pt files as this "
+                                              "package's checkpoint, resumed at any GPU count (docs/migrate.md)")
+    arcface_import.add_arguments(a)
+    a.set_defaults(fn=arcface_import.run)
     from .tools.doctor import add_arguments as doctor_arguments, run_doctor
     d = sub.add_parser("doctor", help="what this machine has and lacks for a run (torch, GPUs, Horovod, "
                                       "torch.distributed, mpirun, fonts, run folder, a shard set); exit 1 when a "

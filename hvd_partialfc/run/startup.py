@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -84,10 +85,23 @@ def _read_data(cfg, comm) -> RunData:
     if batches < cfg.optim.backward_passes_per_step:
         raise ValueError(f"rank {comm.rank}: {len(dataset)} samples make fewer than one step of "
                          f"{cfg.optim.backward_passes_per_step} x {cfg.data.batch_size}")
-    identity = DataIdentity(data_digest(manifest), manifest_digest(cfg.data.shards), manifest.num_classes,
-                            tuple((s.start, s.end) for s in manifest.shard_slices()),
-                            class_identity.of_run(manifest))
-    return RunData(manifest, layout, dataset, identity, batches)
+    return RunData(manifest, layout, dataset, data_identity(cfg, manifest), batches)
+
+
+def data_identity(cfg, manifest) -> DataIdentity:
+    """What resume compares of the shard set at ``cfg.data.shards`` (resume.py ``check_data``)."""
+    return DataIdentity(data_digest(manifest), manifest_digest(cfg.data.shards), manifest.num_classes,
+                        tuple((s.start, s.end) for s in manifest.shard_slices()), class_identity.of_run(manifest))
+
+
+def run_info_of(cfg, m, identity: Optional[DataIdentity] = None) -> Dict[str, Any]:
+    """What meta.json records about the run besides its state (``Checkpointer``'s ``run_info``)."""
+    identity = identity or data_identity(cfg, m)
+    return {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
+            "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
+            "shard_samples": [s.num_samples for s in m.shards],   # re-sharding balances blocks by them
+            "manifest_sha256": identity.manifest_sha256, "data_sha256": identity.data_sha256,
+            "class_identity": identity.classes, "config": cfg.to_dict()}
 
 
 def _init_backbone(cfg, comm, parts) -> None:
@@ -155,13 +169,8 @@ def start_trainer(cfg, comm) -> Trainer:
                             resolve_workers(cfg.data.workers, comm.local_size),
                             start=length.loader_start(start_step, data.local_batches, passes),
                             pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode)
-    run_info = {"num_classes": m.num_classes, "embedding_dim": cfg.model.embedding_dim,
-                "shard_slices": [[s.start, s.end] for s in m.shard_slices()],
-                "shard_samples": [s.num_samples for s in m.shards],   # re-sharding balances blocks by them
-                "manifest_sha256": data.identity.manifest_sha256, "data_sha256": data.identity.data_sha256,
-                "class_identity": data.identity.classes,
-                "config": cfg.to_dict()}
-    checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm, run_info)
+    checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm,
+                                     run_info_of(cfg, m, data.identity))
     # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
     checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
     step = Step(cfg, comm, parts, device, m.kind, length)

@@ -1,0 +1,159 @@
+"""``hvd-partialfc config --from-arcface CONFIG.py``: an arcface_torch config file as this package's YAML.
+
+The file is parsed, never run (no ``exec``, no import): each ``config.KEY = VALUE`` whose value is a literal
+(numbers, strings, booleans, None, tuples, lists) is read; anything else is listed as not read. arcface_torch
+starts every config from ``configs/base.py`` (its ``get_config``): that file is read first when it lies
+beside CONFIG.py, else its published defaults below stand in for it.
+
+Carried (arcface_torch -> here): network -> model.name; embedding_size -> model.embedding_dim; margin_list
+(m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
+sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
+the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
+warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its steps of batch_size x W); the poly
+schedule; gradient_acc -> optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
+data.workers, train.log_every, eval.every; rec + val_targets -> eval.pairs (its .bin files), eval.flip;
+train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_grad_norm 5, data.augment.
+``head.mode`` is ``local`` (this package's method) unless ``--mode global`` (Partial FC's exact softmax).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from typing import Any, Dict, List, Tuple
+
+# configs/base.py's values (arcface_torch), when base.py is not beside the file
+BASE = {"margin_list": (1.0, 0.5, 0.0), "network": "r50", "resume": False, "save_all_states": False,
+        "output": "ms1mv3_arcface_r50", "embedding_size": 512, "sample_rate": 1, "interclass_filtering_threshold": 0,
+        "fp16": False, "batch_size": 128, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
+        "verbose": 2000, "frequent": 10, "dali": False, "gradient_acc": 1, "seed": 2048, "num_workers": 2}
+NETWORKS = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100", "r200": "iresnet200",
+            "mbf": "mobilefacenet"}
+# keys with no counterpart here, and why
+DROPPED = {
+    "dali": "DALI's loader: this package reads HDF5 shards with its own loader",
+    "output": "the run folder is --out",
+    "resume": "resume is --resume auto (or checkpoint.resume)",
+    "save_all_states": "every checkpoint holds all states (checkpoint.every sets how often)",
+    "num_classes": "read from the shard set's manifest",
+    "num_image": "read from the shard set's manifest (it sized warmup_epoch's steps)",
+    "rec": "the .rec becomes shards once (hvd-partialfc-shards build recordio); its .bin files are eval.pairs",
+    "val_targets": "carried as eval.pairs when rec is known",
+    "interclass_filtering_threshold": "inter-class filtering is not implemented here (0 carries: the default)",
+    "wandb_key": "no Weights & Biases logger: metrics.jsonl, and TensorBoard with train.tensorboard",
+}
+
+
+def read_config(path: str) -> Tuple[Dict[str, Any], List[str]]:
+    """The literal ``config.KEY = VALUE`` assignments of ``path`` over base.py's (beside it, else ``BASE``);
+    and the keys whose value is not a literal (not read)."""
+    base = os.path.join(os.path.dirname(os.path.abspath(path)), "base.py")
+    values, skipped = (dict(BASE), []) if not os.path.isfile(base) or os.path.samefile(base, path) else \
+        _assignments(base)
+    mine, not_read = _assignments(path)
+    values.update(mine)
+    return values, skipped + not_read
+
+
+def _assignments(path: str) -> Tuple[Dict[str, Any], List[str]]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    values, not_read = {}, []
+    for node in tree.body:
+        if not isinstance(node, ast.Assign):
+            continue
+        for t in node.targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "config":
+                try:
+                    values[t.attr] = ast.literal_eval(node.value)
+                except ValueError:
+                    not_read.append(f"{t.attr} (not a literal: {ast.unparse(node.value)[:60]})")
+    return values, not_read
+
+
+def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tuple[Dict[str, Any], List[str]]:
+    """This package's config sections for arcface_torch's values ``v``; and the keys not carried, with why."""
+    why: List[str] = []
+    cfg: Dict[str, Any] = {"data": {"augment": ["flip"]}, "model": {}, "head": {"mode": mode, "scale": 64.0},
+                           "optim": {"schedule": "poly", "poly_power": 1.0, "clip_grad_norm": 5.0},
+                           "train": {}, "eval": {}}
+    net = v.get("network")
+    if net in NETWORKS:
+        cfg["model"]["name"] = NETWORKS[net]
+    else:
+        why.append(f"network {net!r}: no such backbone here (known: {', '.join(NETWORKS)})")
+    cfg["model"]["embedding_dim"] = int(v.get("embedding_size", 512))
+    m1, m2, m3 = (list(v.get("margin_list", (1.0, 0.5, 0.0))) + [0.0, 0.0, 0.0])[:3]
+    if m1 == 1.0 and m3 == 0.0 and m2 > 0:
+        cfg["head"].update(loss="arcface", margin=float(m2))
+    elif m1 == 1.0 and m2 == 0.0 and m3 > 0:
+        cfg["head"].update(loss="cosface", margin=float(m3))
+    else:
+        why.append(f"margin_list {(m1, m2, m3)}: a combined margin; here arcface (1, m, 0) or cosface (1, 0, m)")
+    cfg["head"]["sample_rate"] = float(v.get("sample_rate", 1.0))
+    cfg["train"]["precision"] = "fp16" if v.get("fp16") else "fp32"
+    name = v.get("optimizer", "sgd")
+    o = cfg["optim"]
+    o["name"] = name
+    o["backbone_lr"] = o["classifier_lr"] = float(v.get("lr", 0.1))
+    if name == "sgd":
+        o["backbone_momentum"] = o["classifier_momentum"] = float(v.get("momentum", 0.9))
+    o["backbone_weight_decay"] = o["classifier_weight_decay"] = float(v.get("weight_decay", 5e-4))
+    o["backward_passes_per_step"] = int(v.get("gradient_acc", 1))
+    cfg["data"]["batch_size"] = int(v.get("batch_size", 128))
+    cfg["data"]["workers"] = int(v.get("num_workers", 2))
+    if "num_epoch" in v:
+        cfg["train"]["epochs"] = float(v["num_epoch"])
+    warm = v.get("warmup_epoch", 0)
+    if warm and world_size and v.get("num_image"):
+        o["warmup_steps"] = int(v["num_image"] // (cfg["data"]["batch_size"] * world_size) * warm)
+    elif warm:
+        why.append(f"warmup_epoch {warm}: its steps need num_image and the run's GPU count (--world-size)")
+    else:
+        o["warmup_steps"] = 0
+    cfg["train"].update(seed=int(v.get("seed", 2048)), log_every=int(v.get("frequent", 10)))
+    cfg["eval"].update(every=int(v.get("verbose", 2000)), flip=True)
+    if v.get("rec") and v.get("val_targets"):
+        cfg["eval"]["pairs"] = [os.path.join(v["rec"], f"{t}.bin") for t in v["val_targets"]]
+    for key in sorted(v):
+        if key in DROPPED and not (key == "interclass_filtering_threshold" and not v[key]) \
+                and not (key == "val_targets" and "pairs" in cfg["eval"]):
+            why.append(f"{key}: {DROPPED[key]}")
+        elif key.startswith("wandb") or key in ("using_wandb", "suffix_run_name", "save_artifacts"):
+            why.append(f"{key}: {DROPPED['wandb_key']}")
+    return cfg, why
+
+
+def to_yaml(cfg: Dict[str, Any], why: List[str], source: str, not_read: List[str]) -> str:
+    import yaml
+    dropped = why + [f"{k}: not read" for k in not_read]
+    lines = [f"# From arcface_torch's {os.path.basename(source)} (hvd-partialfc config --from-arcface): read, not run.",
+             "# Not carried:"] + [f"#   {w}" for w in dropped or ["nothing"]]
+    lines.append("# head.mode local is this package's method; --mode global is Partial FC v2's exact softmax.")
+    return "\n".join(lines) + "\n" + yaml.safe_dump({k: v for k, v in cfg.items() if v}, sort_keys=False)
+
+
+def add_arguments(c, group) -> None:
+    group.add_argument("--from-arcface", metavar="CONFIG.py", help="translate an arcface_torch config file "
+                                                                   "(parsed, never run) into this package's YAML")
+    c.add_argument("--world-size", type=int, default=0, help="--from-arcface: the GPUs the run used (sizes "
+                                                            "warmup_epoch in steps)")
+    c.add_argument("--mode", choices=("local", "global"), default="local", help="--from-arcface: head.mode")
+    c.add_argument("--out", help="--from-arcface: write the YAML here (default: stdout)")
+
+
+def run(args) -> int:
+    from ..config import load_config
+    values, not_read = read_config(args.from_arcface)
+    cfg, why = translate(values, args.world_size, args.mode)
+    text = to_yaml(cfg, why, args.from_arcface, not_read)
+    import yaml
+    load_config(None, [], dict(yaml.safe_load(text), data=dict(cfg["data"], shards="-")))   # it loads here
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        print(f"wrote {args.out}; not carried: {len(why) + len(not_read)} keys (its header says why)",
+              file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0

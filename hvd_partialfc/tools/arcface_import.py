@@ -1,0 +1,269 @@
+"""``hvd-partialfc import-arcface RUN_DIR --shards SHARDS --out OUT``: an arcface_torch run's per-rank files
+(``checkpoint_gpu_{rank}.pt``) written as a checkpoint of this package, which ``--resume`` takes at any
+world size (docs/migrate.md).
+
+What arcface_torch's ``train_v2.py`` saves in each rank's file (published format facts, read here):
+``epoch``, ``global_step``, ``state_dict_backbone`` (the backbone's state_dict), ``state_dict_softmax_fc``
+(Partial FC v2's ``weight``: this rank's classifier rows, (rows, D)), ``state_optimizer`` (ONE optimizer over
+two parameter groups: the backbone's parameters, then the classifier's weight) and ``state_lr_scheduler``.
+Partial FC v2 gives rank r of W the classes ``C // W * r + min(r, C % W)`` on, ``C // W + (r < C % W)`` of
+them: this package's even split (``RankLayout.even``), so the checkpoint keeps those slices and a resume
+re-cuts them for its own layout (run/reshard.py), at any world size.
+
+The labels: a shard set built from the run's ``.rec`` (``hvd-partialfc-shards build recordio``) names its
+classes by the original integer labels, in numeric order: a ``.rec`` of labels 0 ... C-1 keeps every label
+as it is, and row l of the run is class l here. The import checks that from the manifest's class names.
+
+Memory: one rank file at a time (its backbone copy, its rows and their momentum) beside the first rank's
+backbone and one slice being written, so a 2M-class run imports in the memory of a few slices.
+
+Not carried (said in the summary): the GradScaler's loss scale (not in the files: an fp16 run starts its
+scale afresh), the random streams (the resume re-seeds them), AdamW runs (refused: only SGD's momentum maps).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from .. import atomic
+from ..data.layout import RankLayout
+from ..data.shards import read_manifest
+from ..digest import state_dict_digest
+from ..engine.local import LocalComm
+from ..models.pretrained import key_mismatch
+from ..run import progress
+from ..run.parts import build_parts
+from ..run.startup import run_info_of
+from ..run_files import CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, classifier_file, load_file, step_dir_name
+
+RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
+KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer")
+
+
+class ArcfaceImportError(ValueError):
+    """A source that cannot be imported; the message names the file and what is wrong (one line)."""
+
+
+def rank_files(run_dir: str) -> List[str]:
+    """``checkpoint_gpu_0.pt`` ... ``checkpoint_gpu_{W-1}.pt`` of ``run_dir``; a missing one is an error."""
+    found = {int(m.group(1)): os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))
+             if (m := RANK_FILE.match(name))} if os.path.isdir(run_dir) else {}
+    if not found:
+        raise ArcfaceImportError(f"{run_dir}: no checkpoint_gpu_<rank>.pt (arcface_torch writes them with "
+                                 "save_all_states = True)")
+    world = max(found) + 1
+    missing = [r for r in range(world) if r not in found]
+    if missing:
+        raise ArcfaceImportError(f"{run_dir}: missing checkpoint_gpu_{missing[0]}.pt ({len(missing)} of "
+                                 f"{world} rank files missing)")
+    return [found[r] for r in range(world)]
+
+
+def _read(path: str) -> Dict[str, Any]:
+    try:
+        obj = load_file(path, "arcface_torch rank file")
+    except Exception as e:  # CheckpointError: unreadable, truncated, or holding code
+        raise ArcfaceImportError(str(e)) from None
+    missing = [k for k in KEYS if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise ArcfaceImportError(f"{path}: not an arcface_torch rank file (no {', '.join(missing)})")
+    weight = obj["state_dict_softmax_fc"].get("weight")
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ArcfaceImportError(f"{path}: state_dict_softmax_fc has no (rows, D) weight")
+    return obj
+
+
+def check_labels(class_names: List[str]) -> None:
+    """A shard set built from the run's .rec names its classes by the original integer labels in numeric
+    order: label l here is arcface_torch's label l. Anything else is another set of classes."""
+    if list(class_names) != [str(i) for i in range(len(class_names))]:
+        raise ArcfaceImportError(f"the shard set's class names are not the labels 0 ... {len(class_names) - 1} "
+                                 "in order: build it from the run's .rec (hvd-partialfc-shards build recordio), "
+                                 "whose labels it keeps")
+
+
+def _momenta(path: str, obj: Dict[str, Any], backbone_names: List[str]) -> Dict[str, Any]:
+    """The SGD momentum of each backbone parameter (by name) and of the rows, from the one optimizer's two
+    parameter groups (backbone parameters in registration order, then the classifier weight)."""
+    opt, rows = obj["state_optimizer"], obj["state_dict_softmax_fc"]["weight"]
+    groups = opt.get("param_groups", [])
+    if len(groups) != 2 or len(groups[1].get("params", [])) != 1:
+        raise ArcfaceImportError(f"{path}: the optimizer has {len(groups)} parameter groups; arcface_torch's has "
+                                 "2 (the backbone's parameters, then the classifier's weight)")
+    if "momentum" not in groups[0] or "betas" in groups[0]:
+        raise ArcfaceImportError(f"{path}: not an SGD optimizer (only SGD's momentum maps; an AdamW run's "
+                                 "moments do not)")
+    ids = list(groups[0]["params"])
+    if len(ids) != len(backbone_names):
+        raise ArcfaceImportError(f"{path}: the optimizer's backbone group holds {len(ids)} parameters, the "
+                                 f"backbone {len(backbone_names)}")
+    state, out = opt.get("state", {}), {}
+    for i, name in zip(ids, backbone_names):
+        m = state.get(i, {}).get("momentum_buffer")
+        if m is not None:
+            out[name] = m
+    row_m = state.get(groups[1]["params"][0], {}).get("momentum_buffer")
+    if row_m is not None and tuple(row_m.shape) != tuple(rows.shape):
+        raise ArcfaceImportError(f"{path}: the classifier's momentum is {tuple(row_m.shape)}, its weight "
+                                 f"{tuple(rows.shape)}")
+    return {"backbone": out, "rows": row_m}
+
+
+def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dict[str, Any]:
+    """Write ``cfg.out``'s first checkpoint from the arcface_torch run ``run_dir`` (see the module's
+    docstring); its summary. Nothing is written when a check fails."""
+    files = rank_files(run_dir)
+    world = len(files)
+    manifest = read_manifest(cfg.data.shards)
+    classes = manifest.num_classes
+    check_labels(manifest.class_names)
+    if cfg.head.mode not in ("local", "global"):
+        raise ArcfaceImportError(f"head.mode={cfg.head.mode}: import into local or global (a slice of the "
+                                 "classifier a rank, as Partial FC's)")
+    if cfg.optim.name != "sgd":
+        raise ArcfaceImportError(f"optim.name={cfg.optim.name}: arcface_torch's SGD momentum maps to sgd only")
+    layout = RankLayout.even(classes, world)
+    out_base = os.path.join(cfg.out, CHECKPOINTS)
+    if os.path.isdir(out_base) and os.listdir(out_base):
+        raise ArcfaceImportError(f"{out_base} is not empty: import into a new run folder")
+    made = [d for d in (cfg.out, out_base) if not os.path.isdir(d)]
+
+    t0, first = time.time(), _read(files[0])
+    step, epoch = int(first["global_step"]), int(first["epoch"])
+    comm0 = LocalComm(0, world)
+    parts = build_parts(cfg, comm0, layout, list(manifest.sample_shape), torch.device("cpu"))
+    names = [n for n, _ in parts.backbone.named_parameters()]
+    problems = key_mismatch(parts.backbone, first["state_dict_backbone"])
+    if problems:
+        raise ArcfaceImportError(f"{files[0]}: its backbone does not fit model.name={cfg.model.name} "
+                                 f"(embedding_dim {cfg.model.embedding_dim}): " + "; ".join(problems))
+    parts.backbone.load_state_dict(first["state_dict_backbone"], strict=True)
+    digest = state_dict_digest(parts.backbone.state_dict())      # backbone.pt's: rank 0's parameters and buffers
+    same_run = _params_digest(first, names)
+    bb_momenta = _momenta(files[0], first, names)["backbone"]
+    params = dict(parts.backbone.named_parameters())
+    opt = parts.backbone_opt
+    for name, m in bb_momenta.items():
+        if tuple(m.shape) != tuple(params[name].shape):
+            raise ArcfaceImportError(f"{files[0]}: momentum of {name} is {tuple(m.shape)}, the parameter "
+                                     f"{tuple(params[name].shape)}")
+        opt.state[params[name]]["momentum_buffer"] = m.clone()
+    base = parts.training_state(layout, 0)
+    length = _length(cfg, world, step, manifest)
+    run_info = run_info_of(cfg, manifest)
+    partial = os.path.join(out_base, step_dir_name(step) + ".partial")
+    os.makedirs(partial, exist_ok=True)
+    try:
+        for r in range(world):
+            obj = first if r == 0 else _read(files[r])
+            first = None                                # rank 0's file goes once its rows are written
+            _check_same_run(files[r], obj, step, same_run, names)
+            state = _rank_state(cfg, parts, base, layout, r, world, obj, files[r], names)
+            own = {k: v for k, v in obj["state_dict_backbone"].items() if k not in params}   # its BatchNorm
+            atomic.torch_save(state.rank_file(digest, own), os.path.join(partial, classifier_file(r, world)))
+            del obj, state, own
+        atomic.torch_save(base.backbone_file(), os.path.join(partial, "backbone.pt"))
+        meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+                "total_steps": length.total_steps, "length": length.record(step), "world_size": world,
+                "slices": layout.bounds(), "classifier_files": [classifier_file(r, world) for r in range(world)],
+                "model": base.model_args, "replicated": False, **run_info, **base.counters,
+                "digests": [digest] * world, "identical": True, "time": time.time(),
+                "imported_from": {"arcface_torch": os.path.abspath(run_dir), "epoch": epoch,
+                                  "global_step": step, "ranks": world}}
+        atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
+        atomic.commit_folder(partial, os.path.join(out_base, step_dir_name(step)))
+        atomic.write_text(os.path.join(out_base, LATEST), step_dir_name(step) + "\n")
+    except BaseException:       # nothing written stays: the partial folder, and the folders made for it
+        shutil.rmtree(partial, ignore_errors=True)
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        raise
+    summary = {"out": cfg.out, "checkpoint": os.path.join(out_base, step_dir_name(step)), "step": step,
+               "epoch": epoch, "ranks": world, "classes": classes,
+               "samples_consumed": length.samples_at(step), "budget_samples": length.budget,
+               "seconds": round(time.time() - t0, 2)}
+    log(f"imported {world} rank files of {run_dir}: step {step} (epoch {epoch}), {classes:,} classes; resume "
+        f"with --resume auto --out {cfg.out} at any world size")
+    return summary
+
+
+def _params_digest(obj: Dict[str, Any], names: List[str]) -> str:
+    """The backbone's parameters' digest (DDP keeps them equal; each rank's BatchNorm statistics are its
+    own: arcface_torch does not broadcast buffers)."""
+    sd = obj["state_dict_backbone"]
+    return state_dict_digest({n: sd[n] for n in names if n in sd})
+
+
+def _check_same_run(path: str, obj: Dict[str, Any], step: int, digest: str, names: List[str]) -> None:
+    if int(obj["global_step"]) != step:
+        raise ArcfaceImportError(f"{path}: global_step {obj['global_step']}, rank 0's {step}: the rank files "
+                                 "are not of one checkpoint")
+    mine = _params_digest(obj, names)
+    if mine != digest:
+        raise ArcfaceImportError(f"{path}: its backbone's parameters differ from rank 0's ({mine[:12]} != "
+                                 f"{digest[:12]}): the rank files are not of one checkpoint")
+
+
+def _rank_state(cfg, parts, base, layout, r: int, world: int, obj, path: str, names):
+    """Rank r's TrainingState: a head of rank r's slice holding arcface rank r's rows and their momentum."""
+    sl = layout.slices[r]
+    head = parts.mode.create_head(cfg, layout, r, LocalComm(r, world))
+    head_opt = parts.mode.classifier_optimizer(head, cfg)
+    rows = obj["state_dict_softmax_fc"]["weight"]
+    if rows.shape[0] != sl.width or rows.shape[1] != cfg.model.embedding_dim:
+        raise ArcfaceImportError(f"{path}: rows {tuple(rows.shape)}, where rank {r} of {world} of Partial FC v2 "
+                                 f"over the shard set's {layout.num_classes:,} classes holds ({sl.width}, "
+                                 f"{cfg.model.embedding_dim}): the run's class count or embedding size differs "
+                                 "from this one's, or its rows do not tile the classes")
+    momentum = _momenta(path, obj, names)["rows"]
+    with torch.no_grad():
+        head.weight.copy_(rows)
+    if momentum is not None:
+        head_opt.state[head.weight]["momentum_buffer"] = momentum.clone()
+    return replace(base, head=head, head_opt=head_opt, label_slice=(sl.start, sl.end), rank=r)
+
+
+def _length(cfg, world: int, step: int, manifest) -> progress.RunLength:
+    """The run's length as if this package had trained it at arcface_torch's W ranks: steps of its global
+    batch (``batch_size x gradient_acc x W``), an epoch of the fewest steps a rank's shards give at W (the
+    loader's start at the resume is the same fraction of an epoch; with fewer shards than W, arcface_torch's
+    count: the set's samples in whole steps), the budget from this config (``train.epochs`` or ``train.steps``)."""
+    unit = progress.global_batch(cfg, world)
+    try:
+        spe = progress.min_steps_per_epoch([[s.start, s.end] for s in manifest.shard_slices()],
+                                           [s.num_samples for s in manifest.shards], world,
+                                           cfg.data.batch_size, cfg.optim.backward_passes_per_step)
+    except ValueError:   # fewer shards than the run's GPUs: arcface_torch's own count, all samples in steps
+        spe = manifest.num_samples // unit
+    spe = max(1, spe)
+    record = {"budget_samples": 0, "samples": step * unit, "samples_per_schedule_step": unit,
+              "epoch_samples": spe * unit, "segments": [progress.Segment(0, 0, world, unit).as_dict()]}
+    return progress.plan(cfg, world, spe, step, record)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("run_dir", help="the arcface_torch run's output folder (its checkpoint_gpu_<rank>.pt files)")
+    p.add_argument("--shards", required=True, help="the shard set built from the run's .rec (= data.shards)")
+    p.add_argument("--out", required=True, help="a new run folder: its first checkpoint is the import")
+    p.add_argument("--config", help="this package's YAML for the run (hvd-partialfc config --from-arcface "
+                                    "writes it): the resume must give the same")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key")
+
+
+def run(args) -> int:
+    from ..config import load_config
+    cfg = load_config(args.config, args.set or [], {"data": {"shards": args.shards}, "out": args.out})
+    print(json.dumps(import_arcface(args.run_dir, cfg, log=lambda m: print(m, file=sys.stderr))))
+    return 0

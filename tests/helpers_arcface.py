@@ -1,0 +1,47 @@
+"""arcface_torch's per-rank checkpoint files as its train_v2.py writes them (the published layout: the keys
+of each file, Partial FC v2's class partition, the one SGD over two parameter groups), written here from a
+state for the import's tests. No arcface_torch code: only the format facts."""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+
+
+def pfc_slices(classes: int, world: int) -> List[tuple]:
+    """Partial FC v2's (start, rows) of each rank: C // W + (r < C % W) rows from C // W * r + min(r, C % W)."""
+    base, extra = divmod(classes, world)
+    return [(base * r + min(r, extra), base + (r < extra)) for r in range(world)]
+
+
+def write_run(out: str, backbone: Dict[str, torch.Tensor], param_names: List[str], rows: torch.Tensor,
+              rows_momentum: Optional[torch.Tensor], backbone_momentum: Dict[str, torch.Tensor], world: int,
+              step: int, epoch: int = 1, lr: float = 0.1, weight_decay: float = 5e-4,
+              rank_buffers: Optional[List[Dict[str, torch.Tensor]]] = None) -> List[str]:
+    """``checkpoint_gpu_{r}.pt`` for r < ``world``: every rank the backbone (its own BatchNorm buffers from
+    ``rank_buffers``), its rows of ``rows`` and their momentum, the optimizer's state and groups, the
+    scheduler's state. Returns the paths."""
+    os.makedirs(out, exist_ok=True)
+    k = len(param_names)
+    group = {"lr": lr, "momentum": 0.9, "dampening": 0, "weight_decay": weight_decay, "nesterov": False,
+             "maximize": False, "foreach": None, "differentiable": False, "fused": None, "initial_lr": lr}
+    paths = []
+    for r, (start, n) in enumerate(pfc_slices(rows.shape[0], world)):
+        sd = OrderedDict((name, t.clone()) for name, t in backbone.items())
+        if rank_buffers:
+            sd.update({name: t.clone() for name, t in rank_buffers[r].items()})
+        state = {i: {"momentum_buffer": backbone_momentum[name].clone()} for i, name in enumerate(param_names)
+                 if name in backbone_momentum}
+        if rows_momentum is not None:
+            state[k] = {"momentum_buffer": rows_momentum[start:start + n].clone()}
+        optimizer = {"state": state, "param_groups": [dict(group, params=list(range(k))), dict(group, params=[k])]}
+        scheduler = {"base_lrs": [lr, lr], "last_epoch": step, "_step_count": step + 1, "_last_lr": [lr, lr],
+                     "warmup_iters": 0, "total_iters": 10 * step, "power": 2}
+        path = os.path.join(out, f"checkpoint_gpu_{r}.pt")
+        torch.save({"epoch": epoch, "global_step": step, "state_dict_backbone": sd,
+                    "state_dict_softmax_fc": OrderedDict(weight=rows[start:start + n].clone()),
+                    "state_optimizer": optimizer, "state_lr_scheduler": scheduler}, path)
+        paths.append(path)
+    return paths

@@ -1,0 +1,291 @@
+"""``hvd-partialfc import-arcface`` and ``config --from-arcface`` (tools/arcface_import.py, arcface_config.py).
+
+The source: a run of this package (4 ranks, 24 steps), written in arcface_torch's per-rank layout by
+tests/helpers_arcface.py (Partial FC v2's partition of 42 classes over 4 ranks: 11, 11, 10, 10 rows, which is
+not this shard set's layout). Imported, it must hold the same rows, momentum and backbone bitwise, and resume
+at 1 and at 3 ranks exactly as the original run's own checkpoint resumes there: the first steps after the
+resume equal those computed from the original state (its momentum included: without it they differ)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import pins
+from conftest import build_shards, make_feature_npz, simulate_here
+from helpers_arcface import pfc_slices, write_run
+
+SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
+        "head.negatives_every=0", "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.every=4",
+        "train.seed=3", "optim.warmup_steps=2", "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
+CLASSES, WORLD, STEP = 42, 4, 24
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f]
+
+
+def _cfg(shards, out, *extra):
+    from hvd_partialfc.config import load_config
+    return load_config(None, [*SETS, f"data.shards={shards}", f"out={out}", *extra])
+
+
+def _original_state(ckpt):
+    """(backbone state_dict, parameter names in order, {name: momentum}, rows (C, D), their momentum)."""
+    from hvd_partialfc.models import create_model
+    meta = _json(os.path.join(ckpt, "meta.json"))
+    bb = torch.load(os.path.join(ckpt, "backbone.pt"), weights_only=True)
+    m = meta["model"]
+    names = [n for n, _ in create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"],
+                                        **m["kwargs"]).named_parameters()]
+    momenta = {names[i]: s["momentum_buffer"] for i, s in bb["optimizer"]["state"].items()}
+    files = [torch.load(os.path.join(ckpt, f), weights_only=True) for f in meta["classifier_files"]]
+    rows = torch.cat([f["weight"] for f in files])
+    rows_m = torch.cat([f["optimizer"]["state"][0]["momentum_buffer"] for f in files])
+    return bb["state_dict"], names, momenta, rows, rows_m
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """The original run, its arcface_torch copy, the import."""
+    d = tmp_path_factory.mktemp("arcface")
+    shards = build_shards(make_feature_npz(d / "f.npz", [24] * CLASSES), d / "shards", 8)
+    original = simulate_here(_cfg(shards, d / "original", f"train.steps={STEP}"), WORLD).checkpoint
+    state = _original_state(original)
+    bb, names, momenta, rows, rows_m = state
+    run = d / "arcface_run"
+    write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP)
+    from hvd_partialfc.tools.arcface_import import import_arcface
+    summary = import_arcface(str(run), _cfg(shards, d / "imported", f"train.steps={STEP}"), log=lambda m: None)
+    return {"dir": d, "shards": shards, "original": original, "state": state, "run": run, "summary": summary}
+
+
+def test_the_import_holds_the_rows_momentum_and_backbone_bitwise(source):
+    bb, names, momenta, rows, rows_m = source["state"]
+    ckpt = source["summary"]["checkpoint"]
+    meta = _json(os.path.join(ckpt, "meta.json"))
+    assert meta["step"] == STEP and meta["world_size"] == WORLD
+    assert meta["slices"] == [[a, a + n] for a, n in pfc_slices(CLASSES, WORLD)] == [[0, 11], [11, 22], [22, 32], [32, 42]]
+    files = [torch.load(os.path.join(ckpt, f), weights_only=True) for f in meta["classifier_files"]]
+    assert torch.equal(torch.cat([f["weight"] for f in files]), rows)
+    assert torch.equal(torch.cat([f["optimizer"]["state"][0]["momentum_buffer"] for f in files]), rows_m)
+    got = torch.load(os.path.join(ckpt, "backbone.pt"), weights_only=True)
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in bb.items())
+    assert {names[i]: s["momentum_buffer"] for i, s in got["optimizer"]["state"].items()}.keys() == momenta.keys()
+    assert all(torch.equal(got["optimizer"]["state"][names.index(k)]["momentum_buffer"], v) for k, v in momenta.items())
+    assert meta["length"]["samples"] == STEP * 8 * WORLD        # arcface_torch's steps of batch_size x W
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_it_resumes_at_another_gpu_count_as_the_original_does(source, ranks):
+    """Two steps after the resume at 1 and at 3 ranks, from the import and from the original run's own
+    checkpoint: every digest equal (backbone and its momentum, rows and theirs, streams and counters)."""
+    d = source["dir"]
+    got = simulate_here(_cfg(source["shards"], d / f"imported{ranks}", "train.steps=26",
+                             f"checkpoint.resume={source['summary']['checkpoint']}"), ranks)
+    want = simulate_here(_cfg(source["shards"], d / f"again{ranks}", "train.steps=26",
+                              f"checkpoint.resume={source['original']}"), ranks)
+    assert pins.checkpoint_digests(got.checkpoint) == pins.checkpoint_digests(want.checkpoint)
+    # each sample scored against its own class's row: the run goes on well below a fresh run's loss at this
+    # world size (a row order off by one class scores like a fresh run)
+    simulate_here(_cfg(source["shards"], d / f"fresh{ranks}", "train.steps=3"), ranks)
+    mean = lambda run: sum(l := [r["loss"] for r in _lines(run / "metrics.jsonl")]) / len(l)  # noqa: E731
+    print(f"{ranks} ranks: loss before the import {_lines(d / 'original' / 'metrics.jsonl')[-1]['loss']:.3f} (4 ranks, "
+          f"step {STEP}), after it {mean(d / f'imported{ranks}'):.3f} (mean of the steps after the resume; the "
+          f"original's resume: the same bits), a fresh run's first steps {mean(d / f'fresh{ranks}'):.3f}")
+    assert mean(d / f"imported{ranks}") < 0.7 * mean(d / f"fresh{ranks}"), (mean(d / f"imported{ranks}"),
+                                                                           mean(d / f"fresh{ranks}"))
+
+
+def _copy_run(source, tmp_path):
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(source["run"], run)
+    return run
+
+
+@pytest.mark.parametrize("case, said", [
+    ("classes", "rows do not tile"),
+    ("missing", "missing checkpoint_gpu_2.pt"),
+    ("rows", "rows do not tile"),
+    ("optimizer", "the optimizer's backbone group holds"),
+    ("truncated", "cannot read this arcface_torch rank file"),
+    ("step", "are not of one checkpoint"),
+])
+def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, capsys, case, said):
+    from hvd_partialfc.cli import main
+    bb, names, momenta, rows, rows_m = source["state"]
+    run = tmp_path / "run"
+    if case == "classes":      # a run of 40 classes, a shard set of 42
+        write_run(str(run), bb, names, rows[:40], rows_m[:40], momenta, WORLD, STEP)
+    elif case == "rows":       # 42 rows in all, not Partial FC's split
+        paths = write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP)
+        for path, cut in zip(paths[:2], (slice(0, 12), slice(12, 22))):
+            f = torch.load(path, weights_only=True)
+            f["state_dict_softmax_fc"]["weight"] = rows[cut].clone()
+            f["state_optimizer"]["state"][len(names)]["momentum_buffer"] = rows_m[cut].clone()
+            torch.save(f, path)
+    else:
+        run = _copy_run(source, tmp_path)
+        path = run / "checkpoint_gpu_2.pt"
+        if case == "missing":
+            os.remove(path)
+        elif case == "truncated":
+            path.write_bytes(path.read_bytes()[:1000])
+        else:
+            f = torch.load(path, weights_only=True)
+            if case == "optimizer":
+                f["state_optimizer"]["param_groups"][0]["params"] = f["state_optimizer"]["param_groups"][0]["params"][:-1]
+            else:
+                f["global_step"] = STEP + 1
+            torch.save(f, path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["import-arcface", str(run), "--shards", str(source["shards"]), "--out", str(out), *sum(
+        (["--set", s] for s in SETS + [f"train.steps={STEP}"]), [])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and said in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+ARCFACE_CONFIG = '''from easydict import EasyDict as edict
+import os
+config = edict()
+config.margin_list = (1.0, 0.0, 0.4)
+config.network = "r100"
+config.embedding_size = 512
+config.sample_rate = 0.2
+config.fp16 = True
+config.batch_size = 128
+config.lr = 0.2
+config.rec = "/data/webface42m"
+config.num_classes = 2059906
+config.num_image = 42474557
+config.num_epoch = 20
+config.warmup_epoch = 2
+config.val_targets = ["lfw", "cfp_fp"]
+config.dali = True
+config.lr_steps = [x * 2 for x in range(3)]
+open(MARKER, "w").write("ran")
+'''
+
+
+def test_an_arcface_config_is_read_never_run_and_translated(tmp_path, capsys):
+    """The file's literals become this package's keys (base.py's defaults under them); the keys without a
+    counterpart are listed with why; a statement in the file does not run; the YAML loads as a config."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.config import load_config
+    marker = tmp_path / "marker"
+    src = tmp_path / "wf42m_r100.py"
+    src.write_text(ARCFACE_CONFIG.replace("MARKER", repr(str(marker))))
+    out = tmp_path / "r100.yaml"
+    assert main(["config", "--from-arcface", str(src), "--world-size", "64", "--out", str(out)]) == 0
+    assert not marker.exists()                                    # parsed, never executed
+    text = out.read_text()
+    cfg = load_config(str(out), [], {"data": {"shards": "x"}})
+    assert (cfg.model.name, cfg.model.embedding_dim) == ("iresnet100", 512)
+    assert (cfg.head.loss, cfg.head.margin, cfg.head.scale, cfg.head.sample_rate, cfg.head.mode) == \
+        ("cosface", 0.4, 64.0, 0.2, "local")
+    assert cfg.train.precision == "fp16" and cfg.train.epochs == 20 and cfg.data.batch_size == 128
+    assert cfg.optim.backbone_lr == cfg.optim.classifier_lr == 0.2 and cfg.optim.backbone_momentum == 0.9
+    assert cfg.optim.backbone_weight_decay == 5e-4 and cfg.optim.schedule == "poly"
+    assert cfg.optim.warmup_steps == 42474557 // (128 * 64) * 2
+    assert cfg.eval.pairs == ["/data/webface42m/lfw.bin", "/data/webface42m/cfp_fp.bin"]
+    for dropped in ("dali: DALI", "lr_steps (not a literal", "num_classes: read from the shard set"):
+        assert dropped in text, text
+    assert main(["config", "--from-arcface", str(src), "--mode", "global"]) == 0
+    assert "mode: global" in capsys.readouterr().out
+
+
+SMALL_ARCFACE = '''from easydict import EasyDict as edict
+config = edict()
+config.margin_list = (1.0, 0.5, 0.0)
+config.network = "r18"
+config.embedding_size = 16
+config.batch_size = 4
+config.lr = 0.05
+config.rec = "REC"
+config.num_classes = 6
+config.num_image = 48
+config.num_epoch = 2
+config.val_targets = ["lfw"]
+'''
+
+
+def test_the_guide_end_to_end(tmp_path, capsys):
+    """docs/migrate.md's commands on a small .rec (6 classes): its shards, the config translated, a 2-rank
+    arcface_torch run imported, resumed at 4 ranks (``simulate``: the numbers of a 4-rank launch,
+    tests/test_engines.py and test_simulate.py), exported to ONNX. A small resnet stands in for the
+    iresnet18 the config names (--set), as the shapes of a real face run would take minutes here."""
+    import io
+    import numpy as np
+    from PIL import Image
+    from data_tools.shards_cli import main as shards_main
+    from helpers_recordio import write_rec
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.models import create_model
+    rng = np.random.default_rng(0)
+    images, labels = [], []
+    for c in range(6):
+        face = rng.integers(0, 256, (32, 32, 3))
+        for _ in range(8):
+            buf = io.BytesIO()
+            Image.fromarray(np.clip(face + rng.integers(-20, 20, face.shape), 0, 255).astype(np.uint8)).save(buf, "PNG")
+            images.append(buf.getvalue())
+            labels.append(c)
+    write_rec(str(tmp_path / "train"), images, labels)
+    shards, out = str(tmp_path / "shards"), str(tmp_path / "runs" / "r18")
+    assert shards_main(["build", "recordio", str(tmp_path / "train"), "--out", shards, "--num-shards", "4",
+                        "--store", "encoded", "--workers", "1"]) == 0
+    conf = tmp_path / "configs" / "small_r18.py"
+    conf.parent.mkdir()
+    conf.write_text(SMALL_ARCFACE.replace("REC", str(tmp_path)))
+    yaml_path = str(tmp_path / "r18.yaml")
+    assert main(["config", "--from-arcface", str(conf), "--world-size", "2", "--out", yaml_path]) == 0
+    small = sum((["--set", s] for s in ("model.name=resnet", "model.kwargs={width: 4}", "train.precision=fp32",
+                                        "data.workers=0", "eval.pairs=[]", "train.steps=6", "train.threads=1")), [])
+    model = create_model("resnet", in_shape=[32, 32, 3], embedding_dim=16, width=4)
+    names = [n for n, _ in model.named_parameters()]
+    torch.manual_seed(0)
+    write_run(str(tmp_path / "arcface_run"), model.state_dict(), names, torch.randn(6, 16), 0.01 * torch.randn(6, 16),
+              {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}, world=2, step=4)
+    capsys.readouterr()
+    assert main(["import-arcface", str(tmp_path / "arcface_run"), "--shards", shards, "--config", yaml_path,
+                 "--out", out, *small]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+    assert main(["simulate", "--ranks", "4", "--config", yaml_path, "--shards", shards, "--out", out,
+                 "--resume", "auto", *small]) == 0
+    assert "at step 4 (written by 2 ranks)" in capsys.readouterr().out
+    from hvd_partialfc.run_files import find_resume
+    meta = _json(os.path.join(find_resume(out), "meta.json"))
+    # train.steps=6 counts the first world size's steps (2 ranks x 4): 48 samples, the last 16 in one 4-rank step
+    assert meta["world_size"] == 4 and meta["length"]["samples"] == 6 * 2 * 4 and meta["step"] == 5
+    assert main(["export", out, "--onnx", "--out", str(tmp_path / "r18.onnx")]) == 0
+
+
+def test_the_committed_run_imports(tmp_path, capsys):
+    """tests/fixtures/arcface/tiny (3 ranks, 40 classes; its README says how it was made) into the features
+    shard set: its rows, in Partial FC v2's 14, 13, 13 slices, and their momentum, bitwise."""
+    from hvd_partialfc.cli import main
+    run = os.path.join(pins.ROOT, "tests", "fixtures", "arcface", "tiny")
+    shards = os.path.join(pins.FIXTURES, "data", "features")
+    out = tmp_path / "imported"
+    sets = sum((["--set", s] for s in ("model.name=mlp", "model.embedding_dim=32", "model.kwargs={hidden_dim: 32}",
+                                       "head.negatives_every=0")), [])
+    assert main(["import-arcface", run, "--shards", shards, "--out", str(out), *sets]) == 0
+    meta = _json(out / "checkpoints" / "step-00000007" / "meta.json")
+    assert meta["slices"] == [[0, 14], [14, 27], [27, 40]] and meta["imported_from"]["ranks"] == 3
+    for r, name in enumerate(meta["classifier_files"]):
+        src = torch.load(os.path.join(run, f"checkpoint_gpu_{r}.pt"), weights_only=True)
+        got = torch.load(out / "checkpoints" / "step-00000007" / name, weights_only=True)
+        assert torch.equal(got["weight"], src["state_dict_softmax_fc"]["weight"])
+        assert torch.equal(got["optimizer"]["state"][0]["momentum_buffer"],
+                           src["state_optimizer"]["state"][9]["momentum_buffer"])
