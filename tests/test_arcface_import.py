@@ -1,8 +1,8 @@
 """``hvd-partialfc import-arcface`` and ``config --from-arcface`` (tools/arcface_import.py, arcface_config.py).
 
-The source: a run of this package (4 ranks, 24 steps), written in arcface_torch's per-rank layout by
-tests/helpers_arcface.py (Partial FC v2's partition of 42 classes over 4 ranks: 11, 11, 10, 10 rows, which is
-not this shard set's layout). Imported, it must hold the same rows, momentum and backbone bitwise, and resume
+The source: a run of this package (2 ranks, 24 steps), written in arcface_torch's per-rank layout by
+tests/helpers_arcface.py (Partial FC v2's partition of 42 classes over 2 ranks: 21 and 21 rows; the committed
+fixture's, over 3 ranks, is 14, 13, 13). Imported, it must hold the same rows, momentum and backbone bitwise, and resume
 at 1 and at 3 ranks exactly as the original run's own checkpoint resumes there: the first steps after the
 resume equal those computed from the original state (its momentum included: without it they differ)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from helpers_arcface import pfc_slices, write_run
 SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
         "head.negatives_every=0", "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.every=4",
         "train.seed=3", "optim.warmup_steps=2", "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
-CLASSES, WORLD, STEP = 42, 4, 24
+CLASSES, WORLD, STEP = 42, 2, 24
 
 
 def _json(path):
@@ -73,7 +73,7 @@ def test_the_import_holds_the_rows_momentum_and_backbone_bitwise(source):
     ckpt = source["summary"]["checkpoint"]
     meta = _json(os.path.join(ckpt, "meta.json"))
     assert meta["step"] == STEP and meta["world_size"] == WORLD
-    assert meta["slices"] == [[a, a + n] for a, n in pfc_slices(CLASSES, WORLD)] == [[0, 11], [11, 22], [22, 32], [32, 42]]
+    assert meta["slices"] == [[a, a + n] for a, n in pfc_slices(CLASSES, WORLD)] == [[0, 21], [21, 42]]
     files = [torch.load(os.path.join(ckpt, f), weights_only=True) for f in meta["classifier_files"]]
     assert torch.equal(torch.cat([f["weight"] for f in files]), rows)
     assert torch.equal(torch.cat([f["optimizer"]["state"][0]["momentum_buffer"] for f in files]), rows_m)
@@ -98,7 +98,7 @@ def test_it_resumes_at_another_gpu_count_as_the_original_does(source, ranks):
     # world size (a row order off by one class scores like a fresh run)
     simulate_here(_cfg(source["shards"], d / f"fresh{ranks}", "train.steps=3"), ranks)
     mean = lambda run: sum(l := [r["loss"] for r in _lines(run / "metrics.jsonl")]) / len(l)  # noqa: E731
-    print(f"{ranks} ranks: loss before the import {_lines(d / 'original' / 'metrics.jsonl')[-1]['loss']:.3f} (4 ranks, "
+    print(f"{ranks} ranks: loss before the import {_lines(d / 'original' / 'metrics.jsonl')[-1]['loss']:.3f} (2 ranks, "
           f"step {STEP}), after it {mean(d / f'imported{ranks}'):.3f} (mean of the steps after the resume; the "
           f"original's resume: the same bits), a fresh run's first steps {mean(d / f'fresh{ranks}'):.3f}")
     assert mean(d / f"imported{ranks}") < 0.7 * mean(d / f"fresh{ranks}"), (mean(d / f"imported{ranks}"),
@@ -114,7 +114,7 @@ def _copy_run(source, tmp_path):
 
 @pytest.mark.parametrize("case, said", [
     ("classes", "rows do not tile"),
-    ("missing", "missing checkpoint_gpu_2.pt"),
+    ("missing", "missing checkpoint_gpu_0.pt"),
     ("rows", "rows do not tile"),
     ("optimizer", "the optimizer's backbone group holds"),
     ("truncated", "cannot read this arcface_torch rank file"),
@@ -128,16 +128,16 @@ def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, ca
         write_run(str(run), bb, names, rows[:40], rows_m[:40], momenta, WORLD, STEP)
     elif case == "rows":       # 42 rows in all, not Partial FC's split
         paths = write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP)
-        for path, cut in zip(paths[:2], (slice(0, 12), slice(12, 22))):
+        for path, cut in zip(paths, (slice(0, 22), slice(22, 42))):
             f = torch.load(path, weights_only=True)
             f["state_dict_softmax_fc"]["weight"] = rows[cut].clone()
             f["state_optimizer"]["state"][len(names)]["momentum_buffer"] = rows_m[cut].clone()
             torch.save(f, path)
     else:
         run = _copy_run(source, tmp_path)
-        path = run / "checkpoint_gpu_2.pt"
-        if case == "missing":
-            os.remove(path)
+        path = run / "checkpoint_gpu_1.pt"
+        if case == "missing":     # (the last one missing reads as a run of fewer ranks: its rows do not tile)
+            os.remove(run / "checkpoint_gpu_0.pt")
         elif case == "truncated":
             path.write_bytes(path.read_bytes()[:1000])
         else:

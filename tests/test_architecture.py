@@ -124,8 +124,9 @@ def test_the_test_extra_holds_what_the_suite_imports():
     extras = cfg["options.extras_require"]
     have |= names(extras["test"]) | names(extras["horovod"]) | names(extras["tensorboard"])
     dist = {"PIL": "pillow", "yaml": "pyyaml", "fontTools": "fonttools"}
-    local = {"conftest", "pins", "helpers_face", "helpers_recordio", "ckpt_scenarios", "engines_launch", "twonode",
-             "horovod_build_env", "horovod_restarts", "hvd_partialfc", "data_tools"}
+    local = {"hvd_partialfc", "data_tools", "twonode", "horovod_build_env", "horovod_restarts"} | {
+        f[:-3] for folder in ("tests", os.path.join("tests", "mr")) for f in os.listdir(os.path.join(ROOT, folder))
+        if f.endswith(".py")}
     found = set()
     for folder in ("tests", os.path.join("tests", "mr")):
         for f in os.listdir(os.path.join(ROOT, folder)):
