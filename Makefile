@@ -17,13 +17,18 @@ install: $(STAMP)
 # missing requirement of the demo's engine (Horovod with Gloo), before any data is built.
 DOCTOR := $(PY) -m hvd_partialfc.cli doctor
 
+# The single-process tests on both cores (pytest-xdist, a file's tests on one worker so they share its
+# fixtures), then the multi-rank tests alone (their ranks need the cores; their timeouts assume them). Both
+# halves run whatever the first gives; the target fails if either did.
+UNIT := -m "not multirank and not bigbuild" -n 2 --dist loadfile
 test: install
 	$(DOCTOR) || true
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q $(UNIT); unit=$$?; $(PY) -m pytest tests -q -m "multirank and not bigbuild"; \
+	  multi=$$?; exit $$((unit || multi))
 
 # A -m on the command line replaces setup.cfg's -m "not bigbuild": keep it out here too.
 test-unit: install
-	$(PY) -m pytest tests -q -m "not multirank and not bigbuild"
+	$(PY) -m pytest tests -q $(UNIT)
 
 test-multirank: install
 	$(PY) -m pytest tests -q -m multirank

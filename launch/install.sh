@@ -109,6 +109,11 @@ if ! "$PY" -c "import numpy, h5py, PIL, tqdm, yaml, pytest, fontTools, matplotli
   PIP_PKGS+=(numpy h5py Pillow tqdm PyYAML pytest pytest-timeout fonttools matplotlib \
     cloudpickle psutil pyyaml packaging)
 fi
+# pytest-xdist: make test runs the single-process tests on both cores (-n 2); the multi-rank ones after,
+# alone, as their ranks need the cores. Pinned with its one dependency.
+if ! "$PY" -c "import xdist, sys; sys.exit(xdist.__version__ != '3.8.0')" 2>/dev/null; then
+  PIP_PKGS+=("pytest-xdist==3.8.0" "execnet==2.1.2")
+fi
 
 # ONNX export (`hvd-partialfc export --onnx`, docs/faces.md) and its tests: torch's exporter needs onnx and
 # onnxscript, the check runs onnxruntime. Their new dependencies are pinned too (the set `pip install

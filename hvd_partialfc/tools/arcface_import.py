@@ -177,7 +177,7 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
                 "slices": layout.bounds(), "classifier_files": [classifier_file(r, world) for r in range(world)],
                 "model": base.model_args, "replicated": False, **run_info, **base.counters,
                 "digests": [digest] * world, "identical": True, "time": time.time(),
-                "imported_from": {"arcface_torch": os.path.abspath(run_dir), "epoch": epoch,
+                "imported_from": {"arcface_torch": run_dir, "epoch": epoch,
                                   "global_step": step, "ranks": world}}
         atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
         atomic.commit_folder(partial, os.path.join(out_base, step_dir_name(step)))
