@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import MR, launch_cmd, launch_env, run_job
+from conftest import MR, launch_cmd, launch_env, require_horovod, run_job
 import pins
 
 pytestmark = pytest.mark.multirank
@@ -116,9 +116,15 @@ def test_engine_follows_the_launcher_and_refuses_a_mismatch():
     from hvd_partialfc.engine.select import choose_engine, detect_launcher
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "x"}
     assert detect_launcher(torchrun) == "torchrun" and choose_engine("auto", torchrun) == "torch"
-    assert choose_engine("auto", {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}) == "horovod"
-    assert choose_engine("auto", {"OMPI_COMM_WORLD_RANK": "0"}) == "horovod"
-    assert choose_engine("auto", {}) == "horovod"              # alone, Horovod installed here
+    import importlib.util
+    installed = importlib.util.find_spec("horovod") is not None
+    for horovod_launch in ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}, {"OMPI_COMM_WORLD_RANK": "0"}):
+        if installed:
+            assert choose_engine("auto", horovod_launch) == "horovod"
+        else:                                                  # a torch-only install: said, not a crash
+            with pytest.raises(ConfigError, match="Horovod is not installed"):
+                choose_engine("auto", horovod_launch)
+    assert choose_engine("auto", {}) == ("horovod" if installed else "torch")   # alone: Horovod where installed
     assert choose_engine("torch", {}) == "torch"                # alone: a world of one under either engine
     with pytest.raises(ConfigError, match="does not fit the launcher"):
         choose_engine("horovod", torchrun)
@@ -129,6 +135,7 @@ def test_engine_follows_the_launcher_and_refuses_a_mismatch():
 def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(tmp_path):
     """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work (the
     traceback left is torchrun's own, reporting failed workers)."""
+    require_horovod()
     args = train_args(CASES["local_negatives"], tmp_path / "run") + ["--set", "train.engine=horovod"]
     p = run_job(launcher("torchrun") + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
     assert p.returncode != 0

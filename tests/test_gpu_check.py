@@ -6,12 +6,13 @@ import subprocess
 
 import pytest
 
-from conftest import BIN, ROOT, launch_env
+from conftest import BIN, ROOT, launch_env, require_horovod
 
 pytestmark = pytest.mark.multirank
 
 
 def test_gpu_check_cpu_path(tmp_path):
+    require_horovod()        # the check builds and runs Horovod's stage too
     out = tmp_path / "out"
     env = dict(launch_env(), OUT=str(out), GPU_CHECK_TINY="1", PYTHON=os.path.join(BIN, "python"))
     p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MR, launch_env, run_hvd, run_job
+from conftest import MR, launch_env, require_horovod, run_hvd, run_job
 from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.classifier.margins import LocalClassifier, margin_cross_entropy
 from hvd_partialfc.classifier.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
@@ -71,6 +71,7 @@ def test_np2_mode_equals_full_softmax_on_union_batch(np2, mode, loss):
 def test_np1_local_equals_global(feature_shards, tmp_path):
     """At np=1 ``local`` and ``global`` train to the same numbers (one process, Horovod alone: size 1, no
     launcher needed)."""
+    require_horovod()
     out = tmp_path / "np1"
     proc = run_job([sys.executable, SCEN, "np1", feature_shards, str(out), "4"], launch_env(), timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, run_hvd, run_job
+from conftest import (MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, require_horovod, run_hvd,
+                      run_job)
 
 pytestmark = pytest.mark.multirank
 
@@ -73,6 +74,7 @@ def test_np2_identity_averaged_update_no_leakage(image_shards, tmp_path, backend
 @pytest.fixture(scope="module")
 def np1_runs(feature_shards, tmp_path_factory):
     """The np1 scenario for K = 1 and 2, in one process: Horovod alone (size 1) needs no launcher."""
+    require_horovod()
     out = tmp_path_factory.mktemp("np1")
     proc = run_job([sys.executable, os.path.join(MR, "scenarios.py"), "np1", feature_shards, str(out), "6", "1", "2"],
                    launch_env(), timeout=180)

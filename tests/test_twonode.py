@@ -115,6 +115,7 @@ def test_harness_basics(nodes):
 
 
 def test_mpirun_two_nodes(nodes, tmp_path):
+    require_horovod()
     script = _script(tmp_path, "job.py", ALLREDUCE_HVD)
     env = nodes.launch_env(1)
     p = nodes.popen(1, nodes.mpirun_argv([sys.executable, script, tmp_path], slots=2, env=env), env=env,
