@@ -164,8 +164,8 @@ NO_HOROVOD = ("Horovod is not installed (a torch-only install: launch/install.sh
 def require_horovod():
     """Skip the calling test (or fixture) where Horovod is not installed: every use of horovodrun goes through
     here, so a torch-only install skips them with this one reason instead of erroring."""
-    import importlib.util
-    if importlib.util.find_spec("horovod") is None:
+    from hvd_partialfc.engine.select import horovod_installed
+    if not horovod_installed():
         pytest.skip(NO_HOROVOD)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pins
-from conftest import build_shards, make_feature_npz, simulate_here
+from conftest import build_shards, make_feature_npz, read_json_lines, simulate_here
 from helpers_arcface import pfc_slices, write_run
 
 SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
@@ -26,11 +26,6 @@ CLASSES, WORLD, STEP = 42, 2, 24
 def _json(path):
     with open(path) as f:
         return json.load(f)
-
-
-def _lines(path):
-    with open(path) as f:
-        return [json.loads(x) for x in f]
 
 
 def _cfg(shards, out, *extra):
@@ -97,8 +92,8 @@ def test_it_resumes_at_another_gpu_count_as_the_original_does(source, ranks):
     # each sample scored against its own class's row: the run goes on well below a fresh run's loss at this
     # world size (a row order off by one class scores like a fresh run)
     simulate_here(_cfg(source["shards"], d / f"fresh{ranks}", "train.steps=3"), ranks)
-    mean = lambda run: sum(l := [r["loss"] for r in _lines(run / "metrics.jsonl")]) / len(l)  # noqa: E731
-    print(f"{ranks} ranks: loss before the import {_lines(d / 'original' / 'metrics.jsonl')[-1]['loss']:.3f} (2 ranks, "
+    mean = lambda run: sum(l := [r["loss"] for r in read_json_lines(run / "metrics.jsonl")]) / len(l)  # noqa: E731
+    print(f"{ranks} ranks: loss before the import {read_json_lines(d / 'original' / 'metrics.jsonl')[-1]['loss']:.3f} (2 ranks, "
           f"step {STEP}), after it {mean(d / f'imported{ranks}'):.3f} (mean of the steps after the resume; the "
           f"original's resume: the same bits), a fresh run's first steps {mean(d / f'fresh{ranks}'):.3f}")
     assert mean(d / f"imported{ranks}") < 0.7 * mean(d / f"fresh{ranks}"), (mean(d / f"imported{ranks}"),

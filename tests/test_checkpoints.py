@@ -272,9 +272,8 @@ def test_skips_are_counted_and_a_stuck_run_stops(np2):
 def test_replicated_classifier_gradient_is_clipped(shards2, tmp_path):
     # one rank is enough: the classifier's gradient was left out of the clip whatever the world size
     out = tmp_path / "rep"
-    import importlib.util       # alone, Horovod's one rank; without Horovod (a torch-only install), torchrun's
-    start = [sys.executable] if importlib.util.find_spec("horovod") else [TORCHRUN, "--standalone",
-                                                                           "--nproc-per-node", "1"]
+    from hvd_partialfc.engine.select import horovod_installed   # alone, Horovod's one rank; without Horovod
+    start = [sys.executable] if horovod_installed() else [TORCHRUN, "--standalone", "--nproc-per-node", "1"]
     p = subprocess.run(start + [os.path.join(MR, "ckpt_scenarios.py"), "replicated", shards2, str(out)],
                        capture_output=True, text=True, env=launch_env(), cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -116,8 +116,8 @@ def test_engine_follows_the_launcher_and_refuses_a_mismatch():
     from hvd_partialfc.engine.select import choose_engine, detect_launcher
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "TORCHELASTIC_RUN_ID": "x"}
     assert detect_launcher(torchrun) == "torchrun" and choose_engine("auto", torchrun) == "torch"
-    import importlib.util
-    installed = importlib.util.find_spec("horovod") is not None
+    from hvd_partialfc.engine.select import horovod_installed
+    installed = horovod_installed()
     for horovod_launch in ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}, {"OMPI_COMM_WORLD_RANK": "0"}):
         if installed:
             assert choose_engine("auto", horovod_launch) == "horovod"

@@ -58,13 +58,13 @@ def active(kind: str, step: int, rank: int) -> bool:
 
 def before_step(step: int, rank: int) -> None:
     """Called by the loop before each step with the number of steps completed."""
-    for kind in ("raise", "kill"):   # a marker with the time: tests measure from it (a bound that held the
-        if active(kind, step, rank):  # launch's start-up flaked on slow machines)
+    for kind in ("raise", "kill"):
+        if active(kind, step, rank):   # a marker with the time: tests measure from it (a bound that held
+            # the launch's start-up flaked on slow machines)
             print(f"[rank {rank}] injected {kind} before step {step + 1} at {time.time():.3f}", flush=True)
-    if active("raise", step, rank):
-        raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
-    if active("kill", step, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "raise":
+                raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
+            os.kill(os.getpid(), signal.SIGKILL)
     if active("stall", step, rank):
         time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
 

@@ -138,9 +138,14 @@ def legacy_record(meta: Dict[str, Any], shard_samples: Sequence[int]) -> Dict[st
     world = meta.get("resharded_from", meta["world_size"])
     unit = batch * passes * world
     spe = min_steps_per_epoch(meta["shard_slices"], shard_samples, world, batch, passes)
-    return {"budget_samples": meta["total_steps"] * unit, "samples": meta["step"] * unit,
-            "samples_per_schedule_step": unit, "epoch_samples": max(1, spe) * unit,
-            "segments": [Segment(0, 0, world, unit).as_dict()]}
+    return one_segment_record(world, unit, spe, meta["step"], meta["total_steps"])
+
+
+def one_segment_record(world: int, unit: int, steps_per_epoch: int, step: int, total_steps: int) -> Dict[str, Any]:
+    """The ``length`` of a run trained so far at one world size: ``step`` steps of ``unit`` samples, an epoch of
+    ``steps_per_epoch`` of them, ``total_steps`` its budget (old checkpoints; an imported run's)."""
+    return {"budget_samples": total_steps * unit, "samples": step * unit, "samples_per_schedule_step": unit,
+            "epoch_samples": max(1, steps_per_epoch) * unit, "segments": [Segment(0, 0, world, unit).as_dict()]}
 
 
 def plan(cfg, world_size: int, steps_per_epoch: int, start_step: int = 0,

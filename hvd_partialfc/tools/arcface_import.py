@@ -248,9 +248,7 @@ def _length(cfg, world: int, step: int, manifest) -> progress.RunLength:
     except ValueError:   # fewer shards than the run's GPUs: arcface_torch's own count, all samples in steps
         spe = manifest.num_samples // unit
     spe = max(1, spe)
-    record = {"budget_samples": 0, "samples": step * unit, "samples_per_schedule_step": unit,
-              "epoch_samples": spe * unit, "segments": [progress.Segment(0, 0, world, unit).as_dict()]}
-    return progress.plan(cfg, world, spe, step, record)
+    return progress.plan(cfg, world, spe, step, progress.one_segment_record(world, unit, spe, step, 0))
 
 
 def add_arguments(p) -> None:
