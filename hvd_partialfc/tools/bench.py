@@ -55,18 +55,12 @@ PHASES = ("data", "forward", "backward", "comm", "optimizer")
 
 # --- the worker: one rank of one job ----------------------------------------------------------------
 def _peak_rss() -> int:
-    """This process's peak resident set (bytes): Linux's VmHWM, which starts afresh at exec. ru_maxrss does
-    not: it keeps the forking parent's peak across exec, so a job started from a large process (a test
-    worker) reported that process's size as its own (measured: a 1M-class job 166 MB above a 200k one, not
-    610)."""
+    """Peak RSS in bytes: VmHWM, reset at exec (ru_maxrss keeps a forking parent's peak across exec)."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # elsewhere: KiB on Linux, the fallback
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
 
 
 def _synthetic_batches(batch: int, in_shape: Sequence[int], width: int, seed: int, pool: int = 4):
