@@ -72,8 +72,9 @@ def _train(args) -> int:
     except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         return report("hvd-partialfc train", e, debug_requested(args))
+    from .run.memory import close_snapshots
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
-    error = None
+    error, code = None, None
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
@@ -81,8 +82,11 @@ def _train(args) -> int:
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
         # The non-zero exit makes the launcher stop the others.
         error = e
-        return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
-    finally:   # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
+        code = rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
+        return code
+    finally:   # memory snapshots stay for a restart after a failure (exit 1), go after any other end
+        close_snapshots(keep=code == 1)
+        # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
         if heartbeat:   # its neighbour ends now, naming it, instead of waiting for it in a collective
             heartbeat.end(error)
     if trainer.stopped_by:

@@ -171,6 +171,10 @@ class CheckpointConfig:
                                see="docs/reliability.md#preemption-and-time-limits")
     allow_other_data: bool = opt(False, "resume on other samples of the same classes and shard label ranges",
                                  see="docs/reliability.md#resume---resume-autopath-or---set-checkpointresume")
+    memory_every: int = opt(0, "steps between memory snapshots (host memory, a copy on another node; 0: off)",
+                            see="docs/reliability.md#memory-snapshots")
+    memory_dir: str = opt("/dev/shm", "each node's folder for memory snapshots (a tmpfs; "
+                          "$HVD_PARTIALFC_MEMORY_DIR overrides it)", see="docs/reliability.md#memory-snapshots")
 
 
 @dataclass

@@ -176,7 +176,7 @@ class Checkpointer:
         faults.pause("pause-in-ckpt", step, comm.rank)
         if comm.is_main:
             try:
-                meta = self._meta(step, state, length, digests, identical)
+                meta = self.meta(step, state, length, digests, identical)
                 atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
                 atomic.fsync_dir(partial)
                 if identical:
@@ -216,9 +216,9 @@ class Checkpointer:
                 f"checkpoint and {LATEST} are untouched: make room (or move the run folder) and resume with "
                 "--resume auto")) from None
 
-    def _meta(self, step: int, state: TrainingState, length, digests: List[str],
-              identical: bool) -> Dict[str, Any]:
-        """``length``: the run's ``progress.RunLength`` (its step count and samples, kept as ``length``)."""
+    def meta(self, step: int, state: TrainingState, length, digests: List[str],
+             identical: bool) -> Dict[str, Any]:
+        """meta.json of ``step`` (a memory snapshot's too); ``length``: the run's ``progress.RunLength``."""
         meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "total_steps": length.total_steps,
                 "length": length.record(step),
                 "world_size": state.world_size, "slices": [list(s) for s in state.slices],

@@ -5,12 +5,17 @@ ranks). STEP counts completed optimizer steps. Kinds:
 
 * ``raise``            raise an exception before step STEP+1 (a crash in Python code on that rank);
 * ``kill``             SIGKILL the rank's own process before step STEP+1 (a lost node, an OOM kill);
+* ``sigterm``          SIGTERM to the rank's own process before step STEP+1 (a scheduler's preemption at a
+                       known step: the stop vote it starts is read after step STEP+2, whose checkpoint
+                       is the unscheduled one a preemption writes);
 * ``stall``            the main thread sleeps ``HVD_PARTIALFC_STALL_SECONDS`` (default 30) before step STEP+1
                        (a long evaluation or checkpoint write: the other ranks wait in a collective);
 * ``pause-after-ckpt`` sleep forever right after the checkpoint of step STEP is complete;
 * ``pause-in-ckpt``    sleep forever in the middle of writing the checkpoint of step STEP (rank files
                        written, ``meta.json`` not yet, ``latest`` not moved): a kill then must leave the
-                       previous checkpoint valid.
+                       previous checkpoint valid;
+* ``kill-in-memory``   SIGKILL the rank in the middle of the memory snapshot of step STEP (its own copy
+                       written, its buddy's not sent): the previous snapshot must be the one recovered.
 
 Faults fire in the first attempt of an elastic job only (``restart_count() == 0``): the restarted group,
 resumed from a checkpoint before STEP, must not meet the same fault again.
@@ -25,7 +30,7 @@ import time
 from typing import List, Optional, Tuple
 
 ENV = "HVD_PARTIALFC_FAULT"
-KINDS = ("raise", "kill", "stall", "pause-after-ckpt", "pause-in-ckpt")
+KINDS = ("raise", "kill", "sigterm", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory")
 
 
 class InjectedFault(RuntimeError):
@@ -64,9 +69,18 @@ def before_step(step: int, rank: int) -> None:
             print(f"[rank {rank}] injected {kind} before step {step + 1} at {time.time():.3f}", flush=True)
             if kind == "raise":
                 raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self()
+    if active("sigterm", step, rank):
+        os.kill(os.getpid(), signal.SIGTERM)
     if active("stall", step, rank):
         time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
+
+
+def kill_self(what: str = "", rank: Optional[int] = None) -> None:
+    """SIGKILL this process (a lost node: no handler, no cleanup runs), saying ``what`` first."""
+    if what:
+        print(f"[rank {rank}] injected {what} at {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def pause(kind: str, step: int, rank: int) -> None:

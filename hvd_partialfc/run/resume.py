@@ -161,10 +161,11 @@ def check_restarts_resume(resume_from: str, environ: Mapping[str, str]) -> None:
                           "(a fresh start the first time, the run's latest checkpoint at every restart)")
 
 
-def resume(cfg, comm, parts, layout, data: DataIdentity) -> Optional[Dict[str, Any]]:
-    """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any), agree on it
-    across ranks, and load it; the resume point (path, step, world size), or None for a fresh start. A
-    collective: each stage is agreed, so a rank's error stops every rank."""
+def resume(cfg, comm, parts, layout, data: DataIdentity, memory=None) -> Optional[Dict[str, Any]]:
+    """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any, or a newer memory
+    snapshot: memory_recover.py), agree on it across ranks, and load it; the resume point (path, step, world
+    size, ``memory``: whether node memory gave it), or None for a fresh start. A collective: each stage is
+    agreed, so a rank's error stops every rank."""
     error, path = None, None
     try:
         path = find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
@@ -172,6 +173,24 @@ def resume(cfg, comm, parts, layout, data: DataIdentity) -> Optional[Dict[str, A
     except Exception as e:
         error = f"cannot resume from {cfg.checkpoint.resume} (run {cfg.out}): {type(e).__name__}: {e}"
     comm.agree(error, name="resume.find")
+    from_memory = None
+    if memory is not None:
+        from . import memory_recover
+        if cfg.checkpoint.resume == "auto":
+            path, from_memory = memory_recover.recover(
+                memory, comm, path, [(s.start, s.end) for s in layout.slices], parts.mode.replicated_rows,
+                log=lambda m: comm.is_main and print(m, flush=True))
+        try:
+            point = _load_agreed(cfg, comm, parts, layout, data, path)
+        finally:
+            memory_recover.after_resume(memory, comm, from_memory)
+        if point is not None and from_memory is not None:
+            point.update(path=f"the memory snapshot of step {from_memory}", memory=True)
+        return point
+    return _load_agreed(cfg, comm, parts, layout, data, path)
+
+
+def _load_agreed(cfg, comm, parts, layout, data: DataIdentity, path: Optional[str]) -> Optional[Dict[str, Any]]:
     path = agree_on_resume(comm, path)
     error, point = None, None
     try:

@@ -50,6 +50,10 @@ def simulate(cfg: Config, ranks: int) -> SimResult:
     """Train ``cfg`` as ``ranks`` virtual ranks; returns rank 0's result, or raises ``SimFailure``."""
     cfg = copy.deepcopy(cfg)
     cfg.data.workers = 0
+    if cfg.checkpoint.memory_every:   # one process: no node to lose, and its threads would share one server
+        print(f"simulate: checkpoint.memory_every={cfg.checkpoint.memory_every} is off in the simulator "
+              "(one process)", flush=True)
+        cfg.checkpoint.memory_every = 0
     world = SimWorld(ranks)
     results: List[Optional[SimResult]] = [None] * ranks
 

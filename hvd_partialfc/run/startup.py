@@ -5,7 +5,8 @@
         --> build_parts(cfg, comm, layout)                     (parts.py: backbone, head, optimizers)
         --> evaluator                                           (pair sets read and checked on rank 0)
         [every error so far agreed across ranks]
-        --> resume (resume.py)  or  model.init_backbone (a fresh start only)
+        --> memory snapshots (memory.py: checkpoint.memory_every; the node's room checked)
+        --> resume (resume.py; a newer memory snapshot first)  or  model.init_backbone (a fresh start only)
         --> backbone broadcast from rank 0, digests checked     (identical starts)
         --> steps agreed (uneven shards never deadlock) --> loader, checkpointer --> Trainer
 
@@ -27,6 +28,7 @@ from ..data.device_decode import choose_decode
 from ..data.loader import RankShardDataset, make_loader, resolve_workers
 from ..data.layout import RankLayout
 from ..engine.device import select_device
+from .memory import MemorySnapshots
 from .metrics_log import tensorboard_missing
 from .parts import build_parts
 from ..models.pretrained import load_initial_backbone
@@ -151,7 +153,9 @@ def start_trainer(cfg, comm) -> Trainer:
     comm.agree(error, name="setup")
     if decode_note and comm.is_main:
         print(decode_note, flush=True)
-    resumed_from = resume(cfg, comm, parts, data.layout, data.identity) if cfg.checkpoint.resume else None
+    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
+    memory = MemorySnapshots.start(cfg, comm, parts, log=say)
+    resumed_from = resume(cfg, comm, parts, data.layout, data.identity, memory) if cfg.checkpoint.resume else None
     start_step = resumed_from["step"] if resumed_from else 0
     if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
         _init_backbone(cfg, comm, parts)
@@ -163,7 +167,6 @@ def start_trainer(cfg, comm) -> Trainer:
     passes = cfg.optim.backward_passes_per_step
     min_spe = int(comm.allreduce_scalar(data.local_batches // passes, "min", name="steps_per_epoch"))
     m = data.manifest
-    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
     length = progress.plan(cfg, comm.size, min_spe, start_step, _length_record(resumed_from, m), log=say)
     loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed,
                             resolve_workers(cfg.data.workers, comm.local_size),
@@ -174,4 +177,4 @@ def start_trainer(cfg, comm) -> Trainer:
     # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
     checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
     step = Step(cfg, comm, parts, device, m.kind, length)
-    return Trainer(cfg, comm, parts, step, data, loader, checkpointer, evaluator, start_step, resumed_from)
+    return Trainer(cfg, comm, parts, step, data, loader, checkpointer, evaluator, start_step, resumed_from, memory)

@@ -45,8 +45,9 @@ class Trainer:
     """Holds the step and the loop over the parts built for it (``startup.start_trainer`` builds it)."""
 
     def __init__(self, cfg, comm, parts, step, data: RunData, loader, checkpointer, evaluator,
-                 start_step: int = 0, resumed_from: Optional[Dict[str, Any]] = None):
+                 start_step: int = 0, resumed_from: Optional[Dict[str, Any]] = None, memory=None):
         self.cfg, self.comm, self.parts, self.step, self.data = cfg, comm, parts, step, data
+        self.memory = memory   # memory.MemorySnapshots, or None (checkpoint.memory_every: 0)
         self.layout, self.manifest = data.layout, data.manifest
         self.label_slice = data.layout.slices[comm.rank]
         self.loader, self.checkpointer, self.evaluator = loader, checkpointer, evaluator
@@ -111,8 +112,11 @@ class Trainer:
                     final = done == self.total_steps
                     # The vote started after the previous step: did any rank get a stop signal, is rank 0's
                     # time-based checkpoint due? Every rank reads the same answer at the same step.
-                    stop, time_due = (v > 0 for v in vote.result()) if vote is not None else (False, False)
+                    stop, time_due, not_landed = (v > 0 for v in vote.result()) if vote is not None \
+                        else (False, False, True)
                     vote = None
+                    if self.memory and not not_landed:   # every rank's snapshot copies landed: commit
+                        self.memory.voted(0)
                     if done % cfg.train.log_every == 0 or final:
                         last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar,
                                                      interval)
@@ -140,14 +144,23 @@ class Trainer:
                         bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
                                   f"resume with --resume auto")
                         break
+                    if self.memory and not final and self.memory.due(done):
+                        self.memory.snapshot(done, self.parts.training_state(self.layout, comm.rank),
+                                             scheduled or evaluate, self._snapshot_meta(done))
                     if not final:  # after the save, so a time-based checkpoint is not due twice in a row
                         due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
-                        vote = comm.vote_async([signals.received is not None, due], name="step")
+                        vote = comm.vote_async([signals.received is not None, due,
+                                                self.memory.vote_flag() if self.memory else 0.0], name="step")
         finally:
             bar.close()
             if metrics:
                 metrics.close()
         return ckpt_dir
+
+    def _snapshot_meta(self, step: int):
+        """meta.json of the memory snapshot of ``step`` (a checkpoint's), given its backbone digests."""
+        state = self.parts.training_state(self.layout, self.comm.rank)
+        return lambda digests: self.checkpointer.meta(step, state, self.step.length, digests, True)
 
     def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
              metrics, bar, interval: Dict[str, float]) -> Tuple[int, float]:

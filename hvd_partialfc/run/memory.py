@@ -1,0 +1,284 @@
+"""Memory snapshots (``checkpoint.memory_every: K``): a lost node costs at most K steps, not the steps since
+the last disk checkpoint. memory_recover.py restores them; docs/reliability.md "Memory snapshots" is the user's page.
+
+What is unique to a rank is its classifier slice (rows, their optimizer state), its counters, its random
+streams and its own BatchNorm statistics: its checkpoint file (checkpoint.TrainingState.rank_file). The
+backbone is on every rank. Every K steps each rank keeps that file twice:
+
+* in its own node's shared memory (memory_store.NodeStore: ``/dev/shm``), which outlives the worker processes
+  that a launcher restarts;
+* on its *buddy*, a rank of the next node (the rank of the same place on it): sent over TCP by a thread of
+  its own (memory_link.py), so the step does not wait for it. One node alone has no buddies.
+
+The first rank of each node also writes the backbone (its BatchNorm statistics averaged, as a checkpoint's
+backbone.pt: the run goes on with its own) and meta.json. The copy to host memory is taken at the step (the
+state moves on); writing, serialising and sending run beside the next steps.
+
+Two-phase commit: a rank votes its copies landed (its own file written, its buddy's answer received) in the
+loop's per-step vote (trainer.py); once every rank has, each node's folder takes its final name. Until then
+the snapshot is ``.partial`` everywhere and never used; the previous committed one stays until the new one
+commits. A snapshot that has not landed when the next is due is settled then, blocking: committed if it
+landed everywhere, else dropped (said once).
+
+The segments are removed when the run ends (its last step, a stop on a signal, a user's error); a failure
+that a launcher may restart keeps them for the restart (cli.py). A run's token (``RUN/run_id``) names them: a
+segment of another token in the same run folder is stale, ignored and removed.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import secrets
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import faults
+from .. import atomic
+from ..digest import state_dict_digest
+from ..run_files import classifier_file
+from ..sizes import human
+from .memory_link import Link
+from .memory_store import NodeStore, memory_root, node_key, room_error
+
+RUN_ID = "run_id"
+_LIVE: List["MemorySnapshots"] = []
+
+
+def run_token(run_dir: str, keep: bool) -> str:
+    """The run's identity (``RUN/run_id``): kept while the run resumes (``checkpoint.resume: auto``), new for
+    any other start (a new run in the folder: the old one's snapshots are not its own)."""
+    path = os.path.join(run_dir, RUN_ID)
+    if keep and os.path.isfile(path):
+        token = open(path).read().strip()
+        if token:
+            return token
+    os.makedirs(run_dir, exist_ok=True)
+    token = secrets.token_hex(8)
+    atomic.write_text(path, token + "\n")
+    return token
+
+
+def cpu_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory (a copy even of a CPU tensor: the step changes it)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cpu_copy(v) for v in obj)
+    return obj
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def state_slots(optim_name: str, momentum: float) -> int:
+    """Optimizer tensors per parameter tensor: SGD's momentum (none without), AdamW's two moments."""
+    return 2 if optim_name == "adamw" else int(momentum > 0)
+
+
+def snapshot_bytes(parts, optim) -> Dict[str, int]:
+    """A rank's snapshot file (its classifier rows and their optimizer state) and the node's backbone file
+    (parameters, buffers, optimizer state), in bytes, from the tensors themselves (the optimizers' state is
+    made at the first step, so it is counted from their settings)."""
+    w = parts.head.weight
+    head = w.numel() * w.element_size() * (1 + state_slots(optim.name, optim.classifier_momentum))
+    params = sum(p.numel() * p.element_size() for p in parts.backbone.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in parts.backbone.buffers())
+    backbone = params * (1 + state_slots(optim.name, optim.backbone_momentum)) + buffers
+    return {"rank": head + buffers, "backbone": backbone}
+
+
+class Plan:
+    """Which ranks share a node (the same ``node_key``), each node's first rank, and each rank's buddy."""
+
+    def __init__(self, keys: List[str]):
+        self.keys = keys
+        self.nodes: List[List[int]] = []
+        index: Dict[str, int] = {}
+        for r, k in enumerate(keys):
+            if k not in index:
+                index[k] = len(self.nodes)
+                self.nodes.append([])
+            self.nodes[index[k]].append(r)
+        self.node_of = [index[k] for k in keys]
+
+    def writer(self, rank: int) -> int:
+        return self.nodes[self.node_of[rank]][0]
+
+    def buddy(self, rank: int) -> Optional[int]:
+        """The rank in the same place on the next node; None on one node (its copy would die with it)."""
+        if len(self.nodes) < 2:
+            return None
+        n = self.node_of[rank]
+        here, there = self.nodes[n], self.nodes[(n + 1) % len(self.nodes)]
+        return there[here.index(rank) % len(there)]
+
+    def hosted(self, node: int) -> List[int]:
+        """The ranks whose files a node holds: its own, and those whose buddy is on it."""
+        return sorted(set(self.nodes[node]) | {r for r in range(len(self.keys))
+                                              if self.buddy(r) is not None and self.node_of[self.buddy(r)] == node})
+
+
+class MemorySnapshots:
+    """This rank's side of the snapshots (see the module's docstring). ``start`` is a collective."""
+
+    def __init__(self, every: int, comm, store: NodeStore, link: Link, plan: Plan, peers: List[tuple]):
+        self.every, self.comm, self.store, self.link, self.plan = every, comm, store, link, plan
+        self.peers = peers                          # every rank's (node key, address, port, sizes)
+        self.is_writer = plan.writer(comm.rank) == comm.rank
+        self.buddy = plan.buddy(comm.rank)
+        self.pending: Optional[int] = None          # the step of the snapshot landing now
+        self.committed: Optional[int] = None
+        self._thread: Optional[threading.Thread] = None
+        self._landed = threading.Event()
+        self._error: Optional[str] = None
+        self.last_landing_s = 0.0
+        _LIVE.append(self)
+
+    @classmethod
+    def start(cls, cfg, comm, parts, log=print) -> Optional["MemorySnapshots"]:
+        """Every rank: the run's token, this node's store (stale segments of the run folder removed), the
+        server, the plan; the node's room checked against the snapshots' size (one line when short)."""
+        every = cfg.checkpoint.memory_every
+        if every <= 0:
+            return None
+        error, token = None, None
+        if comm.is_main:
+            try:
+                token = run_token(cfg.out, keep=cfg.checkpoint.resume == "auto")
+            except OSError as e:
+                error = f"checkpoint.memory_every: cannot write {os.path.join(cfg.out, RUN_ID)}: {e.strerror}"
+        token = comm.allgather_object((error, token), name="memory.token")[0]
+        comm.agree(token[0], name="memory.token")
+        root = memory_root(cfg.checkpoint.memory_dir)
+        store, link, swept = NodeStore(root, token[1], cfg.out), None, []
+        try:
+            store.open()
+            swept = store.sweep_stale()
+            link = Link(store, token[1])
+        except OSError as e:
+            error = f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
+        sizes = snapshot_bytes(parts, cfg.optim)
+        peers = comm.allgather_object((node_key(root), *(link.address if link else ("", 0)), sizes),
+                                      name="memory.peers")
+        plan = Plan([p[0] for p in peers])
+        node = plan.node_of[comm.rank]
+        if error is None and plan.writer(comm.rank) == comm.rank:
+            need = 2 * (sum(peers[r][3]["rank"] for r in plan.hosted(node)) + sizes["backbone"])
+            error = room_error(root, need, len(plan.nodes[node]))
+        for path in swept:
+            log(f"memory snapshots: removed {path}: another run's in this run folder (a stale token)")
+        snaps = cls(every, comm, store, link, plan, peers) if link else None   # closed on every exit (cli.py)
+        comm.agree(error, name="memory.start")
+        if comm.is_main:
+            per = human(sum(p[3]["rank"] for p in peers) / len(peers))
+            log(f"memory snapshots every {every} steps in {root} on {len(plan.nodes)} node(s): {per} a rank, "
+                + ("a copy on a rank of the next node" if len(plan.nodes) > 1
+                   else "one node: no buddy copies (a lost node falls back to disk)"))
+        return snaps
+
+    # --- the loop's side ---------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def snapshot(self, step: int, state, averaged: bool, meta_of) -> None:
+        """Take the snapshot of ``step`` (a collective: the BatchNorm statistics for the backbone file are
+        averaged unless ``averaged`` already); ``meta_of(digests)``: its meta.json. The copies land in a thread."""
+        self.settle()
+        backbone = state.backbone
+        own = {k: b.detach().clone() for k, b in backbone.named_buffers()}
+        if not averaged:
+            self.comm.average_buffers(backbone, name=f"memory.{step}")
+        try:
+            bb = cpu_copy(state.backbone_file()) if self.is_writer else None
+        finally:
+            if not averaged:
+                with torch.no_grad():
+                    for k, b in backbone.named_buffers():
+                        b.copy_(own[k])
+        mine = cpu_copy(state.rank_file("", own))
+        meta = meta_of([""] * self.comm.size) if self.is_writer else None
+        self._landed.clear()
+        self._error, self.pending = None, step
+        self._thread = threading.Thread(target=self._land, args=(step, mine, bb, meta), daemon=True,
+                                        name="memory-snapshot")
+        self._thread.start()
+
+    def _land(self, step: int, mine, bb, meta) -> None:
+        import time
+        t0 = time.perf_counter()
+        try:
+            name = classifier_file(self.comm.rank, self.comm.size)
+            data = _to_bytes(mine)
+            self.store.write(step, name, data)
+            if faults.active("kill-in-memory", step, self.comm.rank):   # the rank's own copy only
+                faults.kill_self(f"kill-in-memory at step {step}", self.comm.rank)
+            if bb is not None:
+                meta["digests"] = [state_dict_digest(bb["state_dict"])] * self.comm.size
+                self.store.write(step, "backbone.pt", _to_bytes(bb))
+                self.store.write(step, "meta.json", json.dumps(meta, indent=1).encode())
+            if self.buddy is not None:
+                p = self.peers[self.buddy]
+                self.link.put((p[1], p[2]), step, name, data)
+        except Exception as e:  # noqa: BLE001 (voted: the snapshot is dropped, the run goes on)
+            self._error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
+        self.last_landing_s = time.perf_counter() - t0
+        self._landed.set()
+
+    def vote_flag(self) -> float:
+        """This rank's part of the loop's vote: 1 while the pending snapshot has not landed here (or failed)."""
+        if self.pending is None:
+            return 0.0
+        return 0.0 if self._landed.is_set() and self._error is None else 1.0
+
+    def voted(self, not_landed: float) -> None:
+        """The vote's answer (the same on every rank): nobody is waiting on the pending snapshot: commit it."""
+        if self.pending is not None and not_landed == 0:
+            self._commit(self.pending)
+
+    def settle(self) -> None:
+        """Before the next snapshot and at the run's end (a collective when one is pending): wait for it to
+        land, then commit it where every rank's copies landed, else drop it and say why."""
+        if self.pending is None:
+            return
+        step = self.pending
+        self._landed.wait()
+        failed = self.comm.failures(self._error, name=f"memory.settle.{step}")
+        if not failed:
+            self._commit(step)
+            return
+        self.pending = None
+        if self.is_writer:
+            self.store.keep_only(self.committed)
+        if self.comm.is_main:
+            print(f"memory snapshot of step {step} dropped (the previous one, of step {self.committed}, stays): "
+                  + "; ".join(e for _, e in failed), flush=True)
+
+    def _commit(self, step: int) -> None:
+        if self.is_writer:
+            self.store.commit(step)
+        self.pending, self.committed = None, step
+
+    def close(self, keep: bool) -> None:
+        """Stop serving; unless ``keep`` (a failure that a launcher may restart), remove this node's segments."""
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.link.close()
+        if not keep and self.is_writer:
+            self.store.remove()
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+def close_snapshots(keep: bool) -> None:
+    """Every live ``MemorySnapshots`` of this process closed (cli.py, on every exit path of ``train``)."""
+    for snaps in list(_LIVE):
+        snaps.close(keep)

@@ -1,0 +1,182 @@
+"""Memory snapshots (``checkpoint.memory_every``, hvd_partialfc/run/memory*.py) under real torchrun agents.
+
+Each "node" is a torchrun agent on this host with a snapshot root of its own (``HVD_PARTIALFC_MEMORY_DIR``):
+ranks with another root are on another node (memory_store.node_key), and a node's memory is its root, so a
+node lost is its agent gone and its root removed. The network-namespace nodes of launch/chaos.py run the
+same code with a network between them (its --memory-every run, docs/reliability.md).
+
+One crash serves every test: 3 nodes of one rank, a snapshot every 4 steps, disk checkpoints every 15; rank 1
+is SIGKILLed in the middle of the snapshot of step 24 (its own copy written, its buddy's not sent), after
+the disk checkpoint of step 15 and the snapshot of step 20. Each test restarts a copy of that state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import pins
+from conftest import ROOT, SMALL_RUN, TORCHRUN, free_port, launch_env, simulate_here
+
+pytestmark = pytest.mark.multirank
+
+K, EVERY, STEPS = 4, 15, 30
+SETS = [f"checkpoint.every={EVERY}", f"checkpoint.memory_every={K}"]
+KILLED = "kill-in-memory@24:1"
+
+
+def agents(roots, shards, out, sets=(), fault=None, timeout=150):
+    """One torchrun agent a root (a node of one rank), all of one static job; [(exit status, output)]."""
+    port, procs = free_port(), []
+    for i, root in enumerate(roots):
+        env = dict(launch_env(fault), HVD_PARTIALFC_MEMORY_DIR=str(root))
+        cmd = [TORCHRUN, "--nnodes", str(len(roots)), "--node-rank", str(i), "--nproc-per-node", "1",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "hvd_partialfc.cli", "train",
+               "--shards", str(shards), "--out", str(out), "--steps", str(STEPS)]
+        for s in SMALL_RUN + SETS + list(sets):
+            cmd += ["--set", s]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=ROOT, start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+
+
+def said(results):
+    return "\n".join(out for _, out in results)
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory, small_run_shards):
+    """The crash (see the module's docstring), and the reference: the same job without snapshots, stopped by a
+    SIGTERM so that it writes the disk checkpoint of step 20 (unscheduled, as the snapshot is: the run goes on
+    with its own BatchNorm statistics), then resumed from it to the end at the same size."""
+    base = tmp_path_factory.mktemp("memory")
+    roots = [base / f"node{i}" for i in range(3)]
+    for r in roots:
+        r.mkdir()
+    results = agents(roots, small_run_shards, base / "run", fault=KILLED)
+    assert any("injected kill-in-memory at step 24" in out for _, out in results), said(results)
+    assert all(code != 0 for code, _ in results)
+    ref_roots = [base / f"ref{i}" for i in range(3)]
+    for r in ref_roots:
+        r.mkdir()
+    off = ["checkpoint.memory_every=0", "checkpoint.keep=5"]
+    ref = agents(ref_roots, small_run_shards, base / "ref", sets=off, fault="sigterm@18")
+    assert said(ref).count("exit 75") == 3 and (base / "ref" / "checkpoints" / "step-00000020").is_dir(), said(ref)
+    ref = agents(ref_roots, small_run_shards, base / "ref", sets=off)
+    assert all(code == 0 for code, _ in ref), said(ref)
+    return base
+
+
+def branch(crashed, tmp_path, nodes):
+    """A copy of the crashed run folder and of the roots of ``nodes`` (the nodes that survived)."""
+    shutil.copytree(crashed / "run", tmp_path / "run")
+    for i in nodes:
+        shutil.copytree(crashed / f"node{i}", tmp_path / f"node{i}", symlinks=True)
+    return [tmp_path / f"node{i}" for i in nodes]
+
+
+def snapshots_left(roots):
+    return [os.path.join(r, d) for r in roots for d in os.listdir(r) if d.startswith("hvd_partialfc-")]
+
+
+def test_the_crash_left_a_committed_snapshot_and_a_partial_one(crashed):
+    """Before any restart: every node committed step 20; step 24 is partial where anything of it landed."""
+    for i in range(3):
+        [store] = snapshots_left([crashed / f"node{i}"])
+        names = sorted(os.listdir(store))
+        assert "step-00000020" in names and "step-00000024" not in names, names
+    # node 0 holds rank 0's own file and rank 2's buddy copy (rank r's buddy: the rank of the next node)
+    assert sorted(os.listdir(crashed / "node0" / os.path.basename(snapshots_left([crashed / "node0"])[0])
+                             / "step-00000020")) == ["backbone.pt", "classifier-00000-of-00003.pt",
+                                                     "classifier-00002-of-00003.pt", "meta.json"]
+
+
+def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_path, small_run_shards):
+    """Node 1 lost: nodes 0 and 2 resume from the snapshot of step 20 (newer than the disk's 15; the partial 24
+    unused), rank 1's slice from its buddy's copy on node 2, at 2 ranks; the run equals a resume of the
+    uninterrupted run's disk checkpoint of step 20 at 2 ranks, bitwise. The snapshots go when the run ends."""
+    roots = branch(crashed, tmp_path, [0, 2])
+    results = agents(roots, small_run_shards, tmp_path / "run")
+    text = said(results)
+    assert all(code == 0 for code, _ in results), text
+    assert "memory: resuming from the snapshot of step 20 in node memory (disk checkpoint: step 15;" in text, text
+    assert snapshots_left(roots) == []
+    from hvd_partialfc.config import load_config
+    cfg = load_config(None, [*SMALL_RUN, *SETS, f"data.shards={small_run_shards}", f"out={tmp_path / 'disk'}",
+                             f"train.steps={STEPS}", f"checkpoint.resume={crashed / 'ref' / 'checkpoints' / 'step-00000020'}"])
+    simulate_here(cfg, 2)
+    final = json.load(open(tmp_path / "run" / "checkpoints" / "step-00000035" / "meta.json"))
+    assert final["world_size"] == 2
+    want = pins.checkpoint_digests(str(tmp_path / "disk" / "checkpoints" / "step-00000035"))
+    assert pins.checkpoint_digests(str(tmp_path / "run" / "checkpoints" / "step-00000035")) == want
+
+
+def test_a_node_and_its_buddy_lost_fall_back_to_disk(crashed, tmp_path, small_run_shards):
+    """Nodes 1 and 2 lost: rank 1's slice was on node 1 and its copy on node 2; the run says so in one line
+    and resumes from the disk checkpoint of step 15."""
+    roots = branch(crashed, tmp_path, [0])
+    results = agents(roots, small_run_shards, tmp_path / "run")
+    text = said(results)
+    assert results[0][0] == 0, text
+    line = [l for l in text.splitlines() if "cannot be restored" in l]
+    assert line == ["memory snapshot of step 20 cannot be restored: rank 1's slice survived on no node (its node "
+                    f"and its buddy's both lost); resuming from the disk checkpoint "
+                    f"{tmp_path / 'run' / 'checkpoints' / 'step-00000015'} (step 15)"], text
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-00000015'} at step 15" in text
+
+
+def test_a_restart_on_every_node_is_the_uninterrupted_run_and_stale_segments_go(crashed, tmp_path, small_run_shards):
+    """No node lost: all three resume from step 20 (the half-sent 24 unused) and end bitwise where the
+    uninterrupted run ended. A stale segment of this run folder (another token) is removed and said; another
+    run's segment stays."""
+    roots = branch(crashed, tmp_path, [0, 1, 2])
+    run_dir = os.path.realpath(tmp_path / "run")
+    stale, other = roots[0] / "hvd_partialfc-0000stale0000", roots[0] / "hvd_partialfc-0000other0000"
+    for path, owner in ((stale, run_dir), (other, "/elsewhere/run")):
+        (path / "step-00000028").mkdir(parents=True)     # newer than anything: taken, it would be resumed
+        (path / "owner.json").write_text(json.dumps({"run_dir": owner, "token": path.name[14:]}))
+    results = agents(roots, small_run_shards, tmp_path / "run")
+    text = said(results)
+    assert all(code == 0 for code, _ in results), text
+    assert "memory: resuming from the snapshot of step 20" in text, text
+    assert f"removed {stale}: another run's in this run folder (a stale token)" in text
+    assert not stale.exists() and other.exists()
+    assert snapshots_left(roots) == [str(other)]
+    got = pins.checkpoint_digests(str(tmp_path / "run" / "checkpoints" / "step-00000030"))
+    assert got == pins.checkpoint_digests(str(crashed / "ref" / "checkpoints" / "step-00000030"))
+
+
+def test_snapshots_that_do_not_fit_are_refused_at_start_up(tmp_path, small_run_shards):
+    """A node whose snapshot folder is smaller than two snapshots: one line with the figures, exit 2, before
+    the first step."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        env = dict(launch_env(), HVD_PARTIALFC_MEMORY_DIR=str(small))
+        p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", str(small_run_shards),
+                            "--out", str(tmp_path / "run"), "--steps", "4", *sum((["--set", s] for s in SMALL_RUN
+                            + ["checkpoint.memory_every=2", "model.kwargs={hidden_dim: 512}"]), [])],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        left = snapshots_left([small])
+    finally:
+        subprocess.run(["umount", str(small)])
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[rank 0\] error: checkpoint.memory_every: this node's snapshots need [0-9.]+ MB \(the "
+                        r"classifier slices of its 1 rank\(s\) .*, but " + re.escape(str(small))
+                        + r" has [0-9.]+ KB free; .*checkpoint.memory_every=0", line), p.stderr
+    assert left == []                                           # nothing left behind in the small tmpfs
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()      # not one step trained
