@@ -11,6 +11,7 @@
                          [--batch-size N] [--workers N] [--threads N] [--out DIR]   (docs/evaluation.md)
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
+                           [--memory-every K [--ranks-per-node R]]   (host memory of memory snapshots)
     hvd-partialfc config --list | --markdown [PATH]     (every config key: docs/configuration.md)
     hvd-partialfc doctor [--engine E] [--out RUN] [--config FILE] [--shards DIR [--np N]]
 
@@ -185,15 +186,16 @@ def _estimate(args) -> int:
     from .tools.estimate import estimate, table
     from .classifier.modes import get_mode, list_modes
     modes = args.mode or list_modes()
+    snaps = {"memory_every": args.memory_every, "ranks_per_node": args.ranks_per_node}   # host rows when > 0
     results = [estimate(args.classes, args.world_size, args.dim, args.batch, args.backbone, m, args.dtype,
-                        optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape)
+                        optimizer=args.optimizer, sample_rate=args.sample_rate, in_shape=args.in_shape, **snaps)
                for m in modes]
     if args.negatives_every:   # beside the first mode that takes cross-shard negatives (the method)
         with_negatives = next(m for m in list_modes() if get_mode(m).negatives)
         results.insert(modes.index(with_negatives) + 1 if with_negatives in modes else 0, estimate(
             args.classes, args.world_size, args.dim, args.batch, args.backbone, with_negatives, args.dtype,
             optimizer=args.optimizer, in_shape=args.in_shape, negatives_every=args.negatives_every,
-            negatives_share=args.negatives_share, negatives_pool=args.negatives_pool))
+            negatives_share=args.negatives_share, negatives_pool=args.negatives_pool, **snaps))
     print(json.dumps(results, indent=1) if args.json else table(results))
     if not args.json:
         print(f"\nbackbone {args.backbone}: {results[0]['backbone_params']:,} parameters")
@@ -333,30 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="local vs global vs replicated vs the limit, synthetic data (docs/benchmarks.md)")
     bench_arguments(b)
     b.set_defaults(fn=_bench)
+    from .tools.estimate import add_arguments as estimate_arguments
     s = sub.add_parser("estimate", help="per-rank memory and per-step traffic of each mode (docs/scaling.md)")
-    s.add_argument("--classes", type=lambda x: int(float(x)), required=True)
-    s.add_argument("--world-size", type=int, required=True)
-    s.add_argument("--dim", type=int, default=512)
-    s.add_argument("--batch", type=int, default=128, help="samples per rank per step")
-    s.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18, "
-                                                          "iresnet18..200, mobilefacenet)")
-    s.add_argument("--in-shape", type=lambda x: [int(v) for v in x.split(",")], help="sample shape, e.g. 112,112,3")
-    s.add_argument("--mode", action="append", help="a registered classifier mode (local, global, replicated); "
-                                                   "repeatable; default all")
-    s.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
-    s.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
-    s.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")
-    from .config import HeadConfig
-    head = HeadConfig()                    # training's defaults, so an estimate means what a run does
-    s.add_argument("--negatives-every", type=int, default=0,
-                   help=f"also a row of local + cross-shard negatives every K steps (training's default: "
-                        f"{head.negatives_every})")
-    s.add_argument("--negatives-share", type=int, default=head.negatives_share,
-                   help="centres each rank shares (0: its whole slice; default: training's head.negatives_share)")
-    s.add_argument("--negatives-pool", type=int, default=head.negatives_pool,
-                   help="at most this many centres shared by all ranks together (the share capped at ceil(pool / N); "
-                        "0: no cap; default: training's head.negatives_pool)")
-    s.add_argument("--json", action="store_true")
+    estimate_arguments(s)
     s.set_defaults(fn=_estimate)
     c = sub.add_parser("config", help="every config key, its default, choices and what it does "
                                       "(docs/configuration.md)")

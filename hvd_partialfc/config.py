@@ -173,7 +173,7 @@ class CheckpointConfig:
                                  see="docs/reliability.md#resume---resume-autopath-or---set-checkpointresume")
     memory_every: int = opt(0, "steps between memory snapshots (host memory, a copy on another node; 0: off)",
                             see="docs/reliability.md#memory-snapshots")
-    memory_dir: str = opt("/dev/shm", "each node's folder for memory snapshots (a tmpfs; "
+    memory_dir: str = opt("", "each node's folder for memory snapshots, a tmpfs (\"\": /dev/shm; "
                           "$HVD_PARTIALFC_MEMORY_DIR overrides it)", see="docs/reliability.md#memory-snapshots")
 
 

@@ -52,10 +52,12 @@ sys.path.insert(0, HERE)
 import twonode  # noqa: E402
 from chaos_parts import (ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_ok, digests, fill_disk,  # noqa: E402
                          kill, make_undecodable, tiny_faces)
+from chaos_report import found_damaged, row_line, table, tails  # noqa: E402
 
 TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "bad-sample", "node-joins")
 HOROVOD_KINDS = ("kill-rank", "link-cut", "sigterm-requeue", "disk-full")
 SHORT_KINDS = ("node-lost", "node-joins", "bad-sample")     # --short: torchrun, 3 faults
+LOSING = ("kill-rank", "node-lost", "link-cut")               # the faults a restart recovers from (memory or disk)
 EVERY = 20          # checkpoint.every
 TAIL = 500          # steps after the last fault
 TRAIN = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
@@ -143,7 +145,8 @@ class Run:
 
     def _went_on(self, row, t0, world=0):
         step, after, seconds, lost = self._recovered(t0, world)
-        row.update(resumed=step, world_after=after, seconds=round(seconds, 1), lost=lost)
+        row.update(resumed=step, world_after=after, seconds=round(seconds, 1), lost=lost,
+                   source="memory" if self.watch.resumed_from_memory(step, t0) else "disk")
 
     def _kill_rank(self, row, t0):
         node = int(self.rng.choice(sorted(self.up)))
@@ -157,6 +160,7 @@ class Run:
     def _node_lost(self, row, t0):
         node = int(self.rng.choice(sorted(self.up - {1})))
         self.nodes.kill_node(node)
+        self.job.lose_memory(node)
         self.up.discard(node)
         self.job.forget(node)
         row["detail"] = f"node {node}"
@@ -238,12 +242,6 @@ class Run:
         row.update(detail=where, seconds=0.0, lost=0, world_after=self.watch.world, resumed=None)
 
 
-def found_damaged(run: Run) -> List[str]:
-    """Which damaged samples the ranks named (``data.on_bad_sample: skip``)."""
-    run.watch.poll()
-    return [d for d in run.damaged if run.watch.said(d)]
-
-
 # --- the runs -----------------------------------------------------------------------------------------------
 
 def _mount_tmpfs(path: str, size_mb: int) -> None:
@@ -254,27 +252,32 @@ def _mount_tmpfs(path: str, size_mb: int) -> None:
 
 
 def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, work: str,
-            quiet: bool = False) -> Dict:
-    """One run under chaos (``count`` faults of ``kinds``); its report (rows, checks, passed)."""
+            quiet: bool = False, memory_every: int = 0) -> Dict:
+    """One run under chaos (``count`` faults of ``kinds``); its report (rows, checks, passed). ``memory_every``:
+    memory snapshots (torchrun only: each node its own root, emptied when the node is lost)."""
     nodes = twonode.Nodes(3 if name == "torchrun" else 2, suffix=twonode.owner_suffix(), prefix=f"hpfc{name[0]}")
     base = os.path.join(work, name)
     shards, mount, logs = (os.path.join(base, d) for d in ("shards", "mnt", "logs"))
     os.makedirs(logs, exist_ok=True)
     tiny_faces(shards)
     run_dir = os.path.join(mount, "run")
-    sets = TRAIN + [f"data.on_bad_sample={'skip' if name == 'torchrun' else 'stop'}"]
+    memory_every = memory_every if name == "torchrun" else 0
+    sets = TRAIN + [f"data.on_bad_sample={'skip' if name == 'torchrun' else 'stop'}",
+                    f"checkpoint.memory_every={memory_every}"]
     argv = ["-m", "hvd_partialfc.cli", "train", "--shards", shards, "--out", run_dir, "--steps", str(steps)]
     for s in sets:
         argv += ["--set", s]
     schedule = plan(seed, kinds, max(count, len(kinds)), steps, nodes.count)
-    report = {"run": name, "seed": seed, "steps": steps, "plan": schedule, "rows": [], "checks": {}}
+    report = {"run": name, "seed": seed, "steps": steps, "plan": schedule, "rows": [], "checks": {},
+              "memory_every": memory_every}
     _mount_tmpfs(mount, 24)
     t_start = time.time()
     try:
         nodes.setup()
         watch = Watch(run_dir, logs)
         if name == "torchrun":
-            job = TorchrunJob(nodes, argv, 29600 + seed % 100, logs, min_nodes=2)
+            job = TorchrunJob(nodes, argv, 29600 + seed % 100, logs, min_nodes=2,
+                              memory=os.path.join(base, "memory") if memory_every else None)
             for n in nodes.node_ids:
                 job.start(n)
                 time.sleep(0.3)
@@ -292,14 +295,18 @@ def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, 
             settle = watch.step + EVERY + 1
             report["rows"].append(row)
             if not quiet:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
         codes = job.wait(600)
         report["checks"] = final_checks(run, codes, argv, work)
+        if memory_every:   # a failure costs the steps since the last snapshot, and the step it took to commit
+            lost = [r["lost"] for r in report["rows"] if r["kind"] in LOSING]
+            report["checks"].update(most_lost=max(lost, default=0), ok_steps_lost_at_most_K_plus_1=all(
+                x <= memory_every + 1 for x in lost))
     except (ChaosError, twonode.Unavailable) as e:
         report["checks"]["error"] = str(e)
     finally:
         nodes.teardown()
-        report["log_tail"] = _tails(logs)
+        report["log_tail"] = tails(logs)
         keep = os.path.join(base, "run")
         if os.path.isdir(run_dir):
             shutil.copytree(run_dir, keep, dirs_exist_ok=True)
@@ -345,37 +352,6 @@ def final_checks(run: Run, codes: Dict[int, int], argv: List[str], work: str) ->
     return checks
 
 
-def _tails(log_dir: str, n: int = 15) -> Dict[str, List[str]]:
-    out = {}
-    for name in sorted(os.listdir(log_dir))[-6:]:
-        with open(os.path.join(log_dir, name), errors="replace") as f:
-            out[name] = [x for x in f.read().replace("\r", "\n").splitlines() if x.strip() and "it/s]" not in x][-n:]
-    return out
-
-
-def _row_line(r: Dict) -> str:
-    return (f"{r['kind']:<16} {r['step']:>6} {r.get('seconds', ''):>8} {r.get('lost', ''):>6} "
-            f"{str(r.get('world_before', '')):>6} -> {str(r.get('world_after', '')):<8} "
-            f"{'ok' if r.get('latest_ok') else 'BAD'} {r.get('latest', '')}  {r.get('detail', '')}")
-
-
-def table(report: Dict) -> str:
-    head = (f"{report['run']}, seed {report['seed']}, {report['steps']} steps at the first world size, "
-            f"{len(report['rows'])} faults, {report.get('seconds', 0):.0f} s\n"
-            f"{'fault':<16} {'step':>6} {'went on':>8} {'lost':>6} {'world':>6}    {'':<8} latest\n")
-    lines = [_row_line(r) for r in report["rows"]]
-    checks = [f"  {k[3:]}: {'yes' if v else 'NO'}" for k, v in report["checks"].items() if k.startswith("ok_")]
-    extra = report["checks"]
-    info = []
-    if "samples" in extra:
-        info.append(f"  samples consumed {extra['samples']:,} of a budget of {extra['budget']:,} (one global batch "
-                    f"now: {extra['last_global_batch']}); world sizes {extra['worlds']}")
-    if extra.get("error"):
-        info.append(f"  error: {extra['error']}")
-    return head + "\n".join(lines) + "\n" + "\n".join(info + checks) + \
-        f"\n{'PASSED' if report['passed'] else 'FAILED'}\n"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -383,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--faults", type=int, default=12, help="faults in the torchrun run (the Horovod one: 6)")
     ap.add_argument("--only", choices=["torchrun", "horovod"])
     ap.add_argument("--short", action="store_true", help="the suite's version: 400 steps, 3 faults, torchrun")
+    ap.add_argument("--memory-every", type=int, default=0, metavar="K",
+                    help="checkpoint.memory_every in the torchrun run (0: off); a fault then costs at most K + 1 steps")
     ap.add_argument("--json", help="write the reports here")
     ap.add_argument("--work", help="keep the shard sets, logs and runs here (default: a temporary folder)")
     ap.add_argument("--show", metavar="JSON", help="print the tables of a --json report again, and run nothing")
@@ -408,7 +386,7 @@ def main(argv=None) -> int:
             kinds, count = TORCH_KINDS, a.faults
         else:
             kinds, count = HOROVOD_KINDS, min(a.faults, 6)
-        report = run_one(name, a.seed, a.steps, kinds, count, work)
+        report = run_one(name, a.seed, a.steps, kinds, count, work, memory_every=a.memory_every)
         print(table(report), flush=True)
         reports.append(report)
     if a.json:

@@ -16,6 +16,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BIN = os.path.dirname(sys.executable)
-RESUMED = re.compile(r"resumed from \S+ at step (\d+) \(written by (\d+) ranks\)")
+RESUMED = re.compile(r"resumed from (.+?) at step (\d+) \(written by (\d+) ranks\)")
 
 
 def tiny_faces(out: str, classes: int = 48, per_class: int = 8, num_shards: int = 4, seed: int = 0) -> str:
@@ -129,8 +130,13 @@ class Watch:
         for t, line in self.lines:
             m = RESUMED.search(line)
             if m and t >= since:
-                out.append((t, int(m.group(1)), int(m.group(2))))
+                out.append((t, int(m.group(2)), int(m.group(3))))
         return out
+
+    def resumed_from_memory(self, step: int, since: float) -> bool:
+        """Whether the resume at ``step`` after ``since`` restored a memory snapshot (run/memory_recover.py)."""
+        return any(m and m.group(2) == str(step) and "memory snapshot" in m.group(1)
+                   for m in (RESUMED.search(line) for t, line in self.lines if t >= since))
 
     def said(self, text: str, since: float = 0.0) -> List[str]:
         return [line for t, line in self.lines if t >= since and text in line]
@@ -170,13 +176,28 @@ class TorchrunJob:
     rendezvous, docs/engines.md). ``requeue`` starts every agent again under a new rendezvous id, as a
     scheduler's requeue of the job does."""
 
-    def __init__(self, nodes, train_argv: Sequence[str], port: int, log_dir: str, min_nodes: int):
+    def __init__(self, nodes, train_argv: Sequence[str], port: int, log_dir: str, min_nodes: int,
+                 memory: Optional[str] = None):
         self.nodes, self.train_argv, self.port, self.log_dir = nodes, list(train_argv), port, log_dir
         self.min_nodes, self.queue, self.launches = min_nodes, 0, 0
         self.agents: Dict[int, subprocess.Popen] = {}
+        self.memory = memory      # a folder for each node's memory-snapshot root (checkpoint.memory_every)
+
+    def memory_root(self, node: int) -> str:
+        return os.path.join(self.memory, f"node{node}")
+
+    def lose_memory(self, node: int) -> None:
+        """The node's memory is gone with it (a machine lost): its snapshot root emptied."""
+        if self.memory:
+            shutil.rmtree(self.memory_root(node), ignore_errors=True)
+            os.makedirs(self.memory_root(node))
 
     def env(self, node: int) -> Dict[str, str]:
-        return dict(self.nodes.launch_env(node), PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        e = dict(self.nodes.launch_env(node), PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        if self.memory:
+            os.makedirs(self.memory_root(node), exist_ok=True)
+            e["HVD_PARTIALFC_MEMORY_DIR"] = self.memory_root(node)
+        return e
 
     def start(self, node: int) -> None:
         argv = self.nodes.torchrun_argv(

@@ -106,6 +106,73 @@ def test_estimate_cli_negatives_default_to_trainings_share_and_pool(capsys):
     assert whole["traffic_bytes"]["centres (allgather, amortised)"] == 15_625 * 128 * 4 / 50
 
 
+
+def test_memory_snapshots_are_host_rows_by_their_own_arithmetic():
+    """``memory_every`` > 0: a rank's file (its ceil(1,000 / 16) = 63 rows and their momentum, fp32, plus its
+    BatchNorm buffers), the node's backbone file, 2 x (the node's 8 files + the 8 buddies' copies + the
+    backbone) on a node, and the buddy copy / K in the traffic; none of it in the GPU's memory. One node: its
+    own files only, no traffic; 12 ranks on nodes of 8 and 4: a node hosts 12 files. K = 0: nothing of it."""
+    bb = dict(BB, buffer_bytes=100)
+    off = estimate(1000, 16, 512, 64, mode="local", bb=bb)
+    on = estimate(1000, 16, 512, 64, mode="local", bb=bb, memory_every=100, ranks_per_node=8)
+    rank, backbone = 63 * 512 * 4 * 2 + 100, 1000 * 4 * 2 + 100
+    assert on["host_bytes"] == {"memory snapshot (one rank's file)": rank, "backbone file": backbone,
+                                "memory snapshots per node (host RAM)": 2 * (16 * rank + backbone)}
+    assert on["host_total"] == 2 * (16 * rank + backbone)
+    assert on["traffic_bytes"]["memory snapshot to buddy (amortised)"] == rank / 100
+    assert on["traffic_total"] == off["traffic_total"] + rank / 100
+    assert on["memory_bytes"] == off["memory_bytes"] and on["memory_total"] == off["memory_total"]
+    assert not {"host_bytes", "host_total", "memory_every"} & set(off)
+    assert "memory snapshot to buddy (amortised)" not in off["traffic_bytes"]
+    assert off == estimate(1000, 16, 512, 64, mode="local", bb=bb, memory_every=0, ranks_per_node=4)
+    one = estimate(1000, 8, 512, 64, mode="local", bb=bb, memory_every=100)              # one node
+    rank8 = 125 * 512 * 4 * 2 + 100
+    assert one["host_bytes"]["memory snapshots per node (host RAM)"] == 2 * (8 * rank8 + backbone)
+    assert one["traffic_bytes"]["memory snapshot to buddy (amortised)"] == 0
+    uneven = estimate(1000, 12, 512, 64, mode="local", bb=bb, optimizer="adamw", memory_every=10)
+    rank12, backbone3 = 84 * 512 * 4 * 3 + 100, 1000 * 4 * 3 + 100                    # AdamW: two moments
+    assert uneven["host_bytes"]["memory snapshots per node (host RAM)"] == 2 * (12 * rank12 + backbone3)
+    fp16 = estimate(1000, 16, 512, 64, mode="local", dtype="fp16", bb=bb, memory_every=100)
+    assert fp16["host_bytes"] == on["host_bytes"]          # the head's weight is an fp32 master under autocast
+
+
+def test_snapshot_estimate_matches_what_training_counts():
+    """The estimator's file sizes are ``run/memory.py``'s ``snapshot_bytes`` of the same tensors (a resnet's
+    BatchNorm buffers included), so the estimate and the run's start-up room check cannot drift apart."""
+    from types import SimpleNamespace
+    import torch
+    from hvd_partialfc.config import OptimConfig
+    from hvd_partialfc.models import create_model
+    from hvd_partialfc.run.memory import snapshot_bytes
+    from hvd_partialfc.tools.estimate import backbone_figures
+    figures = backbone_figures("resnet", 32, 4, [32, 32, 3], {"width": 8})
+    assert figures["buffer_bytes"] > 0
+    parts = SimpleNamespace(head=SimpleNamespace(weight=torch.zeros(63, 32)),
+                            backbone=create_model("resnet", in_shape=[32, 32, 3], embedding_dim=32, width=8))
+    for name, optimizer in (("sgd", "sgd"), ("adamw", "adamw")):
+        want = snapshot_bytes(parts, OptimConfig(name=name))
+        got = estimate(1000, 16, 32, 4, "resnet", "local", optimizer=optimizer, bb=figures, memory_every=5)
+        assert got["host_bytes"]["memory snapshot (one rank's file)"] == want["rank"]
+        assert got["host_bytes"]["backbone file"] == want["backbone"]
+
+
+def test_estimate_cli_memory_every_prints_host_rows(capsys):
+    """``--memory-every K``: the host rows after the GPU's totals; without it, none."""
+    from hvd_partialfc.cli import main
+
+    def cli(*extra):
+        capsys.readouterr()
+        assert main(["estimate", "--classes", "1000", "--world-size", "16", "--dim", "512", "--batch", "8",
+                     "--backbone", "mlp", "--in-shape", "64", "--mode", "local", *extra]) == 0
+        return capsys.readouterr().out.splitlines()
+    lines = cli("--memory-every", "100", "--ranks-per-node", "4")
+    host = [i for i, line in enumerate(lines) if line.startswith("| host: ")]
+    assert [lines[i].split(" | ")[0] for i in host] == [
+        "| host: memory snapshot (one rank's file)", "| host: backbone file",
+        "| host: memory snapshots per node (host RAM)"]
+    assert host[0] > next(i for i, line in enumerate(lines) if line.startswith("| **traffic / step**"))
+    assert not any("host" in line for line in cli())
+
 def _tiny_bench(out, *args):
     """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json."""
     cmd = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--dims", "16", "--batch", "8", "--steps", "1",

@@ -1,7 +1,9 @@
 """``hvd-partialfc doctor`` (issue 37): its exit codes with a bad shard set and with Horovod's import blocked."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -90,3 +92,33 @@ def test_the_oldest_supported_torch_is_stated_once_and_checked(capsys, tmp_path,
     monkeypatch.setattr(torch, "__version__", "2.1.2+cu121")
     rc, out = _doctor(capsys, "--engine", "torch")
     assert rc == 1 and f"torch 2.1.2+cu121: older than {MIN_TORCH}" in _line(out, "FAIL")
+
+
+def test_memory_snapshot_root_names_the_folders_runs_left(capsys, tmp_path, monkeypatch):
+    """``$HVD_PARTIALFC_MEMORY_DIR`` with a run's folder left in it: a note naming the folder, its owner.json
+    (run folder, token) and its size, with the command that removes it; an empty root is ok; a missing root a
+    note (snapshots would be refused), never a failure (exit 0 throughout)."""
+    from hvd_partialfc.sizes import human
+    root = tmp_path / "shm"
+    step = root / "hvd_partialfc-abc" / "step-00000010"
+    step.mkdir(parents=True)
+    (root / "hvd_partialfc-abc" / "owner.json").write_text(json.dumps({"run_dir": "runs/crashed", "token": "abc"}))
+    (step / "classifier-00000-of-00002.pt").write_bytes(b"x" * 10_000)
+    (root / "other").mkdir()                                             # not a snapshot folder: not named
+    monkeypatch.setenv("HVD_PARTIALFC_MEMORY_DIR", str(root))
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run")
+    line = _line(out, f"note  memory snapshots: {root} writable")
+    size = os.path.getsize(root / "hvd_partialfc-abc" / "owner.json") + 10_000
+    assert rc == 0 and "1 snapshot folder(s): hvd_partialfc-abc (run runs/crashed, token abc, " \
+                       f"{human(size)})" in line, out
+    assert f"rm -r {root / 'hvd_partialfc-abc'}" in line and "other (" not in line
+    assert " free, " in line and "memory available" in line
+    (root / "hvd_partialfc-abc" / "owner.json").unlink()
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run")
+    assert "hvd_partialfc-abc (no readable owner.json" in _line(out, "note  memory snapshots"), out
+    shutil.rmtree(root / "hvd_partialfc-abc")
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run")
+    assert "no snapshot folders" in _line(out, f"ok    memory snapshots: {root} writable"), out
+    monkeypatch.setenv("HVD_PARTIALFC_MEMORY_DIR", str(tmp_path / "missing"))
+    rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run")
+    assert rc == 0 and "would be refused" in _line(out, f"note  memory snapshots: {tmp_path / 'missing'}"), out

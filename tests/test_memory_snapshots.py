@@ -32,6 +32,10 @@ KILLED = "kill-in-memory@24:1"
 
 def agents(roots, shards, out, sets=(), fault=None, timeout=150):
     """One torchrun agent a root (a node of one rank), all of one static job; [(exit status, output)]."""
+    return wait(start(roots, shards, out, sets, fault), timeout)
+
+
+def start(roots, shards, out, sets=(), fault=None):
     port, procs = free_port(), []
     for i, root in enumerate(roots):
         env = dict(launch_env(fault), HVD_PARTIALFC_MEMORY_DIR=str(root))
@@ -42,6 +46,10 @@ def agents(roots, shards, out, sets=(), fault=None, timeout=150):
             cmd += ["--set", s]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                       cwd=ROOT, start_new_session=True))
+    return procs
+
+
+def wait(procs, timeout=150):
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
         return [(p.returncode, out) for p, out in zip(procs, outs)]
@@ -64,14 +72,15 @@ def crashed(tmp_path_factory, small_run_shards):
     roots = [base / f"node{i}" for i in range(3)]
     for r in roots:
         r.mkdir()
-    results = agents(roots, small_run_shards, base / "run", fault=KILLED)
-    assert any("injected kill-in-memory at step 24" in out for _, out in results), said(results)
-    assert all(code != 0 for code, _ in results)
     ref_roots = [base / f"ref{i}" for i in range(3)]
     for r in ref_roots:
         r.mkdir()
     off = ["checkpoint.memory_every=0", "checkpoint.keep=5"]
-    ref = agents(ref_roots, small_run_shards, base / "ref", sets=off, fault="sigterm@18")
+    crash = start(roots, small_run_shards, base / "run", fault=KILLED)      # the two side by side: they wait
+    ref = wait(start(ref_roots, small_run_shards, base / "ref", sets=off, fault="sigterm@18"))  # on each other
+    results = wait(crash)
+    assert any("injected kill-in-memory at step 24" in out for _, out in results), said(results)
+    assert all(code != 0 for code, _ in results)
     assert said(ref).count("exit 75") == 3 and (base / "ref" / "checkpoints" / "step-00000020").is_dir(), said(ref)
     ref = agents(ref_roots, small_run_shards, base / "ref", sets=off)
     assert all(code == 0 for code, _ in ref), said(ref)

@@ -140,6 +140,9 @@ class MemorySnapshots:
         self._landed = threading.Event()
         self._error: Optional[str] = None
         self.last_landing_s = 0.0
+        self._heard: Dict[int, set] = {}           # rank 0: which ranks told it their copies of a step landed
+        self._heard_lock = threading.Lock()
+        link.on_note = self._on_note
         _LIVE.append(self)
 
     @classmethod
@@ -232,6 +235,38 @@ class MemorySnapshots:
             self._error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
         self.last_landing_s = time.perf_counter() - t0
         self._landed.set()
+        if self._error is None:
+            self._tell(0, what="landed", step=step, rank=self.comm.rank)
+
+    def _tell(self, rank: int, **what) -> None:
+        """A note to ``rank`` (this rank's own handler when it is this one); best effort: the loop's vote
+        commits the snapshot anyway, a few steps later."""
+        try:
+            if rank == self.comm.rank:
+                self._on_note(what)
+            else:
+                self.link.note((self.peers[rank][1], self.peers[rank][2]), **what)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _on_note(self, h: dict) -> None:
+        """Rank 0 hears every rank's landing; once all have, it tells each node's first rank to commit, which
+        renames its folder at once: a failure a step after a snapshot finds it committed (the loop's vote
+        would commit it two steps later, the vote being read a step after it starts)."""
+        step = int(h["step"])
+        if h["what"] == "commit":
+            if self.is_writer:
+                self.store.commit(step)
+        elif h["what"] == "landed" and self.comm.rank == 0:
+            with self._heard_lock:
+                heard = self._heard.setdefault(step, set())
+                heard.add(int(h["rank"]))
+                complete = len(heard) == self.comm.size
+                if complete:
+                    self._heard = {s: r for s, r in self._heard.items() if s > step}
+            if complete:
+                for node in self.plan.nodes:
+                    self._tell(node[0], what="commit", step=step)
 
     def vote_flag(self) -> float:
         """This rank's part of the loop's vote: 1 while the pending snapshot has not landed here (or failed)."""

@@ -9,7 +9,8 @@ Each rank serves its node's snapshot folder (memory_store.NodeStore) on a port o
 
 * ``put`` (step, name, size, bytes): the server writes the file into the snapshot of ``step`` that is landing,
   then answers ``{"ok": true}``: the sender knows the copy is in the buddy's memory.
-* ``get`` (step, name): the file's bytes from the node's snapshot of ``step``, committed or landing.
+* ``get`` (step, name): the file's bytes from the node's snapshot of ``step``, committed or landing;
+* ``note``: a small message for the rank's ``on_note`` (a landing told to rank 0, its commit told to a node).
 
 Every request carries the run's token: a process of another run (a stale job on a shared node) is answered
 with an error, never with a file. Forked children (DataLoader workers) close their copy of the listening
@@ -89,6 +90,7 @@ class Link:
         self.server.listen(16)
         self.port = self.server.getsockname()[1]
         self._closed = threading.Event()
+        self.on_note = None        # called with a ``note``'s header (memory.py: landings, commits)
         _LIVE.add(self)
         threading.Thread(target=self._accept, daemon=True, name="memory-link").start()
 
@@ -123,6 +125,10 @@ class Link:
                     data = _recv_exact(conn, int(h["size"]))
                     self.store.write(int(h["step"]), os.path.basename(h["name"]), data)
                     _send_header(conn, {"ok": True})
+                elif h["op"] == "note":
+                    _send_header(conn, {"ok": True})
+                    if self.on_note is not None:
+                        self.on_note(h)
                 elif h["op"] == "get":
                     path = self.store.find(int(h["step"]), os.path.basename(h["name"]))
                     if path is None:
@@ -154,6 +160,11 @@ class Link:
     def put(self, peer: Tuple[str, int], step: int, name: str, data: bytes) -> None:
         """``data`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written there."""
         _, conn = self._request(peer, {"op": "put", "step": step, "name": name, "size": len(data)}, data)
+        conn.close()
+
+    def note(self, peer: Tuple[str, int], **what) -> None:
+        """A small message for ``peer``'s ``on_note`` (no payload)."""
+        _, conn = self._request(peer, dict(what, op="note"))
         conn.close()
 
     def get(self, peer: Tuple[str, int], step: int, name: str) -> bytes:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 from typing import Dict, List, Optional, Tuple
 
 from .. import atomic
@@ -87,6 +88,7 @@ class NodeStore:
         self.root, self.token = root, token
         self.run_dir = os.path.realpath(run_dir)
         self.path = os.path.join(root, PREFIX + token)
+        self._lock = threading.Lock()
 
     def open(self) -> None:
         os.makedirs(self.path, exist_ok=True)
@@ -137,14 +139,19 @@ class NodeStore:
         return out
 
     def commit(self, step: int) -> None:
-        """The snapshot of ``step`` is complete everywhere (agreed): its folder takes its final name, and every
-        other snapshot of this node goes (an older one is no longer needed, a newer one can only be stale)."""
-        partial, final = self.step_path(step, False), self.step_path(step, True)
-        if os.path.isdir(partial):
-            if os.path.isdir(final):
-                shutil.rmtree(final)
-            os.rename(partial, final)
-        self.keep_only(step)
+        """The snapshot of ``step`` is complete everywhere: its folder takes its final name, and the older
+        snapshots of this node go (a newer one may be landing already). Idempotent, and safe from two threads
+        (the loop's vote and rank 0's message may both commit it)."""
+        with self._lock:
+            partial, final = self.step_path(step, False), self.step_path(step, True)
+            if os.path.isdir(partial):
+                if os.path.isdir(final):
+                    shutil.rmtree(final)
+                os.rename(partial, final)
+            for d in os.listdir(self.path) if os.path.isdir(self.path) else ():
+                s = parse_step(d[:-len(PARTIAL)] if d.endswith(PARTIAL) else d)
+                if s is not None and s < step:
+                    shutil.rmtree(os.path.join(self.path, d), ignore_errors=True)
 
     def keep_only(self, step: Optional[int]) -> None:
         """Remove every snapshot folder but the committed one of ``step`` (None: all of them)."""

@@ -4,7 +4,9 @@
                          [--shards DIR [--np N]]
 
 Lines: torch and its CUDA GPUs; Horovod (built? with PyTorch, its controllers Gloo / MPI, its GPU operations
-NCCL); torch.distributed's backends; ``mpirun``; the demo's CJK fonts; a writable run folder; with
+NCCL); torch.distributed's backends; ``mpirun``; the demo's CJK fonts; a writable run folder; this node's
+memory-snapshot root (``checkpoint.memory_every``: writable?, its free space, the memory available, and the
+snapshot folders that runs left there: a crash keeps them, and nothing but a hand removes them); with
 ``--shards``, the set's manifest, and with ``--np N`` whether N ranks fit its shards under the layout rules
 (``data.layout.RankLayout``, ``partition.block_bounds``) and the memory per rank (``tools/estimate.py``'s
 figure for the config's backbone, head and batch).
@@ -21,6 +23,7 @@ the import once torch is loaded (torch's own import is ~2 s of doctor's whole ru
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -155,6 +158,63 @@ def check_run_folder(out: str) -> List[Check]:
     return [Check(OK, f"run folder {out}: writable{where}")]
 
 
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for dp, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dp, f))
+            except OSError:
+                pass
+    return total
+
+
+def check_memory_snapshots(configured: str) -> List[Check]:
+    """The node's snapshot root (``memory_store.memory_root``: ``$HVD_PARTIALFC_MEMORY_DIR``, else
+    ``checkpoint.memory_dir``), the two limits its start-up room check reads (the root's free space, a tmpfs
+    having its own size, and ``MemAvailable``), and the ``hvd_partialfc-*`` folders in it with their owners
+    (owner.json). A missing or read-only root is a note, not a failure: snapshots are off by default. Folders
+    are a note too: a run that ended removed its own, so these are a running run's or a failed one's, and
+    they hold the node's memory until removed by hand."""
+    from ..run.memory_store import ENV_DIR, PREFIX, mem_available, memory_root
+    from ..sizes import human
+    root = memory_root(configured)
+    fix = f"point {ENV_DIR} (or checkpoint.memory_dir) at a writable tmpfs, or leave checkpoint.memory_every=0"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".doctor-", dir=root)
+        os.close(fd)
+        os.remove(name)
+        st = os.statvfs(root)
+    except OSError as e:
+        return [Check(NOTE, f"memory snapshots: {root} cannot take a file ({e.strerror or e}); "
+                      "checkpoint.memory_every > 0 would be refused at start-up", fix)]
+    avail = mem_available()
+    what = (f"memory snapshots: {root} writable, {human(st.f_bavail * st.f_frsize)} free, "
+            + (f"{human(avail)} of memory available" if avail is not None else "memory available unknown"))
+    left, paths = [], []
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        entries = []
+    for d in entries:
+        full = os.path.join(root, d)
+        if not d.startswith(PREFIX) or not os.path.isdir(full):
+            continue
+        paths.append(full)
+        try:
+            with open(os.path.join(full, "owner.json")) as f:
+                owner = json.load(f)
+            whose = f"run {owner.get('run_dir')}, token {owner.get('token')}"
+        except (OSError, ValueError, AttributeError):
+            whose = "no readable owner.json"
+        left.append(f"{d} ({whose}, {human(_folder_bytes(full))})")
+    if not left:
+        return [Check(OK, what + "; no snapshot folders")]
+    return [Check(NOTE, what + f"; {len(left)} snapshot folder(s): " + "; ".join(left) + ": a running run's, or "
+                  "left by one that crashed or failed (a run that ends removes its own)",
+                  "once their runs are over, remove them by hand: rm -r " + " ".join(paths))]
+
+
 def check_shards(shards: str, world_size: Optional[int], cfg) -> List[Check]:
     """The manifest, whether ``world_size`` ranks fit its shards, and the estimator's memory per rank."""
     from ..data.shards import ShardError, rank_layout, read_manifest
@@ -228,6 +288,7 @@ def run_doctor(args) -> int:
     checks += check_horovod(engine == "horovod", gpu, cfg.train.allow_host_allreduce)
     checks += check_torch_distributed(engine == "torch", gpu)
     checks += check_mpirun() + check_fonts() + check_run_folder(args.out or cfg.out)
+    checks += check_memory_snapshots(cfg.checkpoint.memory_dir)
     if args.shards:
         checks += check_shards(args.shards, args.np, cfg)
     failed = [c for c in checks if c.status == FAIL]

@@ -1,7 +1,7 @@
 """Per-rank memory and per-step traffic of the three classifier modes, from the sizes alone.
 
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
-                           [--negatives-every K [--negatives-share S]]
+                           [--negatives-every K [--negatives-share S]] [--memory-every K [--ranks-per-node R]]
 
 The model counts what this trainer allocates (fp32 training on one device; ``--dtype`` is the storage of
 the classifier, its gradient, its optimizer state and the logits):
@@ -36,6 +36,11 @@ Traffic: bytes this rank hands to collectives per step (what the benchmark count
 (backbone; plus the full classifier for ``replicated``), for ``global`` the gathered features and
 labels, the allreduce of the features' gradient, the row max and the sums of exponentials/targets, and
 for cross-shard negatives this rank's shared centres once every K steps (amortised).
+
+Host memory (``--memory-every K``, ``checkpoint.memory_every``): memory snapshots live in each node's
+``/dev/shm``, not on the GPU, so they are a separate result (``host_bytes``, per node: ``snapshot_host_bytes``)
+and never part of ``memory_total``; their copy to the buddy rank (TCP, beside the step, not a collective)
+is added to the traffic, amortised over K steps, because it shares the node's network with the step's.
 """
 from __future__ import annotations
 
@@ -70,7 +75,35 @@ def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequenc
         model(torch.zeros(2, *model_input_shape(shape)))  # the input data.prepare_batch makes
     for h in hooks:
         h.remove()
-    return {"params": params, "activation_bytes": int(sum(outputs) * 4 * batch / 2), "in_shape": shape}
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())    # BatchNorm statistics
+    return {"params": params, "activation_bytes": int(sum(outputs) * 4 * batch / 2), "in_shape": shape,
+            "buffer_bytes": buffer_bytes}
+
+
+def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_bytes: int, world_size: int,
+                        ranks_per_node: int, memory_every: int) -> Dict[str, Any]:
+    """Host memory of memory snapshots (``checkpoint.memory_every`` = ``memory_every``), by the formula that
+    ``run/memory.py`` applies to the live tensors: ``snapshot_bytes`` (a rank's file: its ``width`` classifier
+    rows and their ``state`` optimizer slots, plus its own BatchNorm buffers; the node's backbone file:
+    parameters and their optimizer state, plus the buffers) and the room check in ``MemorySnapshots.start``
+    (``memory_store.room_error``'s need: 2 x (the files a node hosts + the backbone file), two snapshots at a
+    time). The two count the same things: tests/test_bench_estimate.py checks these file sizes against
+    ``snapshot_bytes`` of the same tensors.
+
+    The classifier is float32 whatever ``--dtype`` or ``train.precision`` (the head's weight is a float32
+    parameter under every precision: autocast casts only for the products), so 4 bytes a value. A node hosts its own ranks' files and
+    the files of the previous node's ranks, whose buddies it holds (``memory.Plan``: a rank's buddy is on
+    the next node); with the ranks placed ``ranks_per_node`` a node in order, the busiest node's count is
+    the figure. One node has no buddies (``Plan.buddy`` is None): its own files only, and no traffic. The
+    RNG streams and counters (a few KB) and torch.save's framing are left out."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks per node must be at least 1, not {ranks_per_node}")
+    per_rank = width * dim * 4 * (1 + state) + buffer_bytes
+    backbone = params * 4 * (1 + state) + buffer_bytes
+    sizes = [min(ranks_per_node, world_size - start) for start in range(0, world_size, ranks_per_node)]
+    hosted = max(n + (sizes[i - 1] if len(sizes) > 1 else 0) for i, n in enumerate(sizes))
+    return {"rank": per_rank, "backbone": backbone, "node": 2 * (hosted * per_rank + backbone),
+            "buddy_per_step": per_rank / memory_every if len(sizes) > 1 else 0}
 
 
 def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str = "mlp", mode: str = "local",
@@ -78,13 +111,18 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
              in_shape: Optional[Sequence[int]] = None, backbone_kwargs: Optional[Dict[str, Any]] = None,
              runtime_mb: float = RUNTIME_MB, fp16_compression: bool = False,
              bb: Optional[Dict[str, int]] = None, negatives_every: int = 0,
-             negatives_share: int = 0, sampled_step: str = "exact", negatives_pool: int = 0) -> Dict[str, Any]:
+             negatives_share: int = 0, sampled_step: str = "exact", negatives_pool: int = 0,
+             memory_every: int = 0, ranks_per_node: int = 8) -> Dict[str, Any]:
     """Per-rank bytes by component and per-step bytes handed to collectives, for one (C, N, D, B, mode).
 
     ``negatives_every`` = K > 0 (``local`` only): cross-shard negatives; the other ranks' shared centres
     ((N - 1) x share rows, share = ``negatives_share`` or the whole slice, at most ceil(``negatives_pool`` / N)
     when the pool is > 0: ``negatives.negatives_share``) are held as a buffer and are extra logit columns, and the
     all-gather of this rank's share is amortised over K steps.
+
+    ``memory_every`` = K > 0: memory snapshots with ``ranks_per_node`` ranks a node (``snapshot_host_bytes``):
+    ``host_bytes`` (host memory, beside the GPU's ``memory_bytes``; absent at K = 0, so results without
+    snapshots are what they were) and the buddy copy in ``traffic_bytes``.
     """
     from types import SimpleNamespace
     m = get_mode(mode)
@@ -131,19 +169,64 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         step = mem["classifier grads"] + mem["logits"] + bb["activation_bytes"] + bb["params"] * 4
         mem["negatives exchange (beyond the step)"] = max(0, exchange - step)
         traffic["centres (allgather, amortised)"] = share * dim * 4 / negatives_every
+    extra: Dict[str, Any] = {}
+    if memory_every > 0:
+        snap = snapshot_host_bytes(width, dim, state, bb["params"], bb.get("buffer_bytes", 0), world_size,
+                                   ranks_per_node, memory_every)
+        traffic["memory snapshot to buddy (amortised)"] = snap["buddy_per_step"]
+        extra = {"memory_every": memory_every, "ranks_per_node": ranks_per_node, "host_total": snap["node"],
+                 "host_bytes": {"memory snapshot (one rank's file)": snap["rank"], "backbone file": snap["backbone"],
+                                "memory snapshots per node (host RAM)": snap["node"]}}
     return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
             "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype,
             "width": width, "logit_rows": rows, "memory_bytes": mem,
             "memory_total": sum(mem.values()), "traffic_bytes": traffic, "traffic_total": sum(traffic.values()),
-            "backbone_params": bb["params"]}
+            "backbone_params": bb["params"], **extra}
 
 
 def table(results: Sequence[Dict[str, Any]]) -> str:
-    """Markdown: one column per estimate, one row per memory component, then the totals and the traffic."""
+    """Markdown: one column per estimate, one row per memory component, then the totals and the traffic; with
+    memory snapshots, their host-memory rows after the GPU's totals (the per-node row is the node's whole
+    snapshot memory, so no separate total)."""
     head = "| per rank | " + " | ".join(f"{r['mode']} C={r['classes']:,} N={r['world_size']}" for r in results) + " |"
     lines = [head, "|---" * (len(results) + 1) + "|"]
     for key in results[0]["memory_bytes"]:
         lines.append(f"| {key} | " + " | ".join(human(r["memory_bytes"][key]) for r in results) + " |")
     lines.append("| **memory total** | " + " | ".join(f"**{human(r['memory_total'])}**" for r in results) + " |")
     lines.append("| **traffic / step** | " + " | ".join(f"**{human(r['traffic_total'])}**" for r in results) + " |")
+    host = next((r["host_bytes"] for r in results if "host_bytes" in r), {})
+    for key in host:
+        lines.append(f"| host: {key} | " + " | ".join(human(r["host_bytes"][key]) if "host_bytes" in r else "-"
+                                                      for r in results) + " |")
     return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    """``hvd-partialfc estimate``'s arguments (cli.py makes the subcommand), beside the function they feed."""
+    p.add_argument("--classes", type=lambda x: int(float(x)), required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--batch", type=int, default=128, help="samples per rank per step")
+    p.add_argument("--backbone", default="resnet18", help="registered backbone name (mlp, resnet, resnet18, "
+                                                          "iresnet18..200, mobilefacenet)")
+    p.add_argument("--in-shape", type=lambda x: [int(v) for v in x.split(",")], help="sample shape, e.g. 112,112,3")
+    p.add_argument("--mode", action="append", help="a registered classifier mode (local, global, replicated); "
+                                                   "repeatable; default all")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="classifier and logits storage")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "sgd-nomomentum", "adamw"])
+    p.add_argument("--sample-rate", type=float, default=1.0, help="global, local: PartialFC's sampled fraction")
+    from ..config import HeadConfig
+    head = HeadConfig()                    # training's defaults, so an estimate means what a run does
+    p.add_argument("--negatives-every", type=int, default=0,
+                   help=f"also a row of local + cross-shard negatives every K steps (training's default: "
+                        f"{head.negatives_every})")
+    p.add_argument("--negatives-share", type=int, default=head.negatives_share,
+                   help="centres each rank shares (0: its whole slice; default: training's head.negatives_share)")
+    p.add_argument("--negatives-pool", type=int, default=head.negatives_pool,
+                   help="at most this many centres shared by all ranks together (the share capped at ceil(pool / N); "
+                        "0: no cap; default: training's head.negatives_pool)")
+    p.add_argument("--memory-every", type=int, default=0, metavar="K",
+                   help="host-memory rows for memory snapshots every K steps (checkpoint.memory_every; 0: none)")
+    p.add_argument("--ranks-per-node", type=int, default=8,
+                   help="ranks a node, for the snapshots' per-node host memory (with --memory-every)")
+    p.add_argument("--json", action="store_true")
