@@ -35,10 +35,10 @@ def agents(roots, shards, out, sets=(), fault=None, timeout=150):
     return wait(start(roots, shards, out, sets, fault), timeout)
 
 
-def start(roots, shards, out, sets=(), fault=None):
-    port, procs = free_port(), []
+def start(roots, shards, out, sets=(), fault=None, env=None):
+    port, procs, extra = free_port(), [], env or {}
     for i, root in enumerate(roots):
-        env = dict(launch_env(fault), HVD_PARTIALFC_MEMORY_DIR=str(root))
+        env = dict(launch_env(fault), HVD_PARTIALFC_MEMORY_DIR=str(root), **extra)
         cmd = [TORCHRUN, "--nnodes", str(len(roots)), "--node-rank", str(i), "--nproc-per-node", "1",
                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "hvd_partialfc.cli", "train",
                "--shards", str(shards), "--out", str(out), "--steps", str(STEPS)]
@@ -109,6 +109,21 @@ def test_the_crash_left_a_committed_snapshot_and_a_partial_one(crashed):
     assert sorted(os.listdir(crashed / "node0" / os.path.basename(snapshots_left([crashed / "node0"])[0])
                              / "step-00000020")) == ["backbone.pt", "classifier-00000-of-00003.pt",
                                                      "classifier-00002-of-00003.pt", "meta.json"]
+
+
+def test_a_snapshot_commits_as_soon_as_every_copy_landed(tmp_path, small_run_shards):
+    """Snapshot 20 lands while every rank stalls before step 21; rank 1 dies before step 22. The loop's vote
+    could not have committed it (its flag, taken as the snapshot started, is read after step 21), so step 20 is
+    committed on both nodes only because rank 0 heard every landing and told the nodes at once."""
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    for r in roots:
+        r.mkdir()
+    results = wait(start(roots, small_run_shards, tmp_path / "run", fault="stall@20,kill@21:1",
+                         env={"HVD_PARTIALFC_STALL_SECONDS": "2"}))
+    assert any("injected kill before step 22" in out for _, out in results), said(results)
+    for root in roots:
+        [store] = snapshots_left([root])
+        assert sorted(d for d in os.listdir(store) if d.startswith("step-")) == ["step-00000020"], os.listdir(store)
 
 
 def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_path, small_run_shards):

@@ -26,7 +26,6 @@ segment of another token in the same run folder is stale, ignored and removed.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -70,12 +69,6 @@ def cpu_copy(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(cpu_copy(v) for v in obj)
     return obj
-
-
-def _to_bytes(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
 
 
 def state_slots(optim_name: str, momentum: float) -> int:
@@ -220,17 +213,16 @@ class MemorySnapshots:
         t0 = time.perf_counter()
         try:
             name = classifier_file(self.comm.rank, self.comm.size)
-            data = _to_bytes(mine)
-            self.store.write(step, name, data)
+            path = self.store.write(step, name, lambda f: torch.save(mine, f))
             if faults.active("kill-in-memory", step, self.comm.rank):   # the rank's own copy only
                 faults.kill_self(f"kill-in-memory at step {step}", self.comm.rank)
             if bb is not None:
                 meta["digests"] = [state_dict_digest(bb["state_dict"])] * self.comm.size
-                self.store.write(step, "backbone.pt", _to_bytes(bb))
+                self.store.write(step, "backbone.pt", lambda f: torch.save(bb, f))
                 self.store.write(step, "meta.json", json.dumps(meta, indent=1).encode())
             if self.buddy is not None:
                 p = self.peers[self.buddy]
-                self.link.put((p[1], p[2]), step, name, data)
+                self.link.put((p[1], p[2]), step, name, path)
         except Exception as e:  # noqa: BLE001 (voted: the snapshot is dropped, the run goes on)
             self._error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
         self.last_landing_s = time.perf_counter() - t0
@@ -238,14 +230,14 @@ class MemorySnapshots:
         if self._error is None:
             self._tell(0, what="landed", step=step, rank=self.comm.rank)
 
-    def _tell(self, rank: int, **what) -> None:
-        """A note to ``rank`` (this rank's own handler when it is this one); best effort: the loop's vote
+    def _tell(self, to: int, **what) -> None:
+        """A note to rank ``to`` (this rank's own handler when it is this one); best effort: the loop's vote
         commits the snapshot anyway, a few steps later."""
         try:
-            if rank == self.comm.rank:
+            if to == self.comm.rank:
                 self._on_note(what)
             else:
-                self.link.note((self.peers[rank][1], self.peers[rank][2]), **what)
+                self.link.note((self.peers[to][1], self.peers[to][2]), **what)
         except Exception:  # noqa: BLE001
             pass
 

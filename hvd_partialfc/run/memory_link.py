@@ -48,15 +48,14 @@ class LinkError(RuntimeError):
     pass
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
+def _recv_into(conn: socket.socket, n: int, f) -> None:
+    got = 0
     while got < n:
-        chunk = conn.recv(min(1 << 20, n - got))
+        chunk = conn.recv(min(4 << 20, n - got))
         if not chunk:
             raise LinkError(f"connection closed after {got} of {n} bytes")
-        chunks.append(chunk)
+        f.write(chunk)
         got += len(chunk)
-    return b"".join(chunks)
 
 
 def _recv_line(conn: socket.socket, limit: int = 1 << 16) -> dict:
@@ -121,9 +120,9 @@ class Link:
                 if h.get("token") != self.token:
                     _send_header(conn, {"ok": False, "error": "another run's request (token differs)"})
                     return
-                if h["op"] == "put":
-                    data = _recv_exact(conn, int(h["size"]))
-                    self.store.write(int(h["step"]), os.path.basename(h["name"]), data)
+                if h["op"] == "put":     # streamed into the file: a copy never sits whole in this process
+                    self.store.write(int(h["step"]), os.path.basename(h["name"]),
+                                     lambda f: _recv_into(conn, int(h["size"]), f))
                     _send_header(conn, {"ok": True})
                 elif h["op"] == "note":
                     _send_header(conn, {"ok": True})
@@ -135,9 +134,8 @@ class Link:
                         _send_header(conn, {"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
                         return
                     with open(path, "rb") as f:
-                        data = f.read()
-                    _send_header(conn, {"ok": True, "size": len(data)})
-                    conn.sendall(data)
+                        _send_header(conn, {"ok": True, "size": os.fstat(f.fileno()).st_size})
+                        conn.sendfile(f)
                 else:
                     _send_header(conn, {"ok": False, "error": f"unknown op {h.get('op')!r}"})
             except (OSError, LinkError, ValueError, KeyError) as e:
@@ -146,20 +144,22 @@ class Link:
                 except OSError:
                     pass
 
-    def _request(self, peer: Tuple[str, int], header: dict, payload: bytes = b"") -> Tuple[dict, socket.socket]:
+    def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket]:
+        """One request; ``payload``: a file sent after the header (sendfile: no copy in this process)."""
         conn = socket.create_connection(tuple(peer), timeout=TIMEOUT_S)
         _send_header(conn, dict(header, token=self.token))
         if payload:
-            conn.sendall(payload)
+            with open(payload, "rb") as f:
+                conn.sendfile(f)
         answer = _recv_line(conn)
         if not answer.get("ok"):
             conn.close()
             raise LinkError(f"{peer[0]}:{peer[1]}: {answer.get('error')}")
         return answer, conn
 
-    def put(self, peer: Tuple[str, int], step: int, name: str, data: bytes) -> None:
-        """``data`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written there."""
-        _, conn = self._request(peer, {"op": "put", "step": step, "name": name, "size": len(data)}, data)
+    def put(self, peer: Tuple[str, int], step: int, name: str, path: str) -> None:
+        """File ``path`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written there."""
+        _, conn = self._request(peer, {"op": "put", "step": step, "name": name, "size": os.path.getsize(path)}, path)
         conn.close()
 
     def note(self, peer: Tuple[str, int], **what) -> None:
@@ -167,8 +167,9 @@ class Link:
         _, conn = self._request(peer, dict(what, op="note"))
         conn.close()
 
-    def get(self, peer: Tuple[str, int], step: int, name: str) -> bytes:
+    def get(self, peer: Tuple[str, int], step: int, name: str, f) -> None:
+        """File ``name`` of ``peer``'s node's snapshot of ``step``, written into the open binary file ``f``."""
         answer, conn = self._request(peer, {"op": "get", "step": step, "name": name})
         with conn:
-            return _recv_exact(conn, int(answer["size"]))
+            _recv_into(conn, int(answer["size"]), f)
 

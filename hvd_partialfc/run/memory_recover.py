@@ -136,9 +136,8 @@ def _place(snaps, everyone, step: int, name: str, view: str, prefer: Optional[in
     last = None
     for r in sources:
         try:
-            data = snaps.link.get((everyone[r][1], everyone[r][2]), step, name)
             with open(os.path.join(view, name), "wb") as f:
-                f.write(data)
+                snaps.link.get((everyone[r][1], everyone[r][2]), step, name, f)
             fetched.append(name)
             return
         except OSError as e:      # LinkError is a RuntimeError: the next holder too

@@ -99,18 +99,24 @@ class NodeStore:
     def step_path(self, step: int, committed: bool) -> str:
         return os.path.join(self.path, step_dir_name(step) + ("" if committed else PARTIAL))
 
-    def write(self, step: int, name: str, data: bytes) -> str:
-        """``data`` as ``name`` of the snapshot of ``step`` (still landing); whole or not at all."""
+    def write(self, step: int, name: str, fill) -> str:
+        """File ``name`` of the snapshot of ``step`` (still landing), whole or not at all: ``fill(f)`` writes
+        it into an open binary file (bytes: written as they are)."""
         folder = self.step_path(step, committed=False)
         try:        # not makedirs: a store removed at the run's end is not made again by a late copy
             os.mkdir(folder)
         except FileExistsError:
             pass
         path = os.path.join(folder, name)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(fill) if isinstance(fill, bytes) else fill(f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
         return path
 
     def find(self, step: int, name: str) -> Optional[str]:

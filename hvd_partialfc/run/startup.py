@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Dict, Optional
 
 import torch
@@ -155,7 +156,10 @@ def start_trainer(cfg, comm) -> Trainer:
         print(decode_note, flush=True)
     say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
     memory = MemorySnapshots.start(cfg, comm, parts, log=say)
+    t0 = time.perf_counter()
     resumed_from = resume(cfg, comm, parts, data.layout, data.identity, memory) if cfg.checkpoint.resume else None
+    if resumed_from:
+        resumed_from["restore_s"] = time.perf_counter() - t0   # finding, gathering, loading: disk against memory
     start_step = resumed_from["step"] if resumed_from else 0
     if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
         _init_backbone(cfg, comm, parts)

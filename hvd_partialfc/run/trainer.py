@@ -92,7 +92,8 @@ class Trainer:
                 bar.write(line)
         if self.resumed_from and comm.is_main:
             r = self.resumed_from
-            bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks)")
+            bar.write(f"resumed from {r['path']} at step {r['step']} (written by {r['world_size']} ranks), "
+                      f"restored in {r.get('restore_s', 0.0):.2f} s")
         last_log, last_t = self.start_step, time.perf_counter()
         last_save = time.monotonic()
         every_s = 60.0 * cfg.checkpoint.every_minutes
