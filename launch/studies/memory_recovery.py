@@ -120,7 +120,8 @@ def recovery(n: int, a, work: str) -> Dict:
         for r in roots.values():
             os.makedirs(r)
         run = os.path.join(folder, "run")
-        crash = launch(nodes, nodes.node_ids, roots, data, run, 40, sets, logs, fault=f"kill@12:{n - 1}")
+        crash = launch(nodes, nodes.node_ids, roots, data, run, 40, sets, logs, fault=f"kill@14:{n - 1}")
+        ckpt_bytes = folder_bytes(os.path.join(run, "checkpoints", "step-00000010"))
         per_node = {node: folder_bytes(roots[node]) for node in nodes.node_ids}
         files = {}
         for node in nodes.node_ids:
@@ -147,7 +148,6 @@ def recovery(n: int, a, work: str) -> Dict:
     rs = lambda line: float(line.rsplit("restored in ", 1)[1].split()[0])  # noqa: E731
     est = estimate(a.classes, n, a.dim, 32, backbone="mlp", in_shape=[32], backbone_kwargs={"hidden_dim": 64},
                    memory_every=5, ranks_per_node=1)
-    ckpt_bytes = folder_bytes(os.path.join(disk_run, "checkpoints", "step-00000010"))
     return {"nodes": n, "classes": a.classes, "dim": a.dim, "checkpoint_bytes": ckpt_bytes,
             "crash_codes": crash["codes"], "memory_codes": mem["codes"], "disk_codes": disk["codes"],
             "restore_s_memory": rs(mem_line), "restore_s_disk": rs(disk_line),
@@ -170,24 +170,26 @@ def overhead(n: int, a, work: str) -> Dict:
     k = max(10, -(-int(100 * rank_bytes / grad) // 10) * 10)
     sets = ["model.embedding_dim=256", f"model.kwargs={{hidden_dim: {a.hidden}}}", "data.batch_size=64",
             "checkpoint.every=0"]
-    times: Dict[str, List[float]] = {"off": [], "on": []}
+    ks = [k, 5 * k]
+    times: Dict[str, List[float]] = {"off": [], **{str(x): [] for x in ks}}
     with twonode.Nodes(n, suffix=twonode.owner_suffix(), prefix="hpfco") as nodes:
         roots = {node: os.path.join(folder, f"mem{node}") for node in nodes.node_ids}
         for r in roots.values():
             os.makedirs(r, exist_ok=True)
         for rep in range(a.repeats):
-            for kind in ("off", "on"):
+            for kind in times:
                 run = os.path.join(folder, f"run-{kind}-{rep}")
-                every = k if kind == "on" else 0
+                every = 0 if kind == "off" else int(kind)
                 launch(nodes, nodes.node_ids, roots, data, run, a.steps, sets + [f"checkpoint.memory_every={every}"],
                        logs)
                 with open(os.path.join(run, "metrics.jsonl")) as f:
                     recs = [json.loads(line) for line in f if '"loss"' in line]
                 warm = [r["step_time"] for r in recs if r["step"] > 20]
                 times[kind].append(sum(warm) / len(warm))
-    mean = {k: sum(v) / len(v) for k, v in times.items()}
-    return {"nodes": n, "K": k, "rank_file_bytes": rank_bytes, "backbone_grad_bytes": grad,
-            "traffic_share": rank_bytes / k / grad, "step_s": times, "overhead": mean["on"] / mean["off"] - 1}
+    mean = {x: sum(v) / len(v) for x, v in times.items()}
+    return {"nodes": n, "K": ks, "rank_file_bytes": rank_bytes, "backbone_grad_bytes": grad,
+            "traffic_share": [rank_bytes / x / grad for x in ks], "step_s": times,
+            "overhead": [mean[str(x)] / mean["off"] - 1 for x in ks]}
 
 
 def table(report: Dict) -> str:
@@ -207,9 +209,11 @@ def table(report: Dict) -> str:
     lines += ["", "| nodes | K | snapshot traffic / backbone gradient | step without | with | overhead |",
               "|---|---:|---:|---:|---:|---:|"]
     for r in report["overhead"]:
-        off, on = (sum(r["step_s"][k]) / len(r["step_s"][k]) for k in ("off", "on"))
-        lines.append(f"| {r['nodes']} | {r['K']} | {100 * r['traffic_share']:.2f}% | {1000 * off:.1f} ms | "
-                     f"{1000 * on:.1f} ms | {100 * r['overhead']:+.1f}% |")
+        off = sum(r["step_s"]["off"]) / len(r["step_s"]["off"])
+        for k, share, over in zip(r["K"], r["traffic_share"], r["overhead"]):
+            on = sum(r["step_s"][str(k)]) / len(r["step_s"][str(k)])
+            lines.append(f"| {r['nodes']} | {k} | {100 * share:.2f}% | {1000 * off:.1f} ms | {1000 * on:.1f} ms | "
+                         f"{100 * over:+.1f}% |")
     return "\n".join(lines)
 
 
