@@ -85,8 +85,8 @@ def _train(args) -> int:
         error = e
         code = rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
         return code
-    finally:   # memory snapshots stay for a restart after a failure (exit 1), go after any other end
-        close_snapshots(keep=code == 1)
+    finally:   # memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and
+        close_snapshots(keep=code is not None)   # stay after a failure: a restart (or --resume auto) takes them
         # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
         if heartbeat:   # its neighbour ends now, naming it, instead of waiting for it in a collective
             heartbeat.end(error)

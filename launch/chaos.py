@@ -271,13 +271,13 @@ def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, 
     report = {"run": name, "seed": seed, "steps": steps, "plan": schedule, "rows": [], "checks": {},
               "memory_every": memory_every}
     _mount_tmpfs(mount, 24)
-    t_start = time.time()
+    t_start, job = time.time(), None
     try:
         nodes.setup()
         watch = Watch(run_dir, logs)
         if name == "torchrun":
-            job = TorchrunJob(nodes, argv, 29600 + seed % 100, logs, min_nodes=2,
-                              memory=os.path.join(base, "memory") if memory_every else None)
+            job = TorchrunJob(nodes, argv, 29600 + seed % 100, logs, min_nodes=2,   # the nodes' memory: a tmpfs
+                              memory=tempfile.mkdtemp(prefix="hpfc-chaos-", dir="/dev/shm") if memory_every else None)
             for n in nodes.node_ids:
                 job.start(n)
                 time.sleep(0.3)
@@ -311,6 +311,8 @@ def run_one(name: str, seed: int, steps: int, kinds: Sequence[str], count: int, 
         if os.path.isdir(run_dir):
             shutil.copytree(run_dir, keep, dirs_exist_ok=True)
         subprocess.run(["umount", "-l", mount], check=False)
+        if getattr(job, "memory", None):
+            shutil.rmtree(job.memory, ignore_errors=True)
     report["seconds"] = round(time.time() - t_start, 1)
     report["passed"] = not report["checks"].get("error") and all(
         v is True for k, v in report["checks"].items() if k.startswith("ok_"))

@@ -20,8 +20,9 @@ the snapshot is ``.partial`` everywhere and never used; the previous committed o
 commits. A snapshot that has not landed when the next is due is settled then, blocking: committed if it
 landed everywhere, else dropped (said once).
 
-The segments are removed when the run ends (its last step, a stop on a signal, a user's error); a failure
-that a launcher may restart keeps them for the restart (cli.py). A run's token (``RUN/run_id``) names them: a
+The segments are removed when the run ends (its last step, or a stop on a signal, whose disk checkpoint is as
+new); a failure (exit 1 or 2) keeps them for the restart, or for a ``--resume auto`` once its cause is fixed
+(cli.py). A run's token (``RUN/run_id``) names them: a
 segment of another token in the same run folder is stale, ignored and removed.
 """
 from __future__ import annotations
@@ -147,7 +148,6 @@ class MemorySnapshots:
         self._thread: Optional[threading.Thread] = None
         self._landed = threading.Event()
         self._error: Optional[str] = None
-        self.last_landing_s = 0.0
         self._heard: Dict[int, set] = {}           # rank 0: which ranks told it their copies of a step landed
         self._heard_lock = threading.Lock()
         link.on_note = self._on_note
@@ -169,25 +169,28 @@ class MemorySnapshots:
         token = comm.allgather_object((error, token), name="memory.token")[0]
         comm.agree(token[0], name="memory.token")
         root = memory_root(cfg.checkpoint.memory_dir)
-        store, link, swept = NodeStore(root, token[1], cfg.out), None, []
+        store, link = NodeStore(root, token[1], cfg.out), None
         try:
             store.open()
-            swept = store.sweep_stale()
             link = Link(store, token[1])
         except OSError as e:
             error = f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
-        sizes = snapshot_bytes(parts, cfg.optim)
-        peers = comm.allgather_object((node_key(root), *(link.address if link else ("", 0)), sizes),
-                                      name="memory.peers")
+        sizes, key = snapshot_bytes(parts, cfg.optim), node_key(root)
+        peers = comm.allgather_object((key, *(link.address if link else ("", 0)), sizes), name="memory.peers")
         plan = Plan([p[0] for p in peers])
-        node = plan.node_of[comm.rank]
-        if error is None and plan.writer(comm.rank) == comm.rank:
+        node, writer = plan.node_of[comm.rank], plan.writer(comm.rank) == comm.rank
+        if error is None and writer:
+            for path in store.sweep_stale():
+                print(f"[rank {comm.rank}] memory snapshots: removed {path}: another run's in this run folder "
+                      "(a stale token)", flush=True)
             need = 2 * (sum(peers[r][3]["rank"] for r in plan.hosted(node)) + sizes["backbone"])
-            error = room_error(root, need, len(plan.nodes[node]))
-        for path in swept:
-            log(f"memory snapshots: removed {path}: another run's in this run folder (a stale token)")
+            error = room_error(root, need, len(plan.nodes[node])) or store.mark_node(key)
         snaps = cls(every, comm, store, link, plan, peers) if link else None   # closed on every exit (cli.py)
         comm.agree(error, name="memory.start")
+        shared = store.other_nodes(key, set(plan.keys)) if writer else None
+        comm.agree(shared and f"checkpoint.memory_every: {root} is one folder for several nodes ({shared}): each node "
+                   "needs its own memory (a tmpfs such as /dev/shm), or a lost node's snapshots would look alive",
+                   name="memory.shared")
         if comm.is_main:
             per = human(sum(p[3]["rank"] for p in peers) / len(peers))
             log(f"memory snapshots every {every} steps in {root} on {len(plan.nodes)} node(s): {per} a rank, "
@@ -224,8 +227,6 @@ class MemorySnapshots:
         self._thread.start()
 
     def _land(self, step: int, mine, bb, meta) -> None:
-        import time
-        t0 = time.perf_counter()
         _lower_priority()
         try:
             name = classifier_file(self.comm.rank, self.comm.size)
@@ -241,7 +242,6 @@ class MemorySnapshots:
                 self.link.put((p[1], p[2]), step, name, path)
         except Exception as e:  # noqa: BLE001 (voted: the snapshot is dropped, the run goes on)
             self._error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
-        self.last_landing_s = time.perf_counter() - t0
         self._landed.set()
         if self._error is None:
             self._tell(0, what="landed", step=step, rank=self.comm.rank)
@@ -282,14 +282,14 @@ class MemorySnapshots:
             return 0.0
         return 0.0 if self._landed.is_set() and self._error is None else 1.0
 
-    def voted(self, not_landed: float) -> None:
-        """The vote's answer (the same on every rank): nobody is waiting on the pending snapshot: commit it."""
-        if self.pending is not None and not_landed == 0:
+    def all_landed(self) -> None:
+        """The loop's vote said no rank waits on the pending snapshot (the same answer on every rank): commit it."""
+        if self.pending is not None:
             self._commit(self.pending)
 
     def settle(self) -> None:
-        """Before the next snapshot and at the run's end (a collective when one is pending): wait for it to
-        land, then commit it where every rank's copies landed, else drop it and say why."""
+        """Before the next snapshot (a collective when one is pending): wait for it to land, then commit it
+        where every rank's copies landed, else drop it and say why."""
         if self.pending is None:
             return
         step = self.pending
@@ -311,11 +311,12 @@ class MemorySnapshots:
         self.pending, self.committed = None, step
 
     def close(self, keep: bool) -> None:
-        """Stop serving; unless ``keep`` (a failure that a launcher may restart), remove this node's segments."""
+        """Stop serving; unless ``keep`` (a failure: a restart takes the snapshots), remove this node's segments;
+        a folder that holds no snapshot goes either way (a start refused before the first one)."""
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.link.close()
-        if not keep and self.is_writer:
+        if self.is_writer and (not keep or not self.store.listing()):
             self.store.remove()
         if self in _LIVE:
             _LIVE.remove(self)

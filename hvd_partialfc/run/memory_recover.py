@@ -155,6 +155,7 @@ def after_resume(snaps, comm, step: Optional[int]) -> None:
     if snaps.is_writer:
         if step is None:
             snaps.store.keep_only(None)
-        else:           # committed here too: it was committed on some node, so it landed everywhere
-            snaps.store.commit(step)
+        else:           # committed here too: it was committed on some node, so it landed everywhere; a newer
+            snaps.store.commit(step)        # one (landing when the run failed) is stale: the run goes on from here
+            snaps.store.keep_only(step)
     snaps.committed = step

@@ -14,11 +14,13 @@ another token belongs to another run, however its name or steps look. Not a coll
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import socket
 import threading
+import time
 from typing import Dict, List, Optional, Tuple
 
 from .. import atomic
@@ -79,6 +81,10 @@ def room_error(root: str, need: int, ranks: int) -> Optional[str]:
             f"{' and '.join(short)}; "
             f"lower the ranks per node, point {ENV_DIR} (or checkpoint.memory_dir) at a larger tmpfs, or set "
             "checkpoint.memory_every=0")
+
+
+def _mark(key: str) -> str:
+    return "node-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class NodeStore:
@@ -167,8 +173,23 @@ class NodeStore:
             if d != keep and os.path.isdir(full):
                 shutil.rmtree(full, ignore_errors=True)
 
+    def mark_node(self, key: str) -> None:
+        """Leave this node's mark in the folder (``other_nodes`` finds a folder that several nodes share)."""
+        atomic.write_text(os.path.join(self.path, _mark(key)), key + "\n")
+
+    def other_nodes(self, key: str, keys) -> Optional[str]:
+        """The other nodes of this job that marked this folder (a shared file system given as every node's
+        memory), in words, else None. Marks of nodes outside the job are another job's, and ignored."""
+        others = [k for k in sorted(keys) if k != key and os.path.exists(os.path.join(self.path, _mark(k)))]
+        return ", ".join(k.split("|")[0] for k in [key] + others) if others else None
+
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the folder; a copy that a buddy's late request was writing may come back once: twice."""
+        for _ in range(2):
+            shutil.rmtree(self.path, ignore_errors=True)
+            if not os.path.exists(self.path):
+                return
+            time.sleep(0.2)
 
     def sweep_stale(self) -> List[str]:
         """Remove this run folder's snapshot folders of other tokens (an earlier run in the same folder that

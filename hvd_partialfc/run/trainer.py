@@ -117,7 +117,7 @@ class Trainer:
                         else (False, False, True)
                     vote = None
                     if self.memory and not not_landed:   # every rank's snapshot copies landed: commit
-                        self.memory.voted(0)
+                        self.memory.all_landed()
                     if done % cfg.train.log_every == 0 or final:
                         last_log, last_t = self._log(done, out, samples_per_step, last_log, last_t, metrics, bar,
                                                      interval)

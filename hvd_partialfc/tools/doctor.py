@@ -158,17 +158,6 @@ def check_run_folder(out: str) -> List[Check]:
     return [Check(OK, f"run folder {out}: writable{where}")]
 
 
-def _folder_bytes(path: str) -> int:
-    total = 0
-    for dp, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dp, f))
-            except OSError:
-                pass
-    return total
-
-
 def check_memory_snapshots(configured: str) -> List[Check]:
     """The node's snapshot root (``memory_store.memory_root``: ``$HVD_PARTIALFC_MEMORY_DIR``, else
     ``checkpoint.memory_dir``), the two limits its start-up room check reads (the root's free space, a tmpfs
@@ -177,6 +166,7 @@ def check_memory_snapshots(configured: str) -> List[Check]:
     are a note too: a run that ended removed its own, so these are a running run's or a failed one's, and
     they hold the node's memory until removed by hand."""
     from ..run.memory_store import ENV_DIR, PREFIX, mem_available, memory_root
+    from ..run_files import folder_bytes
     from ..sizes import human
     root = memory_root(configured)
     fix = f"point {ENV_DIR} (or checkpoint.memory_dir) at a writable tmpfs, or leave checkpoint.memory_every=0"
@@ -207,7 +197,7 @@ def check_memory_snapshots(configured: str) -> List[Check]:
             whose = f"run {owner.get('run_dir')}, token {owner.get('token')}"
         except (OSError, ValueError, AttributeError):
             whose = "no readable owner.json"
-        left.append(f"{d} ({whose}, {human(_folder_bytes(full))})")
+        left.append(f"{d} ({whose}, {human(folder_bytes(full))})")
     if not left:
         return [Check(OK, what + "; no snapshot folders")]
     return [Check(NOTE, what + f"; {len(left)} snapshot folder(s): " + "; ".join(left) + ": a running run's, or "

@@ -8,7 +8,7 @@ a node, the torch engine under torchrun; the figures in docs/reliability.md "Mem
 For each node count N:
 
 * **recovery**: a classifier of ``--classes`` x ``--dim`` (1.2 GB with its momentum at the defaults) trained with
-  a disk checkpoint and a snapshot at step 10; the last node is SIGKILLed before step 13. The N - 1 others
+  a disk checkpoint and a snapshot at step 10; the last node is SIGKILLed before step 14. The N - 1 others
   restart twice from step 10: from memory (the lost node's slice from its buddy's copy), and from disk (a copy
   of the run folder, snapshots off, the page cache dropped first: the disk is read, not memory). Figures: the
   trainer's "restored in" (finding, gathering and loading the state) and the wall time from the launch to the
@@ -37,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(HERE))
 import twonode  # noqa: E402
+from hvd_partialfc.run_files import folder_bytes  # noqa: E402
 
 RANK_FILE = "memory snapshot (one rank's file)"      # estimate's host terms
 BASE = ["model.name=mlp", "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.resume=auto",
@@ -58,7 +59,7 @@ def shards(folder: str, classes: int, per_class: int, dim: int, num_shards: int)
 
 
 def launch(nodes, which: List[int], roots: Dict[int, str], shard_dir: str, run: str, steps: int, sets: List[str],
-           logs: str, fault: str = "", timeout: float = 900) -> Dict:
+           logs: str, fault: str = "", timeout: float = 900, env: Dict[str, str] = None) -> Dict:
     """One static torchrun job over ``which`` nodes (one rank each); exit codes, output, seconds."""
     port = 29700 + int(time.time()) % 200
     argv = ["-m", "hvd_partialfc.cli", "train", "--shards", shard_dir, "--out", run, "--steps", str(steps)]
@@ -66,15 +67,15 @@ def launch(nodes, which: List[int], roots: Dict[int, str], shard_dir: str, run: 
         argv += ["--set", s]
     procs, t0 = [], time.time()
     for i, node in enumerate(which):
-        env = dict(nodes.launch_env(node), PYTHONPATH=ROOT, HVD_PARTIALFC_MEMORY_DIR=roots[node])
-        env.pop("HVD_PARTIALFC_FAULT", None)
+        e = dict(nodes.launch_env(node), PYTHONPATH=ROOT, HVD_PARTIALFC_MEMORY_DIR=roots[node], **(env or {}))
+        e.pop("HVD_PARTIALFC_FAULT", None)
         if fault:
-            env["HVD_PARTIALFC_FAULT"] = fault
+            e["HVD_PARTIALFC_FAULT"] = fault
         cmd = nodes.torchrun_argv(node, argv, nproc=1, port=port, rdzv_id=f"mem-{port}",
                                   nnodes=str(len(which)))
         cmd = _host_first(cmd, nodes, which[0], node)
         log = open(os.path.join(logs, f"{os.path.basename(run)}-{int(t0)}-node{node}.log"), "w")
-        procs.append(nodes.popen(node, cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(nodes.popen(node, cmd, env=e, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=timeout) for p in procs]
     return {"codes": codes, "t0": t0, "seconds": time.time() - t0}
 
@@ -102,10 +103,6 @@ def said(logs: str, text: str) -> List[str]:
     return out
 
 
-def folder_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 def recovery(n: int, a, work: str) -> Dict:
     from hvd_partialfc.tools.estimate import estimate
     folder = os.path.join(work, f"recovery-{n}")
@@ -116,11 +113,14 @@ def recovery(n: int, a, work: str) -> Dict:
     sets = [f"model.embedding_dim={a.dim}", "model.kwargs={hidden_dim: 64}", "data.batch_size=32",
             "checkpoint.every=10", "checkpoint.memory_every=5"]
     with twonode.Nodes(n, suffix=twonode.owner_suffix(), prefix="hpfcm") as nodes:
-        roots = {node: os.path.join(folder, f"mem{node}") for node in nodes.node_ids}
+        roots = {node: os.path.join(a.shm, f"recovery-{n}-mem{node}") for node in nodes.node_ids}
         for r in roots.values():
             os.makedirs(r)
         run = os.path.join(folder, "run")
-        crash = launch(nodes, nodes.node_ids, roots, data, run, 40, sets, logs, fault=f"kill@14:{n - 1}")
+        # the ranks pause after step 12 while snapshot 10 lands (on 2 busy cores its thread, at nice 19, gets
+        # little CPU: without the pause it had not landed 4 steps later), then the last node goes
+        crash = launch(nodes, nodes.node_ids, roots, data, run, 40, sets, logs, fault=f"stall@12,kill@13:{n - 1}",
+                       env={"HVD_PARTIALFC_STALL_SECONDS": "20"})
         ckpt_bytes = folder_bytes(os.path.join(run, "checkpoints", "step-00000010"))
         per_node = {node: folder_bytes(roots[node]) for node in nodes.node_ids}
         files = {}
@@ -133,14 +133,16 @@ def recovery(n: int, a, work: str) -> Dict:
         os.makedirs(roots[n])
         disk_run = os.path.join(folder, "disk-run")
         shutil.copytree(run, disk_run)
+        subprocess.run(["sync"])                     # the copy's writes are not the restart's to wait for
         up = nodes.node_ids[:-1]
-        mem = launch(nodes, up, roots, data, run, 40, sets, logs)
+        stop = "raise@11"           # each restart ends after its first step: the figure is taken
+        mem = launch(nodes, up, roots, data, run, 40, sets, logs, fault=stop)
         t_mem = first_record_after(run, mem["t0"], 10)
         subprocess.run(["sync"])
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        disk = launch(nodes, up, {k: os.path.join(folder, "nomem") for k in roots}, data, disk_run, 40,
-                      sets[:-1] + ["checkpoint.memory_every=0"], logs)
+        disk = launch(nodes, up, {k: os.path.join(a.shm, "unused") for k in roots}, data, disk_run, 40,
+                      sets[:-1] + ["checkpoint.memory_every=0"], logs, fault=stop)
         t_disk = first_record_after(disk_run, disk["t0"], 10)
     restored = said(logs, "restored in")
     mem_line = [x for x in restored if "memory snapshot" in x][0]
@@ -173,7 +175,7 @@ def overhead(n: int, a, work: str) -> Dict:
     ks = [k, 5 * k]
     times: Dict[str, List[float]] = {"off": [], **{str(x): [] for x in ks}}
     with twonode.Nodes(n, suffix=twonode.owner_suffix(), prefix="hpfco") as nodes:
-        roots = {node: os.path.join(folder, f"mem{node}") for node in nodes.node_ids}
+        roots = {node: os.path.join(a.shm, f"overhead-{n}-mem{node}") for node in nodes.node_ids}
         for r in roots.values():
             os.makedirs(r, exist_ok=True)
         for rep in range(a.repeats):
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
         print(f"memory_recovery: cannot run: {reason}", file=sys.stderr)
         return 2
     work = a.work or tempfile.mkdtemp(prefix="hpfc-memory-", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    a.shm = tempfile.mkdtemp(prefix="hpfc-memory-", dir="/dev/shm")     # the nodes' memory: a tmpfs, not the disk
     report = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "recovery": [], "overhead": []}
     try:
         for n in a.nodes:
@@ -247,6 +250,7 @@ def main(argv=None) -> int:
             if a.only != "recovery":
                 report["overhead"].append(overhead(n, a, work))
     finally:
+        shutil.rmtree(a.shm, ignore_errors=True)
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
     print(table(report))

@@ -1,0 +1,70 @@
+"""The pure parts of memory snapshots (run/memory*.py): who is whose buddy, which snapshot a recovery may take,
+which old files a new rank reads, a folder two nodes share. The runs themselves: test_memory_snapshots.py."""
+import json
+
+from hvd_partialfc.run.memory import Plan
+from hvd_partialfc.run.memory_recover import choose, needed_files
+from hvd_partialfc.run.memory_store import NodeStore, room_error
+from hvd_partialfc.run_files import classifier_file
+
+
+def test_every_buddy_is_on_another_node_and_every_node_holds_its_own_and_a_neighbours_files():
+    keys = ["a", "a", "b", "b", "c", "c", "c"]          # nodes of 2, 2 and 3 ranks
+    plan = Plan(keys)
+    assert plan.nodes == [[0, 1], [2, 3], [4, 5, 6]] and [plan.writer(r) for r in range(7)] == [0, 0, 2, 2, 4, 4, 4]
+    for r in range(7):
+        assert keys[plan.buddy(r)] != keys[r]
+    assert [plan.buddy(r) for r in range(7)] == [2, 3, 4, 5, 0, 1, 0]
+    assert plan.hosted(0) == [0, 1, 4, 5, 6] and plan.hosted(1) == [0, 1, 2, 3] and plan.hosted(2) == [2, 3, 4, 5, 6]
+    assert Plan(["a", "a", "a"]).buddy(1) is None           # one node: a copy would die with it
+
+
+def _listing(step, committed, files, world=3):
+    meta = {"world_size": world, "slices": [[0, 8], [8, 16], [16, 24]][:world], "replicated": False}
+    return {step: (committed, files, meta if "meta.json" in files else None)}
+
+
+def _files(*ranks, world=3, extra=("backbone.pt", "meta.json")):
+    return [classifier_file(r, world) for r in ranks] + list(extra)
+
+
+def test_recovery_takes_the_newest_committed_step_that_every_slice_survives():
+    # rank r's copies: its node and the next; node b lost: rank 1's own copy gone, its buddy's on c survives
+    a = {**_listing(20, True, _files(0, 2)), **_listing(24, False, _files(0, 2))}
+    c = {**_listing(20, True, _files(1, 2)), **_listing(24, False, _files(2))}
+    everyone = [("a", "", 0, a), ("c", "", 0, c)]
+    assert choose(everyone, disk_step=15) == (20, None)          # 24 never committed: half-sent, never used
+    assert choose(everyone, disk_step=22) == (None, None)        # the disk is newer
+    # nodes b and c lost: rank 1's slice is nowhere
+    step, line = choose([("a", "", 0, a)], disk_step=15)
+    assert step is None and line.startswith("memory snapshot of step 20 cannot be restored: rank 1's slice")
+    # committed on one node only (its rename came first): the landing copy elsewhere is complete too
+    c_partial = {**_listing(20, False, _files(1, 2))}
+    assert choose([("a", "", 0, a), ("c", "", 0, c_partial)], disk_step=0) == (20, None)
+
+
+def test_a_new_rank_reads_only_the_old_files_its_slice_overlaps():
+    meta = {"world_size": 3, "slices": [[0, 8], [8, 16], [16, 24]]}
+    assert needed_files(meta, 1, [(0, 8), (8, 16), (16, 24)], False) == [classifier_file(1, 3)]
+    assert needed_files(meta, 0, [(0, 12), (12, 24)], False) == [classifier_file(0, 3), classifier_file(1, 3)]
+    assert needed_files(meta, 1, [(0, 12), (12, 24)], False) == [classifier_file(1, 3), classifier_file(2, 3)]
+    assert needed_files(meta, 3, [(0, 6), (6, 12), (12, 18), (18, 24)], True) == [classifier_file(0, 3)]
+
+
+def test_a_folder_that_two_nodes_share_is_found(tmp_path):
+    store = NodeStore(str(tmp_path), "tok", str(tmp_path / "run"))
+    store.open()
+    store.mark_node("node1|boot|/dev/shm")
+    assert store.other_nodes("node1|boot|/dev/shm", {"node1|boot|/dev/shm", "node2|boot|/dev/shm"}) is None
+    store.mark_node("node2|boot|/dev/shm")
+    assert store.other_nodes("node1|boot|/dev/shm", {"node1|boot|/dev/shm", "node2|boot|/dev/shm"}) == "node1, node2"
+    # a mark of a node outside this job (another job's) is not this job's sharing
+    assert store.other_nodes("node1|boot|/dev/shm", {"node1|boot|/dev/shm", "node3|boot|/dev/shm"}) is None
+    assert json.loads((tmp_path / "hvd_partialfc-tok" / "owner.json").read_text())["token"] == "tok"
+
+
+def test_the_room_check_names_the_limit_that_is_short(tmp_path):
+    assert room_error(str(tmp_path), 1, 1) is None
+    line = room_error(str(tmp_path), 1 << 62, 2)
+    assert line.startswith("checkpoint.memory_every: this node's snapshots need 4096.0 PB (the classifier slices of "
+                           "its 2 rank(s)") and f"{tmp_path} has" in line and "memory available" in line
