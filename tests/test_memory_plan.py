@@ -38,6 +38,10 @@ def test_recovery_takes_the_newest_committed_step_that_every_slice_survives():
     # nodes b and c lost: rank 1's slice is nowhere
     step, line = choose([("a", "", 0, a)], disk_step=15)
     assert step is None and line.startswith("memory snapshot of step 20 cannot be restored: rank 1's slice")
+    # a newer committed step with a hole, an older one whole: the older one, and the line names the newer
+    a24 = {**a, **_listing(24, True, _files(0, 2))}
+    step, line = choose([("a", "", 0, a24), ("c", "", 0, c)], disk_step=15)
+    assert step == 20 and line.startswith("memory snapshot of step 24 cannot be restored: rank 1's slice")
     # committed on one node only (its rename came first): the landing copy elsewhere is complete too
     c_partial = {**_listing(20, False, _files(1, 2))}
     assert choose([("a", "", 0, a), ("c", "", 0, c_partial)], disk_step=0) == (20, None)

@@ -21,7 +21,8 @@ import sys
 import pytest
 
 import pins
-from conftest import ROOT, SMALL_RUN, TORCHRUN, free_port, launch_env, simulate_here
+from conftest import (ROOT, SMALL_RUN, TORCHRUN, free_port, launch_env, require_horovod, run_hvd,
+                      simulate_here, small_run_argv)
 
 pytestmark = pytest.mark.multirank
 
@@ -204,3 +205,23 @@ def test_snapshots_that_do_not_fit_are_refused_at_start_up(tmp_path, small_run_s
                         + r" has [0-9.]+ KB free; .*checkpoint.memory_every=0", line), p.stderr
     assert left == []                                           # nothing left behind in the small tmpfs
     assert not (tmp_path / "run" / "metrics.jsonl").exists()      # not one step trained
+
+
+def test_under_horovodrun_a_crashed_rank_resumes_from_its_nodes_memory(tmp_path, small_run_shards):
+    """The same snapshots under Horovod (horovodrun -np 2, Gloo, one host: one node, no buddies): rank 1 SIGKILLed
+    after step 13, the job started again resumes from the node's own snapshot of step 12, newer than the disk
+    checkpoint of step 10, and its snapshots go when it ends."""
+    require_horovod()
+    root = tmp_path / "shm"
+    root.mkdir()
+    argv = small_run_argv(small_run_shards, tmp_path / "run", 20, ["checkpoint.every=10", "checkpoint.memory_every=4"])
+    env = {"HVD_PARTIALFC_MEMORY_DIR": str(root), "HVD_PARTIALFC_FAULT": "stall@12,kill@13:1",
+           "HVD_PARTIALFC_STALL_SECONDS": "1"}
+    p = run_hvd(2, argv, env=env, check=False)
+    assert p.returncode != 0 and "injected kill before step 14" in p.stdout + p.stderr, p.stderr[-3000:]
+    assert snapshots_left([root]), "the failure keeps the snapshots"
+    env.pop("HVD_PARTIALFC_FAULT")
+    p = run_hvd(2, argv, env=env)
+    out = p.stdout + p.stderr
+    assert "memory: resuming from the snapshot of step 12 in node memory (disk checkpoint: step 10;" in out, out[-3000:]
+    assert snapshots_left([root]) == []

@@ -90,7 +90,8 @@ def recover(snaps, comm, disk_path: Optional[str], slices: List[Tuple[int, int]]
                                      name="memory.recover")
     step, missed = choose(everyone, disk_step)
     if missed and comm.is_main:
-        log(f"{missed}; resuming from " + (f"the disk checkpoint {disk_path} (step {disk_step})" if disk_path
+        log(f"{missed}; resuming from " + (f"the older memory snapshot of step {step}" if step is not None else
+                                           f"the disk checkpoint {disk_path} (step {disk_step})" if disk_path
                                            else "step 0 (no disk checkpoint)"))
     if step is None:
         return disk_path, None
