@@ -122,3 +122,23 @@ def test_memory_snapshot_root_names_the_folders_runs_left(capsys, tmp_path, monk
     monkeypatch.setenv("HVD_PARTIALFC_MEMORY_DIR", str(tmp_path / "missing"))
     rc, out = _doctor(capsys, "--engine", "torch", "--out", tmp_path / "run")
     assert rc == 0 and "would be refused" in _line(out, f"note  memory snapshots: {tmp_path / 'missing'}"), out
+
+
+def test_snapshots_that_would_not_fit_fail_as_training_would(capsys, tmp_path, monkeypatch):
+    """With checkpoint.memory_every: the node's snapshots (the estimator's host terms) against the root's room:
+    an ok line with the figure where they fit, a FAIL naming the shortfall where the start-up check would refuse."""
+    from hvd_partialfc.sizes import human
+    from hvd_partialfc.tools.estimate import estimate
+    monkeypatch.setenv("HVD_PARTIALFC_MEMORY_DIR", str(tmp_path))
+    monkeypatch.setenv("HVD_PARTIALFC_RANKS_PER_NODE", "1")
+    args = ["--engine", "torch", "--out", tmp_path / "run", "--shards", FEATURES, "--np", 2, *SMALL,
+            "--set", "checkpoint.memory_every=10"]
+    rc, out = _doctor(capsys, *args)
+    need = estimate(40, 2, 16, 128, "mlp", "local", in_shape=[16], memory_every=10,
+                    ranks_per_node=1)["host_bytes"]["memory snapshots per node (host RAM)"]
+    assert rc == 0 and f"{human(need)} a node of 1 rank(s)" in _line(out, "ok    memory snapshots every 10 steps"), out
+    from hvd_partialfc.run import memory_store          # a node with 1,000 bytes of memory available
+    monkeypatch.setattr(memory_store, "mem_available", lambda: 1000)
+    rc, out = _doctor(capsys, *args)
+    line = _line(out, "FAIL  checkpoint.memory_every")
+    assert rc == 1 and f"snapshots need {human(need)}" in line and "the node has 1000 B of memory available" in line

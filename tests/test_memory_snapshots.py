@@ -139,7 +139,8 @@ def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_pa
     assert snapshots_left(roots) == []
     from hvd_partialfc.config import load_config
     cfg = load_config(None, [*SMALL_RUN, *SETS, f"data.shards={small_run_shards}", f"out={tmp_path / 'disk'}",
-                             f"train.steps={STEPS}", f"checkpoint.resume={crashed / 'ref' / 'checkpoints' / 'step-00000020'}"])
+                             f"train.steps={STEPS}",
+                             f"checkpoint.resume={crashed / 'ref' / 'checkpoints' / 'step-00000020'}"])
     simulate_here(cfg, 2)
     final = json.load(open(tmp_path / "run" / "checkpoints" / "step-00000035" / "meta.json"))
     assert final["world_size"] == 2

@@ -158,7 +158,8 @@ class Link:
         return answer, conn
 
     def put(self, peer: Tuple[str, int], step: int, name: str, path: str) -> None:
-        """File ``path`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written there."""
+        """File ``path`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written
+        there."""
         _, conn = self._request(peer, {"op": "put", "step": step, "name": name, "size": os.path.getsize(path)}, path)
         conn.close()
 

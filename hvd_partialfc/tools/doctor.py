@@ -6,10 +6,10 @@
 Lines: torch and its CUDA GPUs; Horovod (built? with PyTorch, its controllers Gloo / MPI, its GPU operations
 NCCL); torch.distributed's backends; ``mpirun``; the demo's CJK fonts; a writable run folder; this node's
 memory-snapshot root (``checkpoint.memory_every``: writable?, its free space, the memory available, and the
-snapshot folders that runs left there: a crash keeps them, and nothing but a hand removes them); with
-``--shards``, the set's manifest, and with ``--np N`` whether N ranks fit its shards under the layout rules
-(``data.layout.RankLayout``, ``partition.block_bounds``) and the memory per rank (``tools/estimate.py``'s
-figure for the config's backbone, head and batch).
+snapshot folders that runs left there: a failure keeps them for its restart); with ``--shards``, the set's
+manifest, and with ``--np N`` whether N ranks fit its shards under the layout rules (``data.layout.RankLayout``,
+``partition.block_bounds``), the memory per rank (``tools/estimate.py``'s figure for the config's backbone, head
+and batch) and, with ``checkpoint.memory_every``, whether the node's snapshots fit.
 
 Exit status: 1 when a requirement of the engine in use is missing (``--engine``, else the config's
 ``train.engine``; ``auto`` resolves as training does, ``engine/select.py``: Horovod when it is installed,
@@ -226,7 +226,7 @@ def check_shards(shards: str, world_size: Optional[int], cfg) -> List[Check]:
            else "blocks balanced by samples (N does not divide the shard count)")
     checks.append(Check(OK, f"{world_size} ranks: {per_rank} shard(s) a rank, {how}; "
                             f"{min(layout.widths):,}-{max(layout.widths):,} classes a rank"))
-    return checks + [_memory(m, world_size, cfg)]
+    return checks + [_memory(m, world_size, cfg)] + _snapshot_room(m, world_size, cfg)
 
 
 def _memory(manifest, world_size: int, cfg) -> Check:
@@ -249,6 +249,37 @@ def _memory(manifest, world_size: int, cfg) -> Check:
     return Check(OK, f"memory per rank (estimate, {cfg.model.name} D={cfg.model.embedding_dim}, batch "
                      f"{cfg.data.batch_size}, {e['mode']}): {human(e['memory_total'])}, classifier {human(classifier)} "
                      f"(docs/scaling.md)")
+
+
+def _snapshot_room(manifest, world_size: int, cfg) -> List[Check]:
+    """With ``checkpoint.memory_every`` > 0: this node's snapshots (the estimator's host terms, a node of
+    ``$HVD_PARTIALFC_RANKS_PER_NODE`` ranks, else of the GPUs it shows, else of all N) against the room the
+    start-up check reads (``memory_store.room_error``): a FAIL where training would refuse to start."""
+    every = cfg.checkpoint.memory_every
+    if every <= 0:
+        return []
+    import torch
+    from ..run.memory_store import memory_root, room_error
+    from ..sizes import human
+    from .estimate import estimate
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    per_node = int(os.environ.get("HVD_PARTIALFC_RANKS_PER_NODE") or 0) or min(world_size, gpus or world_size)
+    o = cfg.optim
+    optimizer = "adamw" if o.name == "adamw" else ("sgd" if o.classifier_momentum else "sgd-nomomentum")
+    try:
+        e = estimate(manifest.num_classes, world_size, cfg.model.embedding_dim, cfg.data.batch_size, cfg.model.name,
+                     cfg.head.mode, optimizer=optimizer, in_shape=manifest.sample_shape,
+                     backbone_kwargs=cfg.model.kwargs, memory_every=every, ranks_per_node=per_node)
+    except (ValueError, KeyError):
+        return []                       # _memory's line says why
+    need = e["host_bytes"]["memory snapshots per node (host RAM)"]
+    root = memory_root(cfg.checkpoint.memory_dir)
+    short = room_error(root, need, per_node)
+    if short:
+        return [Check(FAIL, short, "the start-up check refuses the same; $HVD_PARTIALFC_RANKS_PER_NODE sets the "
+                      "ranks a node if the guess is wrong")]
+    return [Check(OK, f"memory snapshots every {every} steps: {human(need)} a node of {per_node} rank(s) "
+                      f"(estimate: two snapshots, the buddies' copies, the backbone) fit {root}")]
 
 
 def _config(args):

@@ -91,10 +91,10 @@ def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_by
     ``snapshot_bytes`` of the same tensors.
 
     The classifier is float32 whatever ``--dtype`` or ``train.precision`` (the head's weight is a float32
-    parameter under every precision: autocast casts only for the products), so 4 bytes a value. A node hosts its own ranks' files and
-    the files of the previous node's ranks, whose buddies it holds (``memory.Plan``: a rank's buddy is on
-    the next node); with the ranks placed ``ranks_per_node`` a node in order, the busiest node's count is
-    the figure. One node has no buddies (``Plan.buddy`` is None): its own files only, and no traffic. The
+    parameter under every precision: autocast casts only for the products), so 4 bytes a value. A node hosts its
+    own ranks' files and the files of the previous node's ranks, whose buddies it holds (``memory.Plan``: a
+    rank's buddy is on the next node); with the ranks placed ``ranks_per_node`` a node in order, the busiest
+    node's count is the figure. One node has no buddies (``Plan.buddy`` is None): its own files only, and no traffic. The
     RNG streams and counters (a few KB) and torch.save's framing are left out."""
     if ranks_per_node < 1:
         raise ValueError(f"ranks per node must be at least 1, not {ranks_per_node}")
