@@ -1,7 +1,15 @@
 """The pure parts of memory snapshots (run/memory*.py): who is whose buddy, which snapshot a recovery may take,
-which old files a new rank reads, a folder two nodes share. The runs themselves: test_memory_snapshots.py."""
+which old files a new rank reads, a folder two nodes share; and a start refused when they do not fit (one
+process). The multi-rank runs: test_memory_snapshots.py."""
 import json
+import os
+import re
+import subprocess
+import sys
 
+import pytest
+
+from conftest import ROOT, SMALL_RUN, launch_env
 from hvd_partialfc.run.memory import Plan
 from hvd_partialfc.run.memory_recover import choose, needed_files
 from hvd_partialfc.run.memory_store import NodeStore, room_error
@@ -72,3 +80,28 @@ def test_the_room_check_names_the_limit_that_is_short(tmp_path):
     line = room_error(str(tmp_path), 1 << 62, 2)
     assert line.startswith("checkpoint.memory_every: this node's snapshots need 4096.0 PB (the classifier slices of "
                            "its 2 rank(s)") and f"{tmp_path} has" in line and "memory available" in line
+
+
+def test_snapshots_that_do_not_fit_are_refused_at_start_up(tmp_path, small_run_shards):
+    """A node whose snapshot folder is smaller than two snapshots: one line with the figures, exit 2, before
+    the first step."""
+    small = tmp_path / "shm"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        env = dict(launch_env(), HVD_PARTIALFC_MEMORY_DIR=str(small))
+        p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", str(small_run_shards),
+                            "--out", str(tmp_path / "run"), "--steps", "4", *sum((["--set", s] for s in SMALL_RUN
+                            + ["checkpoint.memory_every=2", "model.kwargs={hidden_dim: 512}"]), [])],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        left = [d for d in os.listdir(small) if d.startswith("hvd_partialfc-")]
+    finally:
+        subprocess.run(["umount", str(small)])
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[rank 0\] error: checkpoint.memory_every: this node's snapshots need [0-9.]+ MB \(the "
+                        r"classifier slices of its 1 rank\(s\) .*, but " + re.escape(str(small))
+                        + r" has [0-9.]+ KB free; .*checkpoint.memory_every=0", line), p.stderr
+    assert left == []                                           # nothing left behind in the small tmpfs
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()      # not one step trained
