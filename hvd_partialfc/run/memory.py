@@ -219,7 +219,7 @@ class MemorySnapshots:
                     for k, b in backbone.named_buffers():
                         b.copy_(own[k])
         mine = cpu_copy(state.rank_file("", own))
-        meta = meta_of([""] * self.comm.size) if self.is_writer else None
+        meta = meta_of([SNAPSHOT_DIGEST] * self.comm.size) if self.is_writer else None
         self._landed.clear()
         self._error, self.pending = None, step
         self._thread = threading.Thread(target=self._land, args=(step, mine, bb, meta), daemon=True,
@@ -234,7 +234,6 @@ class MemorySnapshots:
             if faults.active("kill-in-memory", step, self.comm.rank):   # the rank's own copy only
                 faults.kill_self(f"kill-in-memory at step {step}", self.comm.rank)
             if bb is not None:
-                meta["digests"] = [SNAPSHOT_DIGEST] * self.comm.size
                 self.store.write(step, "backbone.pt", lambda f: torch.save(bb, f))
                 self.store.write(step, "meta.json", json.dumps(meta, indent=1).encode())
             if self.buddy is not None:

@@ -141,9 +141,7 @@ def _place(snaps, everyone, step: int, name: str, view: str, prefer: Optional[in
                 snaps.link.get((everyone[r][1], everyone[r][2]), step, name, f)
             fetched.append(name)
             return
-        except OSError as e:      # LinkError is a RuntimeError: the next holder too
-            last = e
-        except RuntimeError as e:
+        except (OSError, RuntimeError) as e:      # a LinkError (a RuntimeError) too: the next holder
             last = e
     raise RuntimeError(f"{name} of step {step}: no holder answered ({last})")
 

@@ -114,15 +114,8 @@ class NodeStore:
         except FileExistsError:
             pass
         path = os.path.join(folder, name)
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(fill) if isinstance(fill, bytes) else fill(f)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        with atomic.atomic_path(path) as tmp, open(tmp, "wb") as f:     # its temporary holds ".tmp-": unlisted
+            f.write(fill) if isinstance(fill, bytes) else fill(f)
         return path
 
     def find(self, step: int, name: str) -> Optional[str]:

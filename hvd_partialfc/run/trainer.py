@@ -146,8 +146,9 @@ class Trainer:
                                   f"resume with --resume auto")
                         break
                     if self.memory and not final and self.memory.due(done):
-                        self.memory.snapshot(done, self.parts.training_state(self.layout, comm.rank),
-                                             scheduled or evaluate, self._snapshot_meta(done))
+                        state = self.parts.training_state(self.layout, comm.rank)
+                        self.memory.snapshot(done, state, scheduled or evaluate, lambda digests: self.checkpointer.meta(
+                            done, state, self.step.length, digests, True))
                     if not final:  # after the save, so a time-based checkpoint is not due twice in a row
                         due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
                         vote = comm.vote_async([signals.received is not None, due,
@@ -157,11 +158,6 @@ class Trainer:
             if metrics:
                 metrics.close()
         return ckpt_dir
-
-    def _snapshot_meta(self, step: int):
-        """meta.json of the memory snapshot of ``step`` (a checkpoint's), given its backbone digests."""
-        state = self.parts.training_state(self.layout, self.comm.rank)
-        return lambda digests: self.checkpointer.meta(step, state, self.step.length, digests, True)
 
     def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
              metrics, bar, interval: Dict[str, float]) -> Tuple[int, float]:

@@ -229,14 +229,19 @@ def check_shards(shards: str, world_size: Optional[int], cfg) -> List[Check]:
     return checks + [_memory(m, world_size, cfg)] + _snapshot_room(m, world_size, cfg)
 
 
+def _optimizer(cfg) -> str:
+    """The estimator's name for the config's optimizer (its state slots a parameter)."""
+    o = cfg.optim
+    return "adamw" if o.name == "adamw" else ("sgd" if o.classifier_momentum else "sgd-nomomentum")
+
+
 def _memory(manifest, world_size: int, cfg) -> Check:
     """The estimator's memory per rank for the config's backbone, head and batch on these shards (a backbone
     that does not take their samples, or an unknown mode, is a FAIL: training would stop on it too)."""
     from ..classifier.modes import get_mode
     from ..sizes import human
     from .estimate import estimate
-    h, o = cfg.head, cfg.optim
-    optimizer = "adamw" if o.name == "adamw" else ("sgd" if o.classifier_momentum else "sgd-nomomentum")
+    h, optimizer = cfg.head, _optimizer(cfg)
     try:
         negatives = h.negatives_every if get_mode(h.mode).negatives else 0
         e = estimate(manifest.num_classes, world_size, cfg.model.embedding_dim, cfg.data.batch_size,
@@ -264,11 +269,9 @@ def _snapshot_room(manifest, world_size: int, cfg) -> List[Check]:
     from .estimate import estimate
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     per_node = int(os.environ.get("HVD_PARTIALFC_RANKS_PER_NODE") or 0) or min(world_size, gpus or world_size)
-    o = cfg.optim
-    optimizer = "adamw" if o.name == "adamw" else ("sgd" if o.classifier_momentum else "sgd-nomomentum")
     try:
         e = estimate(manifest.num_classes, world_size, cfg.model.embedding_dim, cfg.data.batch_size, cfg.model.name,
-                     cfg.head.mode, optimizer=optimizer, in_shape=manifest.sample_shape,
+                     cfg.head.mode, optimizer=_optimizer(cfg), in_shape=manifest.sample_shape,
                      backbone_kwargs=cfg.model.kwargs, memory_every=every, ranks_per_node=per_node)
     except (ValueError, KeyError):
         return []                       # _memory's line says why
