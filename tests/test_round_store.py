@@ -63,6 +63,16 @@ def test_an_incomplete_earlier_round_of_the_same_size_is_never_taken(store):
     assert set(got.values()) == {BASE + "2/pg/"}
 
 
+def test_a_round_whose_rank_0_died_before_sizing_it_is_left_at_once(store):
+    """Round 1 was opened (the counter added) by a rank 0 that died before it recorded the round's size: the
+    next round's ranks, started before their rank 0, move on to round 2 as soon as it is opened, instead of
+    waiting for round 1's size until their timeout (20 s here)."""
+    store().add(BASE + "counter", 1)
+    t0 = time.monotonic()
+    got = _round(store, 3, rank0_delay=0.5)
+    assert set(got.values()) == {BASE + "2/pg/"} and time.monotonic() - t0 < 10
+
+
 def test_a_complete_earlier_round_of_the_same_size_is_never_taken(store):
     """Round 1 completed (its go written) and its processes stopped: the new round's ranks, before their rank
     0, find their slots held and wait for round 2."""

@@ -17,7 +17,9 @@ How (``agreed_prefix``): a counter in the store numbers the rounds, and rank 0 a
 * Rank r reads the counter (c) and claims slot r of round c (``compare_set``: only if nobody holds it), then
   waits for round c's ``go``. It takes round c only if ``go`` lists *its own* nonce. A round it reads too early
   is the previous one: of another world size (skipped), complete (its slot is already held: skipped), or
-  incomplete, its rank 0 gone (no ``go`` ever comes: rank r moves on as soon as the counter passes c).
+  incomplete, its rank 0 gone (no ``go`` ever comes: rank r moves on as soon as the counter passes c). A
+  round whose rank 0 died between opening it and recording its size is left the same way, as soon as the
+  counter passes it (before, rank r waited for that size until the collective timeout).
 
 Safe by construction on one condition, which torchrun's agents keep: a round's processes are all stopped
 before the next round's start (an agent stops its workers before it joins the next round). A rank can then
@@ -70,7 +72,11 @@ def agreed_prefix(store, rank: int, size: int, timeout_s: float, poll_s: float =
         _wait(lambda: int(store.add(counter, 0)) > rejected, deadline, poll_s,
               lambda: f"rank {rank} waited for rank 0 to open a round (the last seen: {rejected})")
         c = int(store.add(counter, 0))
-        _wait(lambda: store.check([key(c, "world")]), deadline, poll_s, lambda: f"round {c} has no world size")
+        _wait(lambda: store.check([key(c, "world")]) or int(store.add(counter, 0)) > c, deadline, poll_s,
+              lambda: f"round {c} has no world size")
+        if not store.check([key(c, "world")]):      # its rank 0 died between opening and sizing it: the next
+            rejected = c
+            continue
         if int(store.get(key(c, "world"))) == size and \
                 store.compare_set(key(c, f"claim/{rank}"), "", nonce).decode() == nonce:
             _wait(lambda: store.check([key(c, "go")]) or int(store.add(counter, 0)) > c, deadline, poll_s,
