@@ -164,3 +164,6 @@ def test_plan_continues_the_segment_at_the_same_size_and_refuses_an_inconsistent
     lines = []
     other = plan(cfg, 4, 15, 20, rec, log=lines.append)
     assert other.total_steps == 20 + 15 and "2 -> 4 ranks at step 20" in lines[0]
+    per_rank = cfg.data.batch_size * cfg.optim.backward_passes_per_step
+    assert lines[0].endswith(f"train.steps=50 counts steps of its first world size (2 ranks x {per_rank} samples: "
+                             f"{2 * per_rank} a step)"), lines[0]

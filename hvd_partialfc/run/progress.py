@@ -165,8 +165,10 @@ def plan(cfg, world_size: int, steps_per_epoch: int, start_step: int = 0,
         was = length.current
         length.segments.append(Segment(start_step, samples, world_size, g))
         done = 100.0 * samples / length.budget
+        first = segments[0]
         steps_rule = f"; train.steps={cfg.train.steps} counts steps of its first world size " \
-                     f"({segments[0].world_size} ranks x {segments[0].global_batch} samples)" if cfg.train.steps else ""
+                     f"({first.world_size} ranks x {first.global_batch // first.world_size} samples: " \
+                     f"{first.global_batch} a step)" if cfg.train.steps else ""
         log(f"resume: {was.world_size} -> {world_size} ranks at step {start_step}, {done:.1f}% of the run's "
             f"{length.budget:,} samples: {length.total_steps - start_step} steps of {g} samples left, the lr "
             f"schedule goes on from there{steps_rule}")
