@@ -48,15 +48,16 @@ def _fsync_file(path: str) -> None:
 _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 
 
-def _create_temporary(folder: str, name: str) -> str:
+def _create_temporary(folder: str, name: str, mode: int = 0o666) -> str:
     """Create an empty file ``.NAME.tmp-PID-RANDOM`` in ``folder`` that no other file or link was at
     (``O_EXCL``), with the mode a plain ``open`` would give (0666 less the umask; ``mkstemp``'s 0600 would
-    make checkpoints unreadable to the group that shares the run folder). The ``.NAME.tmp-`` prefix is what
+    make checkpoints unreadable to the group that shares the run folder), or ``mode`` (less the umask: 0600
+    for what only its owner may read, a memory snapshot, the run's token). The ``.NAME.tmp-`` prefix is what
     a killed build's clean-up looks for (data_tools/stream_restart.py)."""
     for _ in range(100):
         tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
         try:
-            os.close(os.open(tmp, _EXCLUSIVE, 0o666))
+            os.close(os.open(tmp, _EXCLUSIVE, mode))
             return tmp
         except FileExistsError:
             continue
@@ -64,13 +65,13 @@ def _create_temporary(folder: str, name: str) -> str:
 
 
 @contextmanager
-def atomic_path(path: str) -> Iterator[str]:
+def atomic_path(path: str, mode: int = 0o666) -> Iterator[str]:
     """Yield the path of a new empty temporary file beside ``path`` (created exclusively, see the module
     docstring); write it (any library: h5py, torch, json); on a normal exit it is fsynced and renamed onto
     ``path``. On an exception the temporary file is removed and ``path`` is left as it was."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = _create_temporary(folder, os.path.basename(path))
+    tmp = _create_temporary(folder, os.path.basename(path), mode)
     try:
         yield tmp
         _fsync_file(tmp)
@@ -84,13 +85,13 @@ def atomic_path(path: str) -> Iterator[str]:
     fsync_dir(folder)
 
 
-def write_bytes(path: str, data: bytes) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+def write_bytes(path: str, data: bytes, mode: int = 0o666) -> None:
+    with atomic_path(path, mode) as tmp, open(tmp, "wb") as f:
         f.write(data)
 
 
-def write_text(path: str, text: str) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+def write_text(path: str, text: str, mode: int = 0o666) -> None:
+    with atomic_path(path, mode) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
 
 

@@ -74,21 +74,25 @@ def _train(args) -> int:
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         return report("hvd-partialfc train", e, debug_requested(args))
     from .run.memory import close_snapshots
+    from .run.run_lock import release
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
-    error, code = None, None
+    error, ended = None, False
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
+        ended = True
     except Exception as e:
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
         # The non-zero exit makes the launcher stop the others.
         error = e
-        code = rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
-        return code
-    finally:   # memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and
-        close_snapshots(keep=code is not None)   # stay after a failure: a restart (or --resume auto) takes them
-        # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
-        if heartbeat:   # its neighbour ends now, naming it, instead of waiting for it in a collective
+        return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
+    finally:
+        # Memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and stay
+        # after anything else (an error, Ctrl-C, SystemExit): a restart (or --resume auto) takes them.
+        close_snapshots(keep=not ended)
+        release()                  # the run folder's lock (run/run_lock.py)
+        # A goodbye after a normal end or an agreed error; none after this rank's own error, so that its
+        if heartbeat:   # neighbour ends now, naming it, instead of waiting for it in a collective
             heartbeat.end(error)
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED

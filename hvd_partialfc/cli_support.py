@@ -104,7 +104,8 @@ def run_command(prog: str, args: argparse.Namespace, fn: Callable[[argparse.Name
 
 # The agreement points a run passes before its first step: an agreed failure there is a user's mistake
 # (bad shards, config, checkpoint or pair set on some rank), while a later one is the run's own failure.
-BEFORE_TRAINING = ("setup", "memory.token", "memory.start", "memory.shared", "init_backbone", "resume.find", "resume", "ckpt.prepare")
+BEFORE_TRAINING = ("run.lock", "setup", "memory.token", "memory.start", "memory.shared", "memory.segments",
+                   "init_backbone", "resume.find", "resume", "ckpt.prepare")
 
 
 def rank_error(err: BaseException, rank: int, size: int, args: argparse.Namespace, reporter: bool) -> int:

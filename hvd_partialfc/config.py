@@ -175,6 +175,9 @@ class CheckpointConfig:
                             see="docs/reliability.md#memory-snapshots")
     memory_dir: str = opt("", "each node's folder for memory snapshots, a tmpfs (\"\": /dev/shm; "
                           "$HVD_PARTIALFC_MEMORY_DIR overrides it)", see="docs/reliability.md#memory-snapshots")
+    lock_wait: float = opt(120.0, "seconds a start waits for the run folder's lock while another job holds it, "
+                                  "before it refuses (longer than an NFS lease: a lost node's lock expires)",
+                           see="docs/reliability.md#one-job-a-run-folder")
 
 
 @dataclass
@@ -233,6 +236,8 @@ class Config:
             raise ConfigError("train.heartbeat_timeout must be >= 0 (0: off)")
         if self.train.collective_timeout <= 0:
             raise ConfigError("train.collective_timeout must be > 0 seconds")
+        if self.checkpoint.lock_wait < 0:
+            raise ConfigError("checkpoint.lock_wait must be >= 0 seconds")
         if self.train.steps < 0 or self.train.epochs <= 0:
             raise ConfigError("train.steps must be >= 0 and train.epochs > 0")
         return self

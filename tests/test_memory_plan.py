@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL_RUN, launch_env
-from hvd_partialfc.run.memory import Plan
-from hvd_partialfc.run.memory_recover import choose, needed_files
+from hvd_partialfc.run.memory_plan import Plan
+from hvd_partialfc.run.memory_recover import choose, holders, needed_files
 from hvd_partialfc.run.memory_store import NodeStore, room_error
 from hvd_partialfc.run_files import classifier_file
 
@@ -27,9 +27,9 @@ def test_every_buddy_is_on_another_node_and_every_node_holds_its_own_and_a_neigh
     assert Plan(["a", "a", "a"]).buddy(1) is None           # one node: a copy would die with it
 
 
-def _listing(step, committed, files, world=3):
+def _listing(step, committed, files, world=3, segment="0000000a"):
     meta = {"world_size": world, "slices": [[0, 8], [8, 16], [16, 24]][:world], "replicated": False}
-    return {step: (committed, files, meta if "meta.json" in files else None)}
+    return {(segment, step): (committed, files, meta if "meta.json" in files else None)}
 
 
 def _files(*ranks, world=3, extra=("backbone.pt", "meta.json")):
@@ -41,18 +41,33 @@ def test_recovery_takes_the_newest_committed_step_that_every_slice_survives():
     a = {**_listing(20, True, _files(0, 2)), **_listing(24, False, _files(0, 2))}
     c = {**_listing(20, True, _files(1, 2)), **_listing(24, False, _files(2))}
     everyone = [("a", "", 0, a), ("c", "", 0, c)]
-    assert choose(everyone, disk_step=15) == (20, None)          # 24 never committed: half-sent, never used
-    assert choose(everyone, disk_step=22) == (None, None)        # the disk is newer
+    seg = ["0000000a"]
+    assert choose(everyone, 15, seg) == (("0000000a", 20), None)  # 24 never committed: half-sent, never used
+    assert choose(everyone, 22, seg) == (None, None)               # the disk is newer
     # nodes b and c lost: rank 1's slice is nowhere
-    step, line = choose([("a", "", 0, a)], disk_step=15)
-    assert step is None and line.startswith("memory snapshot of step 20 cannot be restored: rank 1's slice")
+    snap, line = choose([("a", "", 0, a)], 15, seg)
+    assert snap is None and line.startswith("memory snapshot of step 20 cannot be restored: rank 1's slice")
     # a newer committed step with a hole, an older one whole: the older one, and the line names the newer
     a24 = {**a, **_listing(24, True, _files(0, 2))}
-    step, line = choose([("a", "", 0, a24), ("c", "", 0, c)], disk_step=15)
-    assert step == 20 and line.startswith("memory snapshot of step 24 cannot be restored: rank 1's slice")
+    snap, line = choose([("a", "", 0, a24), ("c", "", 0, c)], 15, seg)
+    assert snap == ("0000000a", 20) and line.startswith("memory snapshot of step 24 cannot be restored: rank 1's slice")
     # committed on one node only (its rename came first): the landing copy elsewhere is complete too
     c_partial = {**_listing(20, False, _files(1, 2))}
-    assert choose([("a", "", 0, a), ("c", "", 0, c_partial)], disk_step=0) == (20, None)
+    assert choose([("a", "", 0, a), ("c", "", 0, c_partial)], 0, seg) == (("0000000a", 20), None)
+
+
+def test_a_node_that_rejoins_with_an_old_start_s_snapshots_is_never_restored_from_or_combined():
+    """Nodes a and b restarted as segment 0000000b and committed step 30 (each holds both slices, 2 nodes);
+    node c, lost before that start, comes back holding segment 0000000a's step 40, complete on its own, and
+    its step 30 files. The restart takes b's 30, from a and b only: never c's newer 40 (an abandoned start's
+    state), never c's files of 30 (another start's, though of the same step and names)."""
+    new = {**_listing(30, True, _files(0, 1, world=2), world=2, segment="0000000b")}
+    old = {**_listing(40, True, _files(0, 1, world=2), world=2), **_listing(30, True, _files(0, 1, world=2), world=2)}
+    everyone = [("a", "", 0, new), ("b", "", 0, new), ("c", "", 0, old)]
+    assert choose(everyone, 0, ["0000000b"]) == (("0000000b", 30), None)
+    assert holders(everyone, ("0000000b", 30), classifier_file(1, 2)) == [0, 1]
+    # the segment the last start restored from is still one to take: its snapshot of 40, if newest, is whole
+    assert choose(everyone, 0, ["0000000a", "0000000b"]) == (("0000000a", 40), None)
 
 
 def test_a_new_rank_reads_only_the_old_files_its_slice_overlaps():
@@ -72,7 +87,7 @@ def test_a_folder_that_two_nodes_share_is_found(tmp_path):
     assert store.other_nodes("node1|boot|/dev/shm", {"node1|boot|/dev/shm", "node2|boot|/dev/shm"}) == "node1, node2"
     # a mark of a node outside this job (another job's) is not this job's sharing
     assert store.other_nodes("node1|boot|/dev/shm", {"node1|boot|/dev/shm", "node3|boot|/dev/shm"}) is None
-    assert json.loads((tmp_path / "hvd_partialfc-tok" / "owner.json").read_text())["token"] == "tok"
+    assert json.loads(open(os.path.join(store.path, "owner.json")).read())["token"] == "tok"
 
 
 def test_the_room_check_names_the_limit_that_is_short(tmp_path):
@@ -105,3 +120,25 @@ def test_snapshots_that_do_not_fit_are_refused_at_start_up(tmp_path, small_run_s
                         + r" has [0-9.]+ KB free; .*checkpoint.memory_every=0", line), p.stderr
     assert left == []                                           # nothing left behind in the small tmpfs
     assert not (tmp_path / "run" / "metrics.jsonl").exists()      # not one step trained
+
+
+def _train_one(run, shards, sets, env=None, timeout=120, wait=True):
+    """``hvd-partialfc train`` of the small job as one process (no launcher)."""
+    cmd = [sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", str(shards), "--out", str(run),
+           "--steps", "12", *sum((["--set", s] for s in SMALL_RUN + list(sets)), [])]
+    e = dict(launch_env(), **(env or {}))
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout)
+
+
+def test_ctrl_c_keeps_the_snapshots_as_an_error_does(tmp_path, small_run_shards):
+    """A user's Ctrl-C (KeyboardInterrupt, no checkpoint) after step 7: the snapshot of step 6 stays for the
+    restart, as after an error (before, Ctrl-C and SystemExit removed them: the exit code was never set)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    p = _train_one(tmp_path / "run", small_run_shards, ["checkpoint.memory_every=2", "checkpoint.every=0"],
+                   env={"HVD_PARTIALFC_MEMORY_DIR": str(root), "HVD_PARTIALFC_FAULT": "sigint@7"})
+    assert p.returncode != 0 and "KeyboardInterrupt" in p.stderr, p.stdout + p.stderr
+    [store] = os.listdir(root)
+    assert any(d.startswith("step-00000006.") and not d.endswith(".partial") for d in os.listdir(root / store))

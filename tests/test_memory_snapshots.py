@@ -80,6 +80,7 @@ def crashed(tmp_path_factory, small_run_shards):
     crash = start(roots, small_run_shards, base / "run", fault=KILLED)      # the two side by side: they wait
     ref = wait(start(ref_roots, small_run_shards, base / "ref", sets=off, fault="sigterm@18"))  # on each other
     results = wait(crash)
+    shutil.copytree(base / "run", base / "run.crashed")
     assert any("injected kill-in-memory at step 24" in out for _, out in results), said(results)
     assert all(code != 0 for code, _ in results)
     assert said(ref).count("exit 75") == 3 and (base / "ref" / "checkpoints" / "step-00000020").is_dir(), said(ref)
@@ -87,11 +88,15 @@ def crashed(tmp_path_factory, small_run_shards):
 
 
 def branch(crashed, tmp_path, nodes):
-    """A copy of the crashed run folder and of the roots of ``nodes`` (the nodes that survived)."""
-    shutil.copytree(crashed / "run", tmp_path / "run")
+    """The crashed run folder put back at its own path, as the crash left it (a node's snapshot folder is keyed
+    by the run folder: a copy elsewhere is another run), and copies of the roots of ``nodes`` (the nodes that
+    survived). Returns (the run folder, the roots)."""
+    run = crashed / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(crashed / "run.crashed", run)
     for i in nodes:
         shutil.copytree(crashed / f"node{i}", tmp_path / f"node{i}", symlinks=True)
-    return [tmp_path / f"node{i}" for i in nodes]
+    return run, [tmp_path / f"node{i}" for i in nodes]
 
 
 def snapshots_left(roots):
@@ -100,22 +105,26 @@ def snapshots_left(roots):
 
 def test_the_crash_left_a_committed_snapshot_and_a_partial_one(crashed):
     """Before any restart: every node committed step 20; step 24 is partial where anything of it landed."""
+    segments = set()
     for i in range(3):
         [store] = snapshots_left([crashed / f"node{i}"])
-        names = sorted(os.listdir(store))
-        assert "step-00000020" in names and "step-00000024" not in names, names
+        names = [n for n in os.listdir(store) if n.startswith("step-")]
+        assert len(names) == 2 and {n.split(".")[0] for n in names} == {"step-00000020", "step-00000024"}, names
+        assert [n for n in names if n.endswith(".partial")] == [n for n in names if n.startswith("step-00000024")]
+        segments |= {n.split(".")[1] for n in names}
+    assert len(segments) == 1                       # one start: one segment on every node
     # node 0 holds rank 0's own file and rank 2's buddy copy (rank r's buddy: the rank of the next node)
-    assert sorted(os.listdir(crashed / "node0" / os.path.basename(snapshots_left([crashed / "node0"])[0])
-                             / "step-00000020")) == ["backbone.pt", "classifier-00000-of-00003.pt",
-                                                     "classifier-00002-of-00003.pt", "meta.json"]
+    [store] = snapshots_left([crashed / "node0"])
+    assert sorted(os.listdir(os.path.join(store, f"step-00000020.{segments.pop()}"))) == [
+        "backbone.pt", "classifier-00000-of-00003.pt", "classifier-00002-of-00003.pt", "meta.json"]
 
 
 def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_path, small_run_shards):
     """Node 1 lost: nodes 0 and 2 resume from the snapshot of step 20 (newer than the disk's 15; the partial 24
     unused), rank 1's slice from its buddy's copy on node 2, at 2 ranks; the run equals a resume of the
     uninterrupted run's disk checkpoint of step 20 at 2 ranks, bitwise. The snapshots go when the run ends."""
-    roots = branch(crashed, tmp_path, [0, 2])
-    results = agents(roots, small_run_shards, tmp_path / "run")
+    run, roots = branch(crashed, tmp_path, [0, 2])
+    results = agents(roots, small_run_shards, run)
     text = said(results)
     assert all(code == 0 for code, _ in results), text
     assert "memory: resuming from the snapshot of step 20 in node memory (disk checkpoint: step 15;" in text, text
@@ -125,24 +134,24 @@ def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_pa
                              f"train.steps={STEPS}",
                              f"checkpoint.resume={crashed / 'ref' / 'checkpoints' / 'step-00000020'}"])
     simulate_here(cfg, 2)
-    final = json.load(open(tmp_path / "run" / "checkpoints" / "step-00000035" / "meta.json"))
+    final = json.load(open(run / "checkpoints" / "step-00000035" / "meta.json"))
     assert final["world_size"] == 2
     want = pins.checkpoint_digests(str(tmp_path / "disk" / "checkpoints" / "step-00000035"))
-    assert pins.checkpoint_digests(str(tmp_path / "run" / "checkpoints" / "step-00000035")) == want
+    assert pins.checkpoint_digests(str(run / "checkpoints" / "step-00000035")) == want
 
 
 def test_a_node_and_its_buddy_lost_fall_back_to_disk(crashed, tmp_path, small_run_shards):
     """Nodes 1 and 2 lost: rank 1's slice was on node 1 and its copy on node 2; the run says so in one line
     and resumes from the disk checkpoint of step 15."""
-    roots = branch(crashed, tmp_path, [0])
-    results = agents(roots, small_run_shards, tmp_path / "run")
+    run, roots = branch(crashed, tmp_path, [0])
+    results = agents(roots, small_run_shards, run)
     text = said(results)
     assert results[0][0] == 0, text
     line = [l for l in text.splitlines() if "cannot be restored" in l]
     assert line == ["memory snapshot of step 20 cannot be restored: rank 1's slice survived on no node (its node "
                     f"and its buddy's both lost); resuming from the disk checkpoint "
-                    f"{tmp_path / 'run' / 'checkpoints' / 'step-00000015'} (step 15)"], text
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-00000015'} at step 15" in text
+                    f"{run / 'checkpoints' / 'step-00000015'} (step 15)"], text
+    assert f"resumed from {run / 'checkpoints' / 'step-00000015'} at step 15" in text
 
 
 def test_under_horovodrun_a_crashed_rank_resumes_bitwise_from_its_nodes_memory(tmp_path, small_run_shards):
@@ -173,7 +182,8 @@ def test_under_horovodrun_a_crashed_rank_resumes_bitwise_from_its_nodes_memory(t
     p = run_hvd(2, argv, env=env)
     out = p.stdout + p.stderr
     assert "memory: resuming from the snapshot of step 12 in node memory (disk checkpoint: step 10;" in out, out[-3000:]
-    assert f"removed {stale}: another run's in this run folder (a stale token)" in out
+    assert f"removed {stale}: another snapshot folder of this run folder (an earlier run's, or an earlier " \
+           "version's)" in out
     assert snapshots_left([root]) == [str(other)]           # this run's went at its end; another run's stays
     # the same size: bitwise the run that was never interrupted (simulate --ranks 2: horovodrun's numbers)
     from hvd_partialfc.config import load_config

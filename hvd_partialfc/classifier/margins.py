@@ -135,6 +135,10 @@ class LocalClassifier(nn.Module):
         """Per-rank state beyond ``weight`` that a bitwise resume needs (none here)."""
         return {}
 
+    def extra_state_bytes(self) -> int:
+        """The most bytes ``extra_state_for_checkpoint``'s tensors ever hold (a snapshot copy's size limit)."""
+        return 0
+
     def load_extra_state(self, state: dict) -> None:
         pass
 

@@ -103,6 +103,10 @@ class CrossShardNegativesHead(LocalHead):
     def extra_state_for_checkpoint(self) -> dict:
         return {"remote": self.remote.detach().cpu(), "exchanges": self.exchanges, "rows": "raw"}
 
+    def extra_state_bytes(self) -> int:
+        """The remote rows once exchanged: every other rank's share, at the rows' precision."""
+        return (sum(self.shares) - self.shares[self.comm.rank]) * self.weight.shape[1] * self.weight.element_size()
+
     def load_extra_state(self, state: dict) -> None:
         # Checkpoints written before the rows travelled raw hold normalised rows: right for the margin
         # losses (they normalise every column), wrong for softmax, whose remote buffer then stays empty

@@ -25,7 +25,8 @@ so a killed rank's connection stayed open until its workers noticed their parent
 round the ring those seconds added up; every child closes its copies right after the fork
 (``os.register_at_fork``). The listening socket binds the advertised address only, and takes only the
 neighbour that presents the job's token (drawn by rank 0, shared with the addresses) and its rank: a stray
-connection (a port scan, another job) is closed and the wait goes on.
+connection (a port scan, another job) is closed and the wait goes on; a flood of idle connections costs the
+ring nothing (engine/listener.py: each has 5 s to say its hello, and a flood evicts its own oldest).
 
 The address a rank advertises is the one its peers can reach: the IPv4 address of ``GLOO_SOCKET_IFNAME``
 (or ``HOROVOD_GLOO_IFACE``) when set, else the local address of the route to the rendezvous host
@@ -44,6 +45,8 @@ import threading
 import time
 import weakref
 from typing import List, Optional, Tuple
+
+from .listener import serve
 
 EXIT_LOST_PEER = 1
 _BEAT, _BYE = b"B", b"E"
@@ -164,29 +167,16 @@ class Heartbeat:
 
     def _accept(self, server: socket.socket, deadline: float) -> Optional[socket.socket]:
         """The previous rank's connection: the first one that presents the job's token and that rank; any other
-        is closed (a stray connection is never taken for the neighbour). None at the deadline."""
-        want = self._hello((self.rank - 1) % self.size)
-        while time.monotonic() < deadline:
-            server.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return None
-            conn.settimeout(5)
-            got = b""
-            try:
-                while len(got) < _HELLO_LEN:
-                    chunk = conn.recv(_HELLO_LEN - len(got))
-                    if not chunk:
-                        break
-                    got += chunk
-            except OSError:
-                pass
-            if got == want:
-                conn.settimeout(None)
-                return conn
-            conn.close()
-        return None
+        is closed (a stray connection, a port scan or a flood of idle ones is never taken for the neighbour,
+        nor waited on: listener.py). None at the deadline."""
+        want, got = self._hello((self.rank - 1) % self.size), []
+
+        def ready(conn, accepted, rest):
+            got.append(conn)
+            return True
+        serve(server, check=lambda state, hello: True if hello == want else None, ready=ready,
+              stopped=lambda: False, hello_len=_HELLO_LEN, deadline=deadline)
+        return got[0] if got else None
 
     def _connect(self, peer: Tuple[str, str, int]) -> socket.socket:
         deadline = time.monotonic() + 60

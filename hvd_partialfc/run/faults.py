@@ -8,6 +8,8 @@ ranks). STEP counts completed optimizer steps. Kinds:
 * ``sigterm``          SIGTERM to the rank's own process before step STEP+1 (a scheduler's preemption at a
                        known step: the stop vote it starts is read after step STEP+2, whose checkpoint
                        is the unscheduled one a preemption writes);
+* ``sigint``           SIGINT to the rank's own process before step STEP+1 (a user's Ctrl-C: KeyboardInterrupt,
+                       no checkpoint; memory snapshots must stay for the restart);
 * ``stall``            the main thread sleeps ``HVD_PARTIALFC_STALL_SECONDS`` (default 30) before step STEP+1
                        (a long evaluation or checkpoint write: the other ranks wait in a collective);
 * ``pause-after-ckpt`` sleep forever right after the checkpoint of step STEP is complete;
@@ -30,7 +32,7 @@ import time
 from typing import List, Optional, Tuple
 
 ENV = "HVD_PARTIALFC_FAULT"
-KINDS = ("raise", "kill", "sigterm", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory")
+KINDS = ("raise", "kill", "sigterm", "sigint", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory")
 
 
 class InjectedFault(RuntimeError):
@@ -70,8 +72,9 @@ def before_step(step: int, rank: int) -> None:
             if kind == "raise":
                 raise InjectedFault(f"injected failure on rank {rank} before step {step + 1} ({ENV})")
             kill_self()
-    if active("sigterm", step, rank):
-        os.kill(os.getpid(), signal.SIGTERM)
+    for kind, sig in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
+        if active(kind, step, rank):
+            os.kill(os.getpid(), sig)
     if active("stall", step, rank):
         time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
 

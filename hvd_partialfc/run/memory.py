@@ -20,10 +20,14 @@ the snapshot is ``.partial`` everywhere and never used; the previous committed o
 commits. A snapshot that has not landed when the next is due is settled then, blocking: committed if it
 landed everywhere, else dropped (said once).
 
-The segments are removed when the run ends (its last step, or a stop on a signal, whose disk checkpoint is as
-new); a failure (exit 1 or 2) keeps them for the restart, or for a ``--resume auto`` once its cause is fixed
-(cli.py). A run's token (``RUN/run_id``) names them: a
-segment of another token in the same run folder is stale, ignored and removed.
+The snapshots are removed when the run ends (its last step, or a stop on a signal, whose disk checkpoint is as
+new); any other end (an error, Ctrl-C) keeps them for the restart, or for a ``--resume auto`` once its cause
+is fixed (cli.py). A run's token (``RUN/run_id``, 0600) and its run folder name the node's folder; another
+folder of the same run folder is stale, ignored and removed. Each start is a *segment* (8 hex digits drawn
+by rank 0): its snapshots carry it, and ``RUN/memory_segments`` lists the segments a restart may restore
+from: this start's, and the one whose snapshot it restored. A node that rejoins with an older start's
+snapshots is never restored from. The link between ranks is keyed by a secret drawn at each start and
+passed through the collectives only (memory_link.py).
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -39,25 +44,39 @@ from . import faults
 from .. import atomic
 from ..run_files import classifier_file
 from ..sizes import human
-from .memory_link import Link
-from .memory_store import NodeStore, memory_root, node_key, room_error
+from .memory_link import Link, new_secret
+from .memory_plan import Plan, put_limit, snapshot_bytes
+from .memory_store import NodeStore, StoreError, memory_root, node_key, room_error
 
 RUN_ID = "run_id"
+SEGMENTS = "memory_segments"
+LATE_S = 1.0            # a snapshot still landing when the next is due, the step waiting longer than this: said
 _LIVE: List["MemorySnapshots"] = []
 
 
 def run_token(run_dir: str, keep: bool) -> str:
-    """The run's identity (``RUN/run_id``): kept while the run resumes (``checkpoint.resume: auto``), new for
-    any other start (a new run in the folder: the old one's snapshots are not its own)."""
+    """The run's identity (``RUN/run_id``, readable by its owner only: it names the node's snapshot folder):
+    kept while the run resumes (``checkpoint.resume: auto``), new for any other start (a new run in the
+    folder: the old one's snapshots are not its own)."""
     path = os.path.join(run_dir, RUN_ID)
     if keep and os.path.isfile(path):
         token = open(path).read().strip()
         if token:
+            os.chmod(path, 0o600)           # a run folder of an earlier version left it 0644
             return token
     os.makedirs(run_dir, exist_ok=True)
-    token = secrets.token_hex(8)
-    atomic.write_text(path, token + "\n")
+    token = secrets.token_hex(16)
+    atomic.write_text(path, token + "\n", mode=0o600)
     return token
+
+
+def read_segments(run_dir: str) -> List[str]:
+    """The segments whose snapshots a restart may restore (``RUN/memory_segments``); none when missing."""
+    try:
+        with open(os.path.join(run_dir, SEGMENTS)) as f:
+            return [s for s in json.load(f)["segments"] if isinstance(s, str)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def cpu_copy(obj: Any) -> Any:
@@ -87,105 +106,72 @@ def _lower_priority() -> None:
         pass
 
 
-def state_slots(optim_name: str, momentum: float) -> int:
-    """Optimizer tensors per parameter tensor: SGD's momentum (none without), AdamW's two moments."""
-    return 2 if optim_name == "adamw" else int(momentum > 0)
-
-
-def snapshot_bytes(parts, optim) -> Dict[str, int]:
-    """A rank's snapshot file (its classifier rows and their optimizer state) and the node's backbone file
-    (parameters, buffers, optimizer state), in bytes, from the tensors themselves (the optimizers' state is
-    made at the first step, so it is counted from their settings)."""
-    w = parts.head.weight
-    head = w.numel() * w.element_size() * (1 + state_slots(optim.name, optim.classifier_momentum))
-    params = sum(p.numel() * p.element_size() for p in parts.backbone.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in parts.backbone.buffers())
-    backbone = params * (1 + state_slots(optim.name, optim.backbone_momentum)) + buffers
-    return {"rank": head + buffers, "backbone": backbone}
-
-
-class Plan:
-    """Which ranks share a node (the same ``node_key``), each node's first rank, and each rank's buddy."""
-
-    def __init__(self, keys: List[str]):
-        self.keys = keys
-        self.nodes: List[List[int]] = []
-        index: Dict[str, int] = {}
-        for r, k in enumerate(keys):
-            if k not in index:
-                index[k] = len(self.nodes)
-                self.nodes.append([])
-            self.nodes[index[k]].append(r)
-        self.node_of = [index[k] for k in keys]
-
-    def writer(self, rank: int) -> int:
-        return self.nodes[self.node_of[rank]][0]
-
-    def buddy(self, rank: int) -> Optional[int]:
-        """The rank in the same place on the next node; None on one node (its copy would die with it)."""
-        if len(self.nodes) < 2:
-            return None
-        n = self.node_of[rank]
-        here, there = self.nodes[n], self.nodes[(n + 1) % len(self.nodes)]
-        return there[here.index(rank) % len(there)]
-
-    def hosted(self, node: int) -> List[int]:
-        """The ranks whose files a node holds: its own, and those whose buddy is on it."""
-        return sorted(set(self.nodes[node]) | {r for r in range(len(self.keys))
-                                              if self.buddy(r) is not None and self.node_of[self.buddy(r)] == node})
-
-
 class MemorySnapshots:
     """This rank's side of the snapshots (see the module's docstring). ``start`` is a collective."""
 
-    def __init__(self, every: int, comm, store: NodeStore, link: Link, plan: Plan, peers: List[tuple]):
+    def __init__(self, every: int, comm, store: NodeStore, link: Link, plan: Plan, peers: List[tuple],
+                 segments: List[str]):
         self.every, self.comm, self.store, self.link, self.plan = every, comm, store, link, plan
         self.peers = peers                          # every rank's (node key, address, port, sizes)
+        self.segments = segments                    # the segments a recovery may restore from (RUN/memory_segments)
         self.is_writer = plan.writer(comm.rank) == comm.rank
         self.buddy = plan.buddy(comm.rank)
         self.pending: Optional[int] = None          # the step of the snapshot landing now
-        self.committed: Optional[int] = None
+        self.committed: Optional[tuple] = None     # the newest committed snapshot: (segment, step)
+        self.restored: Optional[tuple] = None       # the snapshot (segment, step) this start resumed from
+        self.start_step, self.taken = 0, None       # where this start began; the step of its last snapshot
         self._thread: Optional[threading.Thread] = None
         self._landed = threading.Event()
         self._error: Optional[str] = None
         self._heard: Dict[int, set] = {}           # rank 0: which ranks told it their copies of a step landed
         self._heard_lock = threading.Lock()
         link.on_note = self._on_note
+        link.authorize = self._authorize
         _LIVE.append(self)
 
     @classmethod
     def start(cls, cfg, comm, parts, log=print) -> Optional["MemorySnapshots"]:
-        """Every rank: the run's token, this node's store (stale segments of the run folder removed), the
-        server, the plan; the node's room checked against the snapshots' size (one line when short)."""
+        """Every rank: the run's token, this start's secret and segment (rank 0 draws them), the server, the
+        plan; each node's first rank opens the node's folder (refused unless it is this run's own; stale
+        folders of the run folder removed) and checks its room against the snapshots' size (one line when
+        short)."""
         every = cfg.checkpoint.memory_every
         if every <= 0:
             return None
-        error, token = None, None
+        error, drawn = None, None
         if comm.is_main:
             try:
-                token = run_token(cfg.out, keep=cfg.checkpoint.resume == "auto")
+                auto = cfg.checkpoint.resume == "auto"
+                drawn = (run_token(cfg.out, keep=auto), new_secret(), secrets.token_hex(4),
+                         read_segments(cfg.out) if auto else [])
             except OSError as e:
                 error = f"checkpoint.memory_every: cannot write {os.path.join(cfg.out, RUN_ID)}: {e.strerror}"
-        token = comm.allgather_object((error, token), name="memory.token")[0]
-        comm.agree(token[0], name="memory.token")
+        error, drawn = comm.allgather_object((error, drawn), name="memory.token")[0]   # the secret: collectives only
+        comm.agree(error, name="memory.token")
+        token, secret, segment, segments = drawn
         root = memory_root(cfg.checkpoint.memory_dir)
-        store, link = NodeStore(root, token[1], cfg.out), None
+        store, link = NodeStore(root, token, cfg.out, segment), None
         try:
-            store.open()
-            link = Link(store, token[1])
+            link = Link(store, secret, comm.rank)
         except OSError as e:
-            error = f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
+            error = f"checkpoint.memory_every: cannot listen for snapshot copies: {e}"
         sizes, key = snapshot_bytes(parts, cfg.optim), node_key(root)
+        sizes["limit"] = put_limit(parts, sizes)
         peers = comm.allgather_object((key, *(link.address if link else ("", 0)), sizes), name="memory.peers")
         plan = Plan([p[0] for p in peers])
         node, writer = plan.node_of[comm.rank], plan.writer(comm.rank) == comm.rank
         if error is None and writer:
-            for path in store.sweep_stale():
-                print(f"[rank {comm.rank}] memory snapshots: removed {path}: another run's in this run folder "
-                      "(a stale token)", flush=True)
-            need = 2 * (sum(peers[r][3]["rank"] for r in plan.hosted(node)) + sizes["backbone"])
-            error = room_error(root, need, len(plan.nodes[node])) or store.mark_node(key)
-        snaps = cls(every, comm, store, link, plan, peers) if link else None   # closed on every exit (cli.py)
+            try:
+                store.open()
+                for path in store.sweep_stale():
+                    print(f"[rank {comm.rank}] memory snapshots: removed {path}: another snapshot folder of this "
+                          "run folder (an earlier run's, or an earlier version's)", flush=True)
+                need = 2 * (sum(peers[r][3]["rank"] for r in plan.hosted(node)) + sizes["backbone"])
+                error = room_error(root, need, len(plan.nodes[node])) or store.mark_node(key)
+            except (StoreError, OSError) as e:
+                error = str(e) if isinstance(e, StoreError) else \
+                    f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
+        snaps = cls(every, comm, store, link, plan, peers, segments) if link else None  # closed on every exit (cli.py)
         comm.agree(error, name="memory.start")
         shared = store.other_nodes(key, set(plan.keys)) if writer else None
         comm.agree(shared and f"checkpoint.memory_every: {root} is one folder for several nodes ({shared}): each node "
@@ -197,6 +183,42 @@ class MemorySnapshots:
                 + ("a copy on a rank of the next node" if len(plan.nodes) > 1
                    else "one node: no buddy copies (a lost node falls back to disk)"))
         return snaps
+
+    def begin(self, start_step: int) -> None:
+        """After the resume (start-up): where this start begins; rank 0 records the segments a restart may
+        restore from: this one's, and the one whose snapshot it resumed from (an older start's are stale)."""
+        self.start_step, error = start_step, None
+        if self.comm.is_main:
+            keep = ([self.restored[0]] if self.restored else []) + [self.store.segment]
+            path = os.path.join(self.store.run_dir, SEGMENTS)
+            try:
+                atomic.write_text(path, json.dumps({"segments": keep}) + "\n")
+            except OSError as e:
+                error = f"checkpoint.memory_every: cannot write {path}: {e.strerror}"
+        self.comm.agree(error, name="memory.segments")
+
+    def _authorize(self, h: dict) -> Optional[str]:
+        """Why an authenticated request (memory_link.py) is refused, else None: a put only from the rank whose
+        buddy this one is, for this segment, a step that can be due, its own file name and size; a landing only
+        to rank 0; a commit only from rank 0."""
+        r, size = h["rank"], self.comm.size
+        if r >= size:
+            return f"rank {r} is not one of the {size} ranks"
+        if h["op"] == "put":
+            base = self.taken if self.taken is not None else self.start_step
+            if self.plan.buddy(r) != self.comm.rank:
+                return f"rank {r}'s copies go to rank {self.plan.buddy(r)}, not to rank {self.comm.rank}"
+            if h["segment"] != self.store.segment or h["name"] != classifier_file(r, size):
+                return f"rank {r} sends {classifier_file(r, size)} of segment {self.store.segment} only"
+            if h["step"] % self.every or not max(base, self.start_step + 1) <= h["step"] <= base + self.every:
+                return f"step {h['step']} is no snapshot due here (the last: {base}; every {self.every} steps)"
+            if h["size"] > self.peers[r][3]["limit"]:
+                return f"{h['size']} bytes is more than rank {r}'s slice can take ({self.peers[r][3]['limit']})"
+        elif h["op"] == "note" and h["what"] == "commit" and r != 0:
+            return "only rank 0 commits a snapshot"
+        elif h["op"] == "note" and h["what"] == "landed" and self.comm.rank != 0:
+            return "landings are told to rank 0"
+        return None
 
     # --- the loop's side ---------------------------------------------------------------------------------
 
@@ -221,7 +243,7 @@ class MemorySnapshots:
         mine = cpu_copy(state.rank_file("", own))
         meta = meta_of([SNAPSHOT_DIGEST] * self.comm.size) if self.is_writer else None
         self._landed.clear()
-        self._error, self.pending = None, step
+        self._error, self.pending, self.taken = None, step, step
         self._thread = threading.Thread(target=self._land, args=(step, mine, bb, meta), daemon=True,
                                         name="memory-snapshot")
         self._thread.start()
@@ -291,9 +313,13 @@ class MemorySnapshots:
         where every rank's copies landed, else drop it and say why."""
         if self.pending is None:
             return
-        step = self.pending
+        step, t0 = self.pending, time.monotonic()
         self._landed.wait()
         failed = self.comm.failures(self._error, name=f"memory.settle.{step}")
+        waited = time.monotonic() - t0
+        if waited > LATE_S and self.comm.is_main:
+            print(f"memory snapshot of step {step} had not landed when the next one was due: the step waited "
+                  f"{waited:.1f} s for it", flush=True)
         if not failed:
             self._commit(step)
             return
@@ -301,21 +327,23 @@ class MemorySnapshots:
         if self.is_writer:
             self.store.keep_only(self.committed)
         if self.comm.is_main:
-            print(f"memory snapshot of step {step} dropped (the previous one, of step {self.committed}, stays): "
-                  + "; ".join(e for _, e in failed), flush=True)
+            print(f"memory snapshot of step {step} dropped (the previous one, of step "
+                  f"{self.committed[1] if self.committed else None}, stays): " + "; ".join(e for _, e in failed),
+                  flush=True)
 
     def _commit(self, step: int) -> None:
         if self.is_writer:
             self.store.commit(step)
-        self.pending, self.committed = None, step
+        self.pending, self.committed = None, (self.store.segment, step)
 
     def close(self, keep: bool) -> None:
-        """Stop serving; unless ``keep`` (a failure: a restart takes the snapshots), remove this node's segments;
-        a folder that holds no snapshot goes either way (a start refused before the first one)."""
+        """Stop serving; unless ``keep`` (any end but a finished run or a stop on a signal: a restart takes the
+        snapshots), remove this node's folder; a folder that holds no snapshot goes either way (a start refused
+        before the first one). Only a folder this start opened as its own: never one it refused."""
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.link.close()
-        if self.is_writer and (not keep or not self.store.listing()):
+        if self.is_writer and self.store.opened and (not keep or not self.store.listing()):
             self.store.remove()
         if self in _LIVE:
             _LIVE.remove(self)

@@ -5,30 +5,50 @@ and a collective from a second thread would interleave with the step's); a fetch
 files a rank needs (an all-gather would hand every rank every slice).
 
 Each rank serves its node's snapshot folder (memory_store.NodeStore) on a port of the advertised address
-(the heartbeat's). One request a connection: a header line of JSON, then the payload, then the answer.
+(the heartbeat's). Anyone who can reach the host can connect to it, another user of a shared node included,
+so every request proves that it comes from a rank of this start of the job, and what it asks is checked:
 
-* ``put`` (step, name, size, bytes): the server writes the file into the snapshot of ``step`` that is landing,
-  then answers ``{"ok": true}``: the sender knows the copy is in the buddy's memory.
-* ``get`` (step, name): the file's bytes from the node's snapshot of ``step``, committed or landing;
+* **Handshake** (engine/listener.py): the server greets each connection with a fresh random nonce; the
+  request's header (a line of JSON: the operation, the sender's rank, its arguments) carries an HMAC-SHA256
+  of the nonce and the header under the start's ``secret``. Rank 0 draws the secret at every start and the
+  ranks get it through the collectives only: it is never on disk, so a process that holds the run's token
+  (``RUN/run_id``), a stale job of the same run or another user has no key, and a recorded request is useless
+  under another nonce. A connection that does not prove itself within a few seconds is closed without an
+  answer; a flood of them evicts its own oldest, never a rank's (listener.py).
+* **Authorization** (``authorize``, memory.py): a put only from the rank whose buddy this rank is, into this
+  start's segment, for a snapshot step that can be due, under that rank's own file name, at most the size of
+  its slice; a commit note only from rank 0; a get from any rank of the job.
+
+Operations, one a connection (the header, the answer, and a put's payload and final answer):
+
+* ``put`` (segment, step, name, size): once accepted, the bytes, written into the landing snapshot of
+  ``step``, then answered ``{"ok": true}``: the sender knows the copy is in the buddy's memory;
+* ``get`` (segment, step, name): the file's bytes from the node's snapshot, committed or landing;
 * ``note``: a small message for the rank's ``on_note`` (a landing told to rank 0, its commit told to a node).
 
-Every request carries the run's token: a process of another run (a stale job on a shared node) is answered
-with an error, never with a file. Forked children (DataLoader workers) close their copy of the listening
-socket, so a dead rank's port closes with it.
+A put's payload is not authenticated byte by byte: changing it would take injecting into an established TCP
+connection (root on the path), and a snapshot is read as any checkpoint is (``weights_only``). Forked children
+(DataLoader workers) close their copy of the listening socket, so a dead rank's port closes with it.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import socket
 import threading
+import time
 import weakref
-from typing import Tuple
+from typing import Callable, Optional, Tuple
 
 from ..engine.heartbeat import advertised_address
+from ..engine.listener import HANDSHAKE_S, serve
 from .memory_store import NodeStore
 
 TIMEOUT_S = 300.0          # one file: 128 MB (a 31k-row slice with momentum, D 512) needs ~1 s at 1 Gb/s
+ATTEMPTS = 5               # a request whose connection closed before its answer (a flood evicted it first)
 _LIVE: "weakref.WeakSet[Link]" = weakref.WeakSet()
 
 
@@ -48,8 +68,42 @@ class LinkError(RuntimeError):
     pass
 
 
-def _recv_into(conn: socket.socket, n: int, f) -> None:
-    got = 0
+def new_secret() -> str:
+    """A start's key for the link (rank 0 draws it; the collectives carry it to the other ranks)."""
+    return secrets.token_hex(32)
+
+
+def _mac(secret: str, nonce: bytes, body: dict) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(bytes.fromhex(secret), nonce + canonical, hashlib.sha256).hexdigest()
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and 0 < len(name) < 256 and "/" not in name and "\0" not in name \
+        and not name.startswith(".")
+
+
+def malformed(h: dict) -> Optional[str]:
+    """What is wrong with an authenticated header's shape, else None (a bug's request, not a stranger's)."""
+    def count(k):
+        return isinstance(h.get(k), int) and not isinstance(h.get(k), bool) and h[k] >= 0
+    op = h.get("op")
+    if op not in ("put", "get", "note") or not count("rank"):
+        return f"unknown request {op!r}"
+    if op in ("put", "get") and not (count("step") and isinstance(h.get("segment"), str) and _plain_name(h.get("name"))):
+        return f"a {op} needs a segment, a step and a plain file name"
+    if op == "put" and not count("size"):
+        return "a put needs its size"
+    if op == "note" and not (h.get("what") in ("landed", "commit") and count("step")):
+        return f"unknown note {h.get('what')!r}"
+    return None
+
+
+def _recv_into(conn: socket.socket, n: int, f, head: bytes = b"") -> None:
+    if len(head) > n:
+        raise LinkError(f"{len(head)} bytes sent for a file of {n}")
+    f.write(head)
+    got = len(head)
     while got < n:
         chunk = conn.recv(min(4 << 20, n - got))
         if not chunk:
@@ -58,27 +112,30 @@ def _recv_into(conn: socket.socket, n: int, f) -> None:
         got += len(chunk)
 
 
-def _recv_line(conn: socket.socket, limit: int = 1 << 16) -> dict:
+def _recv_line(conn: socket.socket, limit: int = 4096) -> bytes:
     buf = b""
     while not buf.endswith(b"\n"):
         c = conn.recv(1)
         if not c:
-            raise LinkError("connection closed before a header")
+            raise LinkError("connection closed before an answer")
         buf += c
         if len(buf) > limit:
-            raise LinkError("header too long")
-    return json.loads(buf)
+            raise LinkError("answer too long")
+    return buf
 
 
-def _send_header(conn: socket.socket, header: dict) -> None:
-    conn.sendall(json.dumps(header).encode() + b"\n")
+def _send_json(conn: socket.socket, obj: dict) -> None:
+    conn.sendall(json.dumps(obj).encode() + b"\n")
 
 
 class Link:
-    """This rank's server (``serve``) and its requests to other ranks' servers (``put``, ``get``)."""
+    """This rank's server and its requests to other ranks' servers (``put``, ``get``, ``note``).
+    ``authorize(header)``: why this rank refuses an authenticated request, or None (memory.py)."""
 
-    def __init__(self, store: NodeStore, token: str):
-        self.store, self.token = store, token
+    def __init__(self, store: NodeStore, secret: str, rank: int,
+                 authorize: Optional[Callable[[dict], Optional[str]]] = None):
+        self.store, self.secret, self.rank = store, secret, rank
+        self.authorize = authorize or (lambda h: None)
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.addr = advertised_address()
@@ -86,12 +143,13 @@ class Link:
             self.server.bind((self.addr, 0))
         except OSError:
             self.server.bind(("0.0.0.0", 0))
-        self.server.listen(16)
+        self.server.listen(128)
         self.port = self.server.getsockname()[1]
         self._closed = threading.Event()
         self.on_note = None        # called with a ``note``'s header (memory.py: landings, commits)
         _LIVE.add(self)
-        threading.Thread(target=self._accept, daemon=True, name="memory-link").start()
+        threading.Thread(target=serve, args=(self.server, self._check, self._ready, self._closed.is_set),
+                         kwargs={"greet": self._greet}, daemon=True, name="memory-link").start()
 
     @property
     def address(self) -> Tuple[str, int]:
@@ -104,63 +162,94 @@ class Link:
         except OSError:
             pass
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="memory-link-conn").start()
+    # --- the server --------------------------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
+    @staticmethod
+    def _greet() -> Tuple[bytes, bytes]:
+        nonce = secrets.token_bytes(16)
+        return nonce.hex().encode() + b"\n", nonce
+
+    def _check(self, nonce: bytes, hello: bytes) -> Optional[dict]:
+        """The request's header if its MAC is this start's for this nonce; a refusal to say for a request of
+        the right shape under another key (a stale job of the run, which then stops trying); None, closed
+        without a word, for anything else."""
+        msg = json.loads(hello)
+        body, mac = msg.get("body"), msg.get("mac")
+        if not isinstance(body, dict) or not isinstance(mac, str):
+            return None
+        if not hmac.compare_digest(_mac(self.secret, nonce, body), mac):
+            return {"refused": "not a request of this start of the job (another key)"}
+        return body
+
+    def _ready(self, conn: socket.socket, h: dict, rest: bytes) -> bool:
+        threading.Thread(target=self._serve, args=(conn, h, rest), daemon=True, name="memory-link-conn").start()
+        return False
+
+    def _serve(self, conn: socket.socket, h: dict, rest: bytes) -> None:
         with conn:
             try:
                 conn.settimeout(TIMEOUT_S)
-                h = _recv_line(conn)
-                if h.get("token") != self.token:
-                    _send_header(conn, {"ok": False, "error": "another run's request (token differs)"})
+                why = h.get("refused") or malformed(h) or self.authorize(h)
+                if why:
+                    _send_json(conn, {"ok": False, "error": f"refused: {why}"})
                     return
                 if h["op"] == "put":     # streamed into the file: a copy never sits whole in this process
-                    self.store.write(int(h["step"]), os.path.basename(h["name"]),
-                                     lambda f: _recv_into(conn, int(h["size"]), f))
-                    _send_header(conn, {"ok": True})
+                    _send_json(conn, {"ok": True})      # the sender waits for this before its payload
+                    self.store.write(h["step"], h["name"], lambda f: _recv_into(conn, h["size"], f, rest))
+                    _send_json(conn, {"ok": True})
                 elif h["op"] == "note":
-                    _send_header(conn, {"ok": True})
+                    _send_json(conn, {"ok": True})
                     if self.on_note is not None:
                         self.on_note(h)
-                elif h["op"] == "get":
-                    path = self.store.find(int(h["step"]), os.path.basename(h["name"]))
+                else:
+                    path = self.store.find((h["segment"], h["step"]), h["name"])
                     if path is None:
-                        _send_header(conn, {"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
+                        _send_json(conn, {"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
                         return
                     with open(path, "rb") as f:
-                        _send_header(conn, {"ok": True, "size": os.fstat(f.fileno()).st_size})
+                        _send_json(conn, {"ok": True, "size": os.fstat(f.fileno()).st_size})
                         conn.sendfile(f)
-                else:
-                    _send_header(conn, {"ok": False, "error": f"unknown op {h.get('op')!r}"})
-            except (OSError, LinkError, ValueError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001 (a rank's request that failed here: said to it, never raised)
                 try:
-                    _send_header(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    _send_json(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
                 except OSError:
                     pass
 
+    # --- requests ----------------------------------------------------------------------------------------
+
     def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket]:
-        """One request; ``payload``: a file sent after the header (sendfile: no copy in this process)."""
-        conn = socket.create_connection(tuple(peer), timeout=TIMEOUT_S)
-        _send_header(conn, dict(header, token=self.token))
-        if payload:
-            with open(payload, "rb") as f:
-                conn.sendfile(f)
-        answer = _recv_line(conn)
-        if not answer.get("ok"):
-            conn.close()
-            raise LinkError(f"{peer[0]}:{peer[1]}: {answer.get('error')}")
-        return answer, conn
+        """One request, signed; ``payload``: a file sent after the header (sendfile: no copy in this process).
+        A connection closed before the answer is tried again (a flood evicted it); a refusal is not."""
+        body, last = dict(header, rank=self.rank), None
+        for attempt in range(ATTEMPTS):
+            conn = None
+            try:
+                conn = socket.create_connection(tuple(peer), timeout=HANDSHAKE_S)
+                nonce = bytes.fromhex(_recv_line(conn, 64).decode().strip())
+                _send_json(conn, {"body": body, "mac": _mac(self.secret, nonce, body)})
+                conn.settimeout(TIMEOUT_S)
+                answer = json.loads(_recv_line(conn))
+                if payload and answer.get("ok"):       # a put: the payload once the buddy agreed to take it
+                    with open(payload, "rb") as f:
+                        conn.sendfile(f)
+                    answer = json.loads(_recv_line(conn))
+            except (OSError, LinkError, ValueError) as e:
+                last = e
+                if conn is not None:
+                    conn.close()
+                time.sleep(0.1 * 2 ** attempt)
+                continue
+            if not answer.get("ok"):
+                conn.close()
+                raise LinkError(f"{peer[0]}:{peer[1]}: {answer.get('error')}")
+            return answer, conn
+        raise LinkError(f"{peer[0]}:{peer[1]}: no answer in {ATTEMPTS} tries ({last})")
 
     def put(self, peer: Tuple[str, int], step: int, name: str, path: str) -> None:
-        """File ``path`` into ``peer``'s node as ``name`` of the snapshot of ``step``; returns once it is written
-        there."""
-        _, conn = self._request(peer, {"op": "put", "step": step, "name": name, "size": os.path.getsize(path)}, path)
+        """File ``path`` into ``peer``'s node as ``name`` of this segment's snapshot of ``step``; returns once it
+        is written there."""
+        _, conn = self._request(peer, {"op": "put", "segment": self.store.segment, "step": step, "name": name,
+                                       "size": os.path.getsize(path)}, path)
         conn.close()
 
     def note(self, peer: Tuple[str, int], **what) -> None:
@@ -168,9 +257,8 @@ class Link:
         _, conn = self._request(peer, dict(what, op="note"))
         conn.close()
 
-    def get(self, peer: Tuple[str, int], step: int, name: str, f) -> None:
-        """File ``name`` of ``peer``'s node's snapshot of ``step``, written into the open binary file ``f``."""
-        answer, conn = self._request(peer, {"op": "get", "step": step, "name": name})
+    def get(self, peer: Tuple[str, int], key: Tuple[str, int], name: str, f) -> None:
+        """File ``name`` of ``peer``'s node's snapshot ``key`` (segment, step), written into the open file ``f``."""
+        answer, conn = self._request(peer, {"op": "get", "segment": key[0], "step": key[1], "name": name})
         with conn:
             _recv_into(conn, int(answer["size"]), f)
-

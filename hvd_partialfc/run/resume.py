@@ -185,7 +185,7 @@ def resume(cfg, comm, parts, layout, data: DataIdentity, memory=None) -> Optiona
         finally:
             memory_recover.after_resume(memory, comm, from_memory)
         if point is not None and from_memory is not None:
-            point.update(path=f"the memory snapshot of step {from_memory}", memory=True)
+            point.update(path=f"the memory snapshot of step {from_memory[1]}", memory=True)
         return point
     return _load_agreed(cfg, comm, parts, layout, data, path)
 

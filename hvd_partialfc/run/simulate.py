@@ -27,6 +27,7 @@ from typing import List, Optional
 from ..config import Config
 from .preempt import StopSignals
 from ..engine.sim import SimComm, SimWorld
+from .run_lock import release
 from .startup import start_trainer
 
 
@@ -75,6 +76,7 @@ def simulate(cfg: Config, ranks: int) -> SimResult:
         world.begin()
         for t in threads:
             t.join()
+    release()                   # the run folder's lock (run_lock.py): another job may train into it now
     if world.failure is not None:
         raise SimFailure(world.failed_rank, world.failure)
     out = results[0]

@@ -1,6 +1,7 @@
 """Build once: from (config, engine) to a ``Trainer`` ready to loop. A collective: every rank calls it.
 
     cfg --> device, threads
+        --> the run folder's lock (rank 0; run_lock.py: one job a run folder)
         --> manifest --> layout (every rank's slice and shards) --> dataset (this rank's shards)
         --> build_parts(cfg, comm, layout)                     (parts.py: backbone, head, optimizers)
         --> evaluator                                           (pair sets read and checked on rank 0)
@@ -21,7 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import checkpoint as ckpt
-from . import progress
+from . import progress, run_lock
 from ..data import class_identity
 from ..data.augment import BatchAugment, parse_augment
 from ..config import ConfigError
@@ -138,6 +139,8 @@ def start_trainer(cfg, comm) -> Trainer:
         torch.set_num_threads(cfg.train.threads)
     elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
         torch.set_num_threads(rank_threads(comm.local_size))
+    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
+    comm.agree(run_lock.hold(cfg.out, cfg.checkpoint.lock_wait, say) if comm.is_main else None, name="run.lock")
     error = data = parts = evaluator = None
     decode, decode_note = "cpu", ""
     try:
@@ -154,13 +157,14 @@ def start_trainer(cfg, comm) -> Trainer:
     comm.agree(error, name="setup")
     if decode_note and comm.is_main:
         print(decode_note, flush=True)
-    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
     memory = MemorySnapshots.start(cfg, comm, parts, log=say)
     t0 = time.perf_counter()
     resumed_from = resume(cfg, comm, parts, data.layout, data.identity, memory) if cfg.checkpoint.resume else None
     if resumed_from:
         resumed_from["restore_s"] = time.perf_counter() - t0   # finding, gathering, loading: disk against memory
     start_step = resumed_from["step"] if resumed_from else 0
+    if memory is not None:
+        memory.begin(start_step)
     if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
         _init_backbone(cfg, comm, parts)
     # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.

@@ -83,7 +83,7 @@ def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequenc
 def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_bytes: int, world_size: int,
                         ranks_per_node: int, memory_every: int) -> Dict[str, Any]:
     """Host memory of memory snapshots (``checkpoint.memory_every`` = ``memory_every``), by the formula that
-    ``run/memory.py`` applies to the live tensors: ``snapshot_bytes`` (a rank's file: its ``width`` classifier
+    ``run/memory_plan.py`` applies to the live tensors: ``snapshot_bytes`` (a rank's file: its ``width`` classifier
     rows and their ``state`` optimizer slots, plus its own BatchNorm buffers; the node's backbone file:
     parameters and their optimizer state, plus the buffers) and the room check in ``MemorySnapshots.start``
     (``memory_store.room_error``'s need: 2 x (the files a node hosts + the backbone file), two snapshots at a
@@ -92,7 +92,7 @@ def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_by
 
     The classifier is float32 whatever ``--dtype`` or ``train.precision`` (the head's weight is a float32
     parameter under every precision: autocast casts only for the products), so 4 bytes a value. A node hosts its
-    own ranks' files and the files of the previous node's ranks, whose buddies it holds (``memory.Plan``: a
+    own ranks' files and the files of the previous node's ranks, whose buddies it holds (``memory_plan.Plan``: a
     rank's buddy is on the next node); with the ranks placed ``ranks_per_node`` a node in order, the busiest
     node's count is the figure. One node has no buddies (``Plan.buddy`` is None): its own files only, and no traffic. The
     RNG streams and counters (a few KB) and torch.save's framing are left out."""

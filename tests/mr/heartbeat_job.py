@@ -10,8 +10,8 @@ torchrun's variables, so that the test, not a launcher, sees each rank end).
     python heartbeat_job.py crash TIMEOUT    # rank 1 fails on its own and lingers (a slow exit): it leaves
                                              # the ring without a goodbye, rank 0 ends at once naming it
     python heartbeat_job.py agreed TIMEOUT   # an error every rank raises (an agreement): goodbyes, no alarm
-    python heartbeat_job.py stray TIMEOUT    # a stray connection reaches rank 0 before rank 1 does: it is
-                                             # refused, and the ring forms with rank 1
+    python heartbeat_job.py stray TIMEOUT    # a stray connection and a flood of 200 reach rank 0 before rank 1
+                                             # does: they are refused, and the ring forms with rank 1
 """
 import os
 import signal
@@ -32,10 +32,16 @@ if mode == "stray" and comm.rank == 1:
     connect = Heartbeat._connect
 
     def stray_first(self, peer):
-        """A stranger connects to rank 0's heartbeat port first, says something else, and leaves after 1 s."""
+        """A stranger reaches rank 0's heartbeat port first: one connection says something else and leaves after
+        1 s, then a flood of 200 more, idle or saying garbage, stays open for 15 s (each had 5 s to say its
+        hello, one after the other: 1,000 s in all)."""
         s = socket.create_connection(peer[1:3], timeout=5)
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40)
         threading.Timer(1.0, s.close).start()
+        flood = [socket.create_connection(peer[1:3], timeout=5) for _ in range(200)]
+        for f in flood[::2]:
+            f.sendall(b"\x00" * 20)
+        threading.Timer(15.0, lambda: [f.close() for f in flood]).start()
         time.sleep(0.3)
         return connect(self, peer)
     Heartbeat._connect = stray_first

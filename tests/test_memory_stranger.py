@@ -1,0 +1,270 @@
+"""Memory snapshots against another user of the node (run/memory_store.py, memory_link.py, engine/listener.py).
+
+The stranger is real: ``runuser -u nobody`` reads, lists and plants in a root made like /dev/shm (every user's,
+sticky); the link is attacked over TCP by connections that hold the run's token but not the start's secret,
+by floods of idle and garbage connections, and under a file-descriptor limit that a flood exhausts. One
+process each (no training but the one start refused); the flood during a real run: test_memory_snapshots.py.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+
+import pytest
+
+from conftest import MR, ROOT, SMALL_RUN, launch_env
+from hvd_partialfc.run.memory import MemorySnapshots, run_token
+from hvd_partialfc.run.memory_plan import Plan
+from hvd_partialfc.run.memory_link import Link, LinkError, new_secret
+from hvd_partialfc.run.memory_store import NodeStore, StoreError, store_name
+from hvd_partialfc.run_files import classifier_file
+
+SEG = "0000000a"
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"),
+                             reason="acting as another user (runuser -u nobody) needs root")
+
+
+def as_nobody(*cmd):
+    return subprocess.run(["runuser", "-u", "nobody", "--", *map(str, cmd)], capture_output=True, text=True)
+
+
+@pytest.fixture
+def shm():
+    """A snapshot root made like /dev/shm: every user may create in it (1777), none may rename another's."""
+    root = tempfile.mkdtemp(prefix="hvdpfc-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.chmod(root, 0o1777)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@AS_ROOT
+def test_another_user_can_neither_read_list_nor_write_a_snapshot(shm, tmp_path):
+    run = tmp_path / "run"
+    token = run_token(str(run), keep=False)
+    store = NodeStore(shm, token, str(run), SEG)
+    store.open()
+    store.write(8, classifier_file(0, 2), b"the rows of rank 0")
+    store.commit(8)
+    final = store.find((SEG, 8), classifier_file(0, 2))
+    for path, mode in ((store.path, 0o700), (os.path.dirname(final), 0o700), (final, 0o600),
+                       (os.path.join(store.path, "owner.json"), 0o600), (run / "run_id", 0o600)):
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode, path
+    os.chmod(tmp_path, 0o755)                    # the run folder's token: its file alone keeps it from others
+    for cmd in (["cat", final], ["ls", store.path], ["touch", os.path.join(store.path, "planted")],
+                ["cat", run / "run_id"]):
+        assert as_nobody(*cmd).returncode != 0, cmd
+    assert as_nobody("ls", shm).returncode == 0                      # the stranger can reach the root itself
+    assert os.path.basename(store.path) == store_name(token, str(run)) != store_name(token, str(tmp_path / "copy"))
+
+
+@AS_ROOT
+@pytest.mark.parametrize("who", ["nobody", "this user"])
+def test_a_link_in_the_folder_s_place_is_refused_and_nothing_it_points_to_is_removed(shm, tmp_path, who):
+    home = tmp_path / "home"
+    (home / "thesis").mkdir(parents=True)
+    (home / "thesis" / "chapter1.tex").write_text("years of work")
+    store = NodeStore(shm, "tok", str(tmp_path / "run"), SEG)
+    ln = ["ln", "-s", str(home), store.path]
+    assert (as_nobody(*ln) if who == "nobody" else subprocess.run(ln)).returncode == 0
+    with pytest.raises(StoreError, match=f"{store.path} is there already and is not this run's snapshot folder: "
+                                         f"a symbolic link \\(to {home}\\)"):
+        store.open()
+    store.keep_only(None)                          # what a start's clean-up and a dropped snapshot call
+    store.commit(8)
+    store.remove()
+    assert (home / "thesis" / "chapter1.tex").read_text() == "years of work"
+    assert os.path.islink(store.path)
+
+
+@AS_ROOT
+def test_a_root_that_lets_others_rename_its_folders_is_refused(tmp_path):
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)                          # world-writable, no sticky bit: a folder could be swapped
+    with pytest.raises(StoreError, match="lets other users rename what is in it"):
+        NodeStore(str(root), "tok", str(tmp_path / "run")).open()
+
+
+@AS_ROOT
+def test_a_folder_planted_by_another_user_is_refused_at_start_up_in_one_line_and_left_as_it_is(shm, tmp_path,
+                                                                                             small_run_shards):
+    """The stranger knows the run's token (a group-readable run folder of an older version) and plants the
+    folder, with a forged committed snapshot and an owner.json naming the run: the start refuses, exit 2, one
+    line; the forgery is neither restored from nor removed, and not one step is trained."""
+    run = tmp_path / "run"
+    token = run_token(str(run), keep=False)
+    planted = os.path.join(shm, store_name(token, str(run)))
+    forged = os.path.join(planted, f"step-00000090.{SEG}")
+    assert as_nobody("mkdir", "-m", "0777", "-p", forged).returncode == 0
+    owner = json.dumps({"run_dir": os.path.realpath(run), "token": token})
+    assert as_nobody("sh", "-c", f"echo '{owner}' > {planted}/owner.json").returncode == 0
+    env = dict(launch_env(), HVD_PARTIALFC_MEMORY_DIR=shm)
+    p = subprocess.run([sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", str(small_run_shards),
+                        "--out", str(run), "--steps", "4", *sum((["--set", s] for s in SMALL_RUN
+                                                                  + ["checkpoint.memory_every=2"]), [])],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"[rank 0] error: checkpoint.memory_every: {planted} is there already and is not this run's snapshot "
+        "folder: owned by uid 65534 (nobody). It was neither used nor changed; remove it if it is yours, or point "
+        "HVD_PARTIALFC_MEMORY_DIR (or checkpoint.memory_dir) at a folder of your own"), p.stderr
+    assert os.path.isdir(forged) and not (run / "metrics.jsonl").exists()
+
+
+# --- the link ------------------------------------------------------------------------------------------------
+
+def _serving(tmp_path, rank=0, authorize=None):
+    store = NodeStore(str(tmp_path / "shm"), "tok", str(tmp_path / "run"), SEG)
+    os.makedirs(store.root, exist_ok=True)
+    store.open()
+    return store, Link(store, new_secret(), rank, authorize)
+
+
+def _client(tmp_path, secret, rank):
+    """A process of this run on another node: same token and run folder (its own root), ``secret``."""
+    store = NodeStore(str(tmp_path / "other"), "tok", str(tmp_path / "run"), SEG)
+    return Link(store, secret, rank)
+
+
+def test_a_process_with_the_token_but_not_the_start_s_secret_can_neither_get_put_nor_commit(tmp_path):
+    store, link = _serving(tmp_path)
+    notes = []
+    link.on_note = notes.append
+    store.write(8, classifier_file(0, 2), b"rank 0's rows")
+    payload = tmp_path / "forged.pt"
+    payload.write_bytes(b"forged rows" * 1000)
+    for who, secret in (("stranger", new_secret()), ("rank", link.secret)):
+        peer = _client(tmp_path, secret, rank=1)
+        got = io.BytesIO()
+        requests = (lambda: peer.get(link.address, (SEG, 8), classifier_file(0, 2), got),
+                    lambda: peer.put(link.address, 12, classifier_file(1, 2), str(payload)),
+                    lambda: peer.note(link.address, what="commit", step=8))
+        if who == "stranger":
+            for request in requests:
+                with pytest.raises(LinkError, match="not a request of this start of the job"):
+                    request()
+            assert got.getvalue() == b"" and notes == []
+            assert store.listing() == {(SEG, 8): (False, [classifier_file(0, 2)])}
+        else:                                  # the same requests with the key: served (the key is what refuses)
+            for request in requests:
+                request()
+            assert got.getvalue() == b"rank 0's rows" and [n["what"] for n in notes] == ["commit"]
+            assert store.listing() == {(SEG, 12): (False, [classifier_file(1, 2)]),
+                                       (SEG, 8): (False, [classifier_file(0, 2)])}
+        peer.close()
+    link.close()
+
+
+def test_a_rank_of_the_job_is_refused_what_is_not_its_own_to_send(tmp_path):
+    """Rank 1 of 3 nodes (buddies 0 -> 1 -> 2 -> 0), snapshots every 4 steps, none taken yet: it takes rank 0's
+    own file of a due step at its size only, and a commit only from rank 0."""
+    store, link = _serving(tmp_path, rank=1)
+    comm = types.SimpleNamespace(rank=1, size=3, is_main=False)
+    sizes = {"rank": 1000, "backbone": 0, "limit": 4096}
+    snaps = MemorySnapshots(4, comm, store, link, Plan(["a", "b", "c"]), [("a", "", 0, sizes)] * 3, [SEG])
+    small, large = tmp_path / "small.pt", tmp_path / "large.pt"
+    small.write_bytes(b"x" * 100)
+    large.write_bytes(b"x" * 5000)
+    rank0, rank2 = _client(tmp_path, link.secret, 0), _client(tmp_path, link.secret, 2)
+    refused = {
+        "rank 2's copies go to rank 0, not to rank 1": lambda: rank2.put(link.address, 4, classifier_file(2, 3),
+                                                                          str(small)),
+        f"rank 0 sends {classifier_file(0, 3)} of segment {SEG} only": lambda: rank0.put(
+            link.address, 4, classifier_file(1, 3), str(small)),
+        "step 6 is no snapshot due here": lambda: rank0.put(link.address, 6, classifier_file(0, 3), str(small)),
+        "step 12 is no snapshot due here": lambda: rank0.put(link.address, 12, classifier_file(0, 3), str(small)),
+        "5000 bytes is more than rank 0's slice can take": lambda: rank0.put(link.address, 4, classifier_file(0, 3),
+                                                                             str(large)),
+        "only rank 0 commits a snapshot": lambda: rank2.note(link.address, what="commit", step=4),
+        "landings are told to rank 0": lambda: rank2.note(link.address, what="landed", step=4, rank=2),
+    }
+    for why, request in refused.items():
+        with pytest.raises(LinkError, match=why):
+            request()
+    assert store.listing() == {}
+    rank0.put(link.address, 4, classifier_file(0, 3), str(small))       # its own: taken
+    assert store.listing() == {(SEG, 4): (False, [classifier_file(0, 3)])}
+    for peer in (rank0, rank2):
+        peer.close()
+    snaps.close(keep=True)
+
+
+def _garbage(address, n):
+    """``n`` connections that each send something that is not a request, and the ones that send nothing."""
+    socks = []
+    junk = [b"[]\n", b"{}\n", b"\x00" * 64, b"x" * 5000, b'{"body": [], "mac": 1}\n', b"not json\n",
+            json.dumps({"body": {"op": "get"}, "mac": "00"}).encode() + b"\n"]
+    for i in range(n):
+        s = socket.create_connection(address, timeout=5)
+        if i % 2:
+            try:
+                s.sendall(junk[i % len(junk)])
+            except OSError:
+                pass
+        socks.append(s)
+    return socks
+
+
+def test_a_flood_of_idle_and_garbage_connections_costs_a_put_under_a_second_and_no_traceback(tmp_path, capfd):
+    store, link = _serving(tmp_path, rank=1)
+    payload = tmp_path / "rows.pt"
+    payload.write_bytes(b"r" * 100_000)
+    flood = _garbage(link.address, 200)
+    peer = _client(tmp_path, link.secret, 0)
+    t0 = time.monotonic()
+    peer.put(link.address, 4, classifier_file(0, 2), str(payload))
+    took = time.monotonic() - t0
+    for s in flood:
+        s.close()
+    assert took < 1.0, took
+    assert store.listing() == {(SEG, 4): (False, [classifier_file(0, 2)])}
+    assert "Traceback" not in capfd.readouterr().err
+    peer.close()
+    link.close()
+
+
+def test_the_server_survives_a_flood_that_uses_up_its_file_descriptors(tmp_path):
+    """A server allowed 40 more open files than it has: 300 connections run it out (EMFILE in accept, which
+    ended the first version's loop for good). Once they close, a rank's request is served; no traceback."""
+    (tmp_path / "shm").mkdir()
+    secret = new_secret()
+    server = subprocess.Popen([sys.executable, os.path.join(MR, "link_server.py"), str(tmp_path / "shm"),
+                               str(tmp_path / "run"), secret, "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=launch_env())
+    try:
+        _, host, port = server.stdout.readline().split()
+        address = (host, int(port))
+        flood = []
+
+        def open_flood():
+            for _ in range(150):
+                try:
+                    flood.append(socket.create_connection(address, timeout=2))
+                except OSError:
+                    pass
+        opener = threading.Thread(target=open_flood)
+        opener.start()
+        opener.join(60)
+        time.sleep(0.5)                              # the server meets EMFILE while these are open
+        for s in flood:
+            s.close()
+        payload = tmp_path / "rows.pt"
+        payload.write_bytes(b"r" * 1000)
+        peer = _client(tmp_path, secret, 1)
+        peer.put(address, 4, classifier_file(1, 2), str(payload))
+        peer.close()
+    finally:
+        server.stdin.close()
+        server.wait(30)
+    assert len(flood) > 100                          # the flood was real (40 files more were allowed)
+    assert "Traceback" not in server.stderr.read()
