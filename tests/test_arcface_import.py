@@ -194,7 +194,7 @@ def test_an_arcface_config_is_read_never_run_and_translated(tmp_path, capsys):
     assert cfg.optim.backbone_weight_decay == 5e-4 and cfg.optim.schedule == "poly"
     assert cfg.optim.warmup_steps == 42474557 // (128 * 64) * 2
     assert cfg.eval.pairs == ["/data/webface42m/lfw.bin", "/data/webface42m/cfp_fp.bin"]
-    for dropped in ("dali: DALI", "lr_steps (not a literal", "num_classes: read from the shard set"):
+    for dropped in ("dali: DALI", "lr_steps (line 18: not a literal", "num_classes: read from the shard set"):
         assert dropped in text, text
     assert main(["config", "--from-arcface", str(src), "--mode", "global"]) == 0
     assert "mode: global" in capsys.readouterr().out
@@ -284,3 +284,39 @@ def test_the_committed_run_imports(tmp_path, capsys):
         assert torch.equal(got["weight"], src["state_dict_softmax_fc"]["weight"])
         assert torch.equal(got["optimizer"]["state"][0]["momentum_buffer"],
                            src["state_optimizer"]["state"][9]["momentum_buffer"])
+
+
+PARSED = '''config = edict()
+config.lr, config.batch_size = 0.2, 64
+config.embedding_size: int = 256
+config["sample_rate"] = 0.3
+if os.environ.get("BIG"):
+    config.network = "r200"
+config.margin_list = (1.0, 0.5, 0.0)
+config.margin_list[1] = 0.4
+config.momentum = 0.9
+config.momentum *= 0.5
+config.num_epoch = {[1]: 2}
+'''
+
+
+def test_the_config_parser_reads_every_plain_assignment_and_lists_the_rest(tmp_path, capsys):
+    """Tuple, annotated and subscript assignments are read; one under an ``if``, an element set, an
+    augmented one and a literal that raises TypeError are each listed as not read (no traceback); a file
+    that is not Python is one line, exit 2."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.tools.arcface_config import read_config
+    src = tmp_path / "c.py"
+    src.write_text(PARSED)
+    values, not_read = read_config(str(src))
+    assert (values["lr"], values["batch_size"], values["embedding_size"], values["sample_rate"]) == (0.2, 64, 256, 0.3)
+    assert values["network"] == "r50"        # base.py's: the file's r200 is conditional
+    said = " | ".join(not_read)
+    for key, line in (("network", 6), ("margin_list", 8), ("momentum", 10), ("num_epoch", 11)):
+        assert f"{key} (line {line}" in said, said
+    assert len(not_read) == 4, not_read
+    src.write_text("config.lr = (\n")
+    capsys.readouterr()
+    assert main(["config", "--from-arcface", str(src)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{src}:1" in err, err
