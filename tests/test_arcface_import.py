@@ -148,6 +148,8 @@ def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, ca
         (["--set", s] for s in SETS + [f"train.steps={STEP}"]), [])])
     err = capsys.readouterr().err.strip()
     assert code == 2 and said in err and len(err.splitlines()) == 1, err
+    assert "earlier checkpoint" not in err                    # no checkpoint of this package to go back to
+    assert case != "truncated" or "copy it again from the arcface_torch run" in err
     assert not out.exists()
 
 

@@ -47,6 +47,8 @@ from ..run_files import CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, classifier_
 
 RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer")
+# an unreadable rank file is the copy's fault, not the run's: there is no earlier checkpoint to go back to
+COPY_AGAIN = "copy it again from the arcface_torch run's output folder, as its train_v2.py wrote it"
 
 
 class ArcfaceImportError(ValueError):
@@ -70,7 +72,7 @@ def rank_files(run_dir: str) -> List[str]:
 
 def _read(path: str) -> Dict[str, Any]:
     try:
-        obj = load_file(path, "arcface_torch rank file")
+        obj = load_file(path, "arcface_torch rank file", fix=COPY_AGAIN)
     except Exception as e:  # CheckpointError: unreadable, truncated, or holding code
         raise ArcfaceImportError(str(e)) from None
     missing = [k for k in KEYS if not isinstance(obj, dict) or k not in obj]
