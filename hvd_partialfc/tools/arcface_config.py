@@ -12,8 +12,9 @@ Carried (arcface_torch -> here): network -> model.name; embedding_size -> model.
 (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
 sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
 the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
-warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its steps of batch_size x W); the poly
-schedule; gradient_acc -> optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
+warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its batches of batch_size x W, which
+its scheduler counts, in optimizer steps of gradient_acc batches); the poly schedule; gradient_acc ->
+optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
 data.workers, train.log_every, eval.every; rec + val_targets -> eval.pairs (its .bin files), eval.flip;
 train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_grad_norm 5, data.augment.
 ``head.mode`` is ``local`` (this package's method) unless ``--mode global`` (Partial FC's exact softmax).
@@ -157,6 +158,12 @@ def _is_config(node) -> bool:
     return isinstance(node, ast.Name) and node.id == "config"
 
 
+def optimizer_steps(batches: float, acc: int) -> int:
+    """arcface_torch's warm-up, in the batches its lr scheduler counts (it steps once a batch), as optimizer
+    steps of ``acc`` batches (gradient_acc): whole steps, as its own ``int`` counts did."""
+    return int(batches // acc)
+
+
 def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tuple[Dict[str, Any], List[str]]:
     """This package's config sections for arcface_torch's values ``v``; and the keys not carried, with why."""
     why: List[str] = []
@@ -191,8 +198,9 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     if "num_epoch" in v:
         cfg["train"]["epochs"] = float(v["num_epoch"])
     warm = v.get("warmup_epoch", 0)
-    if warm and world_size and v.get("num_image"):
-        o["warmup_steps"] = int(v["num_image"] // (cfg["data"]["batch_size"] * world_size) * warm)
+    if warm and world_size and v.get("num_image"):     # train_v2.py's warmup_step, in batches
+        batches = v["num_image"] // (cfg["data"]["batch_size"] * world_size) * warm
+        o["warmup_steps"] = optimizer_steps(batches, o["backward_passes_per_step"])
     elif warm:
         why.append(f"warmup_epoch {warm}: its steps need num_image and the run's GPU count (--world-size)")
     else:
