@@ -39,11 +39,13 @@ def classifier_file(rank: int, world_size: int) -> str:
 
 # --- reading ------------------------------------------------------------------------------------------
 
-def load_file(path: str, what: str = "checkpoint file") -> Any:
+def load_file(path: str, what: str = "checkpoint file", fix: str = "") -> Any:
     """``torch.load(path, weights_only=True)`` on CPU, with errors that name the file and say what to do.
 
     A file that needs more than tensors and plain types (any pickled object, class or function) is refused
-    before anything in it runs.
+    before anything in it runs. ``fix``: the next step for a file that cannot be read, where "resume from an
+    earlier checkpoint" (and, for pickled objects, ``hvd-partialfc upgrade``) is not: a file that no run of
+    this package wrote (arcface_torch's rank files).
     """
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -53,12 +55,13 @@ def load_file(path: str, what: str = "checkpoint file") -> Any:
         first = str(e).strip().splitlines()
         raise CheckpointError(
             f"{path}: refused to load this {what}: it holds more than tensors and plain types "
-            f"({first[-1] if first else 'weights_only'}). Files written by hvd_partialfc before checkpoint "
-            f"format {FORMAT_VERSION} are converted once by `hvd-partialfc upgrade RUN`; never upgrade a file "
-            "you did not write yourself") from None
+            f"({first[-1] if first else 'weights_only'})" + (f": {fix}" if fix else (
+                f". Files written by hvd_partialfc before checkpoint format {FORMAT_VERSION} are converted once by "
+                "`hvd-partialfc upgrade RUN`; never upgrade a file you did not write yourself"))) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read this {what} ({type(e).__name__}: {str(e).strip()[:200]}); "
-                              "it is truncated or not a torch file: resume from an earlier checkpoint") from None
+                              f"it is truncated or not a torch file: {fix or 'resume from an earlier checkpoint'}"
+                              ) from None
 
 
 def read_meta(ckpt_dir: str, check_version: bool = True) -> Dict[str, Any]:

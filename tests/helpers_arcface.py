@@ -1,6 +1,12 @@
 """arcface_torch's per-rank checkpoint files as its train_v2.py writes them (the published layout: the keys
-of each file, Partial FC v2's class partition, the one SGD over two parameter groups), written here from a
-state for the import's tests. No arcface_torch code: only the format facts."""
+of each file, Partial FC v2's class partition, the one SGD over two parameter groups, the lr scheduler's
+state_dict), written here from a state for the import's tests. No arcface_torch code: only the format facts.
+
+The scheduler's state, as ``_LRScheduler.state_dict()`` gives it (the scheduler's attributes but its
+optimizer): today's ``PolynomialLRWarmup`` keeps ``total_iters``, ``warmup_iters``, ``power`` (1.0 unless
+given) and ends a run of G batches at ``last_epoch`` G; the older ``PolyScheduler`` keeps ``max_steps``,
+``warmup_steps``, ``power`` 2, ``base_lr``, and resets ``last_epoch`` to -1 after its first step, so it ends
+the same run at G - 1. Both step once per batch, gradient accumulation or not."""
 from __future__ import annotations
 
 import os
@@ -19,10 +25,13 @@ def pfc_slices(classes: int, world: int) -> List[tuple]:
 def write_run(out: str, backbone: Dict[str, torch.Tensor], param_names: List[str], rows: torch.Tensor,
               rows_momentum: Optional[torch.Tensor], backbone_momentum: Dict[str, torch.Tensor], world: int,
               step: int, epoch: int = 1, lr: float = 0.1, weight_decay: float = 5e-4,
-              rank_buffers: Optional[List[Dict[str, torch.Tensor]]] = None) -> List[str]:
+              rank_buffers: Optional[List[Dict[str, torch.Tensor]]] = None, total: Optional[int] = None,
+              warmup: float = 0, power: float = 2, scheduler: str = "poly_warmup") -> List[str]:
     """``checkpoint_gpu_{r}.pt`` for r < ``world``: every rank the backbone (its own BatchNorm buffers from
     ``rank_buffers``), its rows of ``rows`` and their momentum, the optimizer's state and groups, the
-    scheduler's state. Returns the paths."""
+    scheduler's state (``scheduler``: ``poly_warmup``, today's, or ``poly``, the older one; ``total``
+    batches, 10 x ``step`` unless given, ``warmup`` of them, ``power``) after ``step`` batches (arcface's
+    ``global_step``). Returns the paths."""
     os.makedirs(out, exist_ok=True)
     k = len(param_names)
     group = {"lr": lr, "momentum": 0.9, "dampening": 0, "weight_decay": weight_decay, "nesterov": False,
@@ -37,11 +46,17 @@ def write_run(out: str, backbone: Dict[str, torch.Tensor], param_names: List[str
         if rows_momentum is not None:
             state[k] = {"momentum_buffer": rows_momentum[start:start + n].clone()}
         optimizer = {"state": state, "param_groups": [dict(group, params=list(range(k))), dict(group, params=[k])]}
-        scheduler = {"base_lrs": [lr, lr], "last_epoch": step, "_step_count": step + 1, "_last_lr": [lr, lr],
-                     "warmup_iters": 0, "total_iters": 10 * step, "power": 2}
+        total = 10 * step if total is None else total
+        if scheduler == "poly_warmup":
+            sched = {"base_lrs": [lr, lr], "last_epoch": step, "_step_count": step + 1, "_last_lr": [lr, lr],
+                     "warmup_iters": warmup, "total_iters": total, "power": power}
+        else:
+            sched = {"base_lr": lr, "warmup_lr_init": 0.0001, "max_steps": total, "warmup_steps": warmup,
+                     "power": power, "base_lrs": [lr, lr], "last_epoch": step - 1, "verbose": False,
+                     "_step_count": step + 1, "_last_lr": [lr, lr]}
         path = os.path.join(out, f"checkpoint_gpu_{r}.pt")
         torch.save({"epoch": epoch, "global_step": step, "state_dict_backbone": sd,
                     "state_dict_softmax_fc": OrderedDict(weight=rows[start:start + n].clone()),
-                    "state_optimizer": optimizer, "state_lr_scheduler": scheduler}, path)
+                    "state_optimizer": optimizer, "state_lr_scheduler": sched}, path)
         paths.append(path)
     return paths

@@ -1,10 +1,15 @@
 """``hvd-partialfc import-arcface`` and ``config --from-arcface`` (tools/arcface_import.py, arcface_config.py).
 
-The source: a run of this package (2 ranks, 24 steps), written in arcface_torch's per-rank layout by
-tests/helpers_arcface.py (Partial FC v2's partition of 42 classes over 2 ranks: 21 and 21 rows; the committed
-fixture's, over 3 ranks, is 14, 13, 13). Imported, it must hold the same rows, momentum and backbone bitwise, and resume
-at 1 and at 3 ranks exactly as the original run's own checkpoint resumes there: the first steps after the
-resume equal those computed from the original state (its momentum included: without it they differ)."""
+The source: a run of this package (2 ranks, 60 steps: one epoch, where arcface_torch saves; a poly schedule,
+which its scheduler's state can say), written in arcface_torch's per-rank layout by tests/helpers_arcface.py
+(Partial FC v2's partition of 42 classes over 2 ranks: 21 and 21 rows; the committed fixture's, over 3 ranks,
+is 14, 13, 13). Imported, it must hold the same rows, momentum and backbone bitwise, and resume at 1 and at 3
+ranks exactly as the original run's own checkpoint resumes there: the first steps after the resume equal
+those computed from the original state (its momentum included: without it they differ).
+
+Then arcface_torch's own runs: one at gradient_acc 4, one on uneven data with the older scheduler, each
+continuing arcface_torch's lr curve (computed here from its schedulers' published behaviour) to its end; the
+config's disagreements with the scheduler refused; the config parser's statements read or listed."""
 from __future__ import annotations
 
 import json
@@ -19,8 +24,10 @@ from helpers_arcface import pfc_slices, write_run
 
 SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 32}", "data.batch_size=8",
         "head.negatives_every=0", "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.every=4",
-        "train.seed=3", "optim.warmup_steps=2", "head.loss=cosface", "head.scale=16", "head.margin=0.2"]
-CLASSES, WORLD, STEP = 42, 2, 24
+        "train.seed=3", "optim.warmup_steps=2", "optim.schedule=poly", "optim.poly_power=1", "head.loss=cosface",
+        "head.scale=16", "head.margin=0.2"]
+CLASSES, WORLD, STEP = 42, 2, 60     # 42 x 24 samples in 8 shards: the smaller rank's 480 are 60 steps of 2 x 8
+SCHEDULE = {"total": STEP, "warmup": 2, "power": 1}     # the lr scheduler's state SETS translates to
 
 
 def _json(path):
@@ -57,7 +64,7 @@ def source(tmp_path_factory):
     state = _original_state(original)
     bb, names, momenta, rows, rows_m = state
     run = d / "arcface_run"
-    write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP)
+    write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP, **SCHEDULE)
     from hvd_partialfc.tools.arcface_import import import_arcface
     summary = import_arcface(str(run), _cfg(shards, d / "imported", f"train.steps={STEP}"), log=lambda m: None)
     return {"dir": d, "shards": shards, "original": original, "state": state, "run": run, "summary": summary}
@@ -84,9 +91,9 @@ def test_it_resumes_at_another_gpu_count_as_the_original_does(source, ranks):
     """Two steps after the resume at 1 and at 3 ranks, from the import and from the original run's own
     checkpoint: every digest equal (backbone and its momentum, rows and theirs, streams and counters)."""
     d = source["dir"]
-    got = simulate_here(_cfg(source["shards"], d / f"imported{ranks}", "train.steps=26",
+    got = simulate_here(_cfg(source["shards"], d / f"imported{ranks}", f"train.steps={STEP + 2}",
                              f"checkpoint.resume={source['summary']['checkpoint']}"), ranks)
-    want = simulate_here(_cfg(source["shards"], d / f"again{ranks}", "train.steps=26",
+    want = simulate_here(_cfg(source["shards"], d / f"again{ranks}", f"train.steps={STEP + 2}",
                               f"checkpoint.resume={source['original']}"), ranks)
     assert pins.checkpoint_digests(got.checkpoint) == pins.checkpoint_digests(want.checkpoint)
     # each sample scored against its own class's row: the run goes on well below a fresh run's loss at this
@@ -114,15 +121,21 @@ def _copy_run(source, tmp_path):
     ("optimizer", "the optimizer's backbone group holds"),
     ("truncated", "cannot read this arcface_torch rank file"),
     ("step", "are not of one checkpoint"),
+    ("power", "its lr scheduler's power is 2.0, the config's optim.poly_power 1.0: set optim.poly_power=2.0"),
+    ("warmup", "its lr scheduler warms up over 5 batches (5 optimizer steps at gradient_acc 1), the config's "
+               "optim.warmup_steps 2: set optim.warmup_steps=5"),
+    ("total", "its lr scheduler runs 30 batches (30 optimizer steps at gradient_acc 1), the config 60 steps "
+              "(train.steps=60): set train.steps=30"),
+    ("no scheduler", "not an arcface_torch rank file (no state_lr_scheduler)"),
 ])
 def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, capsys, case, said):
     from hvd_partialfc.cli import main
     bb, names, momenta, rows, rows_m = source["state"]
     run = tmp_path / "run"
     if case == "classes":      # a run of 40 classes, a shard set of 42
-        write_run(str(run), bb, names, rows[:40], rows_m[:40], momenta, WORLD, STEP)
+        write_run(str(run), bb, names, rows[:40], rows_m[:40], momenta, WORLD, STEP, **SCHEDULE)
     elif case == "rows":       # 42 rows in all, not Partial FC's split
-        paths = write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP)
+        paths = write_run(str(run), bb, names, rows, rows_m, momenta, WORLD, STEP, **SCHEDULE)
         for path, cut in zip(paths, (slice(0, 22), slice(22, 42))):
             f = torch.load(path, weights_only=True)
             f["state_dict_softmax_fc"]["weight"] = rows[cut].clone()
@@ -135,6 +148,14 @@ def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, ca
             os.remove(run / "checkpoint_gpu_0.pt")
         elif case == "truncated":
             path.write_bytes(path.read_bytes()[:1000])
+        elif case in ("power", "warmup", "total", "no scheduler"):     # rank 0's file holds the run's schedule
+            f = torch.load(run / "checkpoint_gpu_0.pt", weights_only=True)
+            if case == "no scheduler":
+                del f["state_lr_scheduler"]
+            else:
+                key, value = {"power": ("power", 2), "warmup": ("warmup_iters", 5), "total": ("total_iters", 30)}[case]
+                f["state_lr_scheduler"][key] = value
+            torch.save(f, run / "checkpoint_gpu_0.pt")
         else:
             f = torch.load(path, weights_only=True)
             if case == "optimizer":
@@ -148,6 +169,8 @@ def test_a_bad_source_is_one_line_exit_2_and_writes_nothing(source, tmp_path, ca
         (["--set", s] for s in SETS + [f"train.steps={STEP}"]), [])])
     err = capsys.readouterr().err.strip()
     assert code == 2 and said in err and len(err.splitlines()) == 1, err
+    assert "earlier checkpoint" not in err                    # no checkpoint of this package to go back to
+    assert case != "truncated" or "copy it again from the arcface_torch run" in err
     assert not out.exists()
 
 
@@ -194,7 +217,7 @@ def test_an_arcface_config_is_read_never_run_and_translated(tmp_path, capsys):
     assert cfg.optim.backbone_weight_decay == 5e-4 and cfg.optim.schedule == "poly"
     assert cfg.optim.warmup_steps == 42474557 // (128 * 64) * 2
     assert cfg.eval.pairs == ["/data/webface42m/lfw.bin", "/data/webface42m/cfp_fp.bin"]
-    for dropped in ("dali: DALI", "lr_steps (not a literal", "num_classes: read from the shard set"):
+    for dropped in ("dali: DALI", "lr_steps (line 18: not a literal", "num_classes: read from the shard set"):
         assert dropped in text, text
     assert main(["config", "--from-arcface", str(src), "--mode", "global"]) == 0
     assert "mode: global" in capsys.readouterr().out
@@ -251,7 +274,8 @@ def test_the_guide_end_to_end(tmp_path, capsys):
     names = [n for n, _ in model.named_parameters()]
     torch.manual_seed(0)
     write_run(str(tmp_path / "arcface_run"), model.state_dict(), names, torch.randn(6, 16), 0.01 * torch.randn(6, 16),
-              {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}, world=2, step=4)
+              {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}, world=2, step=4,
+              lr=0.05, total=6, power=1)       # the YAML's lr and poly power, train.steps=6 below
     capsys.readouterr()
     assert main(["import-arcface", str(tmp_path / "arcface_run"), "--shards", shards, "--config", yaml_path,
                  "--out", out, *small]) == 0
@@ -274,7 +298,7 @@ def test_the_committed_run_imports(tmp_path, capsys):
     shards = os.path.join(pins.FIXTURES, "data", "features")
     out = tmp_path / "imported"
     sets = sum((["--set", s] for s in ("model.name=mlp", "model.embedding_dim=32", "model.kwargs={hidden_dim: 32}",
-                                       "head.negatives_every=0")), [])
+                                       "head.negatives_every=0", "optim.schedule=poly", "train.steps=70")), [])
     assert main(["import-arcface", run, "--shards", shards, "--out", str(out), *sets]) == 0
     meta = _json(out / "checkpoints" / "step-00000007" / "meta.json")
     assert meta["slices"] == [[0, 14], [14, 27], [27, 40]] and meta["imported_from"]["ranks"] == 3
@@ -284,3 +308,146 @@ def test_the_committed_run_imports(tmp_path, capsys):
         assert torch.equal(got["weight"], src["state_dict_softmax_fc"]["weight"])
         assert torch.equal(got["optimizer"]["state"][0]["momentum_buffer"],
                            src["state_optimizer"]["state"][9]["momentum_buffer"])
+
+
+# --- the run's own lr schedule (state_lr_scheduler) and gradient accumulation ---------------------------------
+
+def arcface_lrs(sched, global_step, acc, end):
+    """The lr of each optimizer step arcface_torch's train_v2.py takes when it resumes from the scheduler
+    state ``sched`` at ``global_step`` and runs to batch ``end``, computed here from the schedulers' published
+    behaviour (not this package's code): each batch adds 1 to global_step; when global_step % acc == 0 the
+    optimizer steps at the scheduler's current lr; then the scheduler steps (last_epoch + 1), every batch.
+    Today's PolynomialLRWarmup (``total_iters``): lr(0) = base, base * e / warmup up to e = warmup, then
+    base * (1 - (e - warmup) / (total - warmup)) ** power, unchanged past total. The older PolyScheduler
+    (``max_steps``): base * e / warmup below warmup, then the same decay, power 2."""
+    new = "total_iters" in sched
+    base, power = sched["base_lrs"][0], sched["power"]
+    total, warm = (sched["total_iters"], sched["warmup_iters"]) if new else (sched["max_steps"], sched["warmup_steps"])
+
+    def lr(e):
+        if new and e == 0:
+            return base
+        if (new and e <= warm) or (not new and e < warm):
+            return base * e / warm
+        return base * (1 - (min(e, total) - warm) / (total - warm)) ** power
+
+    e, out = sched["last_epoch"], []
+    for g in range(global_step + 1, end + 1):
+        if g % acc == 0:
+            out.append(lr(e))
+        e += 1
+    return out
+
+
+def _continue(run, cfg, sched, global_step, acc, batches, per_batch):
+    """Import ``run`` into ``cfg.out``, resume it there (simulate, the same ranks) to its end: each resumed
+    step's lr against arcface_torch's own (``arcface_lrs``) within 1e-6, the run ending where arcface's does
+    (``batches`` batches of ``per_batch`` samples over all ranks)."""
+    from dataclasses import replace
+    from hvd_partialfc.tools.arcface_import import import_arcface
+    summary = import_arcface(str(run), cfg, log=lambda m: None)
+    assert summary["step"] == global_step // acc and summary["samples_consumed"] == global_step * per_batch
+    simulate_here(replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")), WORLD)
+    got = [r["lr"] for r in read_json_lines(os.path.join(cfg.out, "metrics.jsonl"))]
+    want = arcface_lrs(sched, global_step, acc, batches)
+    assert len(got) == len(want) == (batches - global_step) // acc
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    print(f"gradient_acc {acc}: {len(got)} resumed steps, lr {got[0]:.6f} ... {got[-1]:.6f}, "
+          f"max |lr - arcface_torch's| {worst:.2g}")
+    assert worst < 1e-6, (got, want)
+    from hvd_partialfc.run_files import find_resume
+    length = _json(os.path.join(find_resume(cfg.out), "meta.json"))["length"]
+    assert length["samples"] == length["budget_samples"] == batches * per_batch
+
+
+def _small_run(run, world, step, **sched):
+    from hvd_partialfc.models import create_model
+    torch.manual_seed(0)
+    model = create_model("mlp", in_shape=[16], embedding_dim=16, hidden_dim=16)
+    write_run(str(run), model.state_dict(), [n for n, _ in model.named_parameters()], torch.randn(8, 16),
+              0.01 * torch.randn(8, 16), {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()},
+              world, step, epoch=1, **sched)
+    return torch.load(os.path.join(run, "checkpoint_gpu_0.pt"), weights_only=True)["state_lr_scheduler"]
+
+
+SMALL_SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=4",
+              "head.negatives_every=0", "train.threads=1", "data.workers=0", "train.log_every=1", "data.augment=[]"]
+
+ACC_CONFIG = '''from easydict import EasyDict as edict
+config = edict()
+config.network = "r18"
+config.embedding_size = 16
+config.batch_size = 4
+config.gradient_acc = 4
+config.lr = 0.2
+config.num_image = 96
+config.num_epoch = 3
+config.warmup_epoch = 2
+'''
+
+
+def test_a_gradient_acc_run_goes_on_at_arcface_lr_and_length(tmp_path):
+    """arcface_torch at gradient_acc 4 on 2 ranks of 4 samples a batch: 96 images are 12 batches an epoch, its
+    scheduler (one step a batch) 36 batches with 24 of warm-up. Saved after its first epoch (global_step 12:
+    3 optimizer steps, 96 samples), it is translated (warm-up 6 optimizer steps, not 24), imported at step 3,
+    and goes on for arcface's 6 remaining optimizer steps (3 in warm-up, 3 after) at arcface's own lr."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.config import load_config
+    shards = build_shards(make_feature_npz(tmp_path / "f.npz", [12] * 8), tmp_path / "shards", 2)
+    (tmp_path / "acc4.py").write_text(ACC_CONFIG)
+    assert main(["config", "--from-arcface", str(tmp_path / "acc4.py"), "--world-size", "2",
+                 "--out", str(tmp_path / "acc4.yaml")]) == 0
+    cfg = load_config(str(tmp_path / "acc4.yaml"), SMALL_SETS,
+                      {"data": {"shards": shards}, "out": str(tmp_path / "out")})
+    assert cfg.optim.warmup_steps == 6 and cfg.optim.backward_passes_per_step == 4 and cfg.train.epochs == 3
+    sched = _small_run(tmp_path / "run", WORLD, 12, lr=0.2, total=36, warmup=24, power=1.0)
+    _continue(tmp_path / "run", cfg, sched, 12, 4, 36, 8)
+
+
+def test_a_run_on_uneven_data_goes_on_at_arcface_lr_and_length(tmp_path):
+    """Uneven data (classes of 40 and 8 samples, 4 shards): at 2 ranks of 4 a batch this package's loader
+    gives the smaller rank 8 steps an epoch, arcface_torch's scheduler counts 96 // 8 = 12. An older
+    arcface_torch run (PolyScheduler: power 2, last_epoch one behind) saved after its first epoch goes on
+    at its own lr for its 24 remaining steps, to its 36 batches, not 3 x 8."""
+    from hvd_partialfc.config import load_config
+    shards = build_shards(make_feature_npz(tmp_path / "f.npz", [40] + [8] * 7), tmp_path / "shards", 4)
+    cfg = load_config(None, [*SMALL_SETS, f"data.shards={shards}", f"out={tmp_path / 'out'}", "optim.schedule=poly",
+                             "optim.poly_power=2", "optim.warmup_steps=12", "train.epochs=3"])
+    sched = _small_run(tmp_path / "run", WORLD, 12, total=36, warmup=12, power=2, scheduler="poly")
+    _continue(tmp_path / "run", cfg, sched, 12, 1, 36, 8)
+
+
+PARSED = '''config = edict()
+config.lr, config.batch_size = 0.2, 64
+config.embedding_size: int = 256
+config["sample_rate"] = 0.3
+if os.environ.get("BIG"):
+    config.network = "r200"
+config.margin_list = (1.0, 0.5, 0.0)
+config.margin_list[1] = 0.4
+config.momentum = 0.9
+config.momentum *= 0.5
+config.num_epoch = {[1]: 2}
+'''
+
+
+def test_the_config_parser_reads_every_plain_assignment_and_lists_the_rest(tmp_path, capsys):
+    """Tuple, annotated and subscript assignments are read; one under an ``if``, an element set, an
+    augmented one and a literal that raises TypeError are each listed as not read (no traceback); a file
+    that is not Python is one line, exit 2."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.tools.arcface_config import read_config
+    src = tmp_path / "c.py"
+    src.write_text(PARSED)
+    values, not_read = read_config(str(src))
+    assert (values["lr"], values["batch_size"], values["embedding_size"], values["sample_rate"]) == (0.2, 64, 256, 0.3)
+    assert values["network"] == "r50"        # base.py's: the file's r200 is conditional
+    said = " | ".join(not_read)
+    for key, line in (("network", 6), ("margin_list", 8), ("momentum", 10), ("num_epoch", 11)):
+        assert f"{key} (line {line}" in said, said
+    assert len(not_read) == 4, not_read
+    src.write_text("config.lr = (\n")
+    capsys.readouterr()
+    assert main(["config", "--from-arcface", str(src)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{src}:1" in err, err

@@ -31,10 +31,15 @@ So a run is defined by what it consumes (``RunLength``):
 
 meta.json records the ``RunLength`` (``record``) beside ``total_steps``. A checkpoint from before it (no
 ``length``) is read as one segment at its own world size (``legacy_record``).
+
+An imported run keeps the schedule it was trained under (``ImportedSchedule``, the record's ``lr_schedule``):
+arcface_torch's scheduler steps once per backward pass, whatever its gradient accumulation, and warms up to
+its peak *at* the last warm-up step where this package's reaches it one step earlier, so no choice of this
+package's keys gives its curve; its lr goes on by the samples consumed, as this package's does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..data.layout import RankLayout
@@ -55,14 +60,39 @@ class Segment:
                 "global_batch": self.global_batch}
 
 
-class RunLength:
-    """A run's budget, schedule unit, epoch and segments (see the module's docstring)."""
+@dataclass(frozen=True)
+class ImportedSchedule:
+    """The lr schedule an imported run brought (tools/arcface_import.py): its scheduler's own steps of
+    ``samples_per_step`` samples (arcface_torch: one batch on every rank), ``warmup`` and ``total`` of them,
+    ``power``. An optimizer step takes the lr at ``index``: the samples consumed before it in those steps, plus
+    ``index_offset`` (arcface_torch: ``gradient_acc - 1``, its step's last batch, plus ``last_epoch -
+    global_step``, the scheduler's lag behind its batches: 0 today, -1 in the older one)."""
 
-    def __init__(self, budget: int, unit: int, epoch: int, segments: Sequence[Segment]):
+    samples_per_step: int
+    index_offset: int
+    warmup: float
+    total: float
+    power: float
+
+    def index(self, samples: int) -> float:
+        return samples / self.samples_per_step + self.index_offset
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"samples_per_step": self.samples_per_step, "index_offset": self.index_offset,
+                "warmup": self.warmup, "total": self.total, "power": self.power}
+
+
+class RunLength:
+    """A run's budget, schedule unit, epoch and segments (see the module's docstring); an imported run's own
+    lr schedule (``schedule``), None for this package's (the config's)."""
+
+    def __init__(self, budget: int, unit: int, epoch: int, segments: Sequence[Segment],
+                 schedule: Optional[ImportedSchedule] = None):
         if unit <= 0 or epoch <= 0 or budget <= 0 or not segments:
             raise ValueError(f"a run length needs a positive budget, unit and epoch and a segment "
                              f"(budget {budget}, unit {unit}, epoch {epoch}, {len(segments)} segments)")
         self.budget, self.unit, self.epoch, self.segments = int(budget), int(unit), int(epoch), list(segments)
+        self.schedule = schedule
 
     @classmethod
     def fixed(cls, total_steps: int, global_batch: int = 1) -> "RunLength":
@@ -104,9 +134,12 @@ class RunLength:
 
     def record(self, step: int) -> Dict[str, Any]:
         """What meta.json keeps (``length``), at ``step``."""
-        return {"budget_samples": self.budget, "samples": self.samples_at(step),
-                "samples_per_schedule_step": self.unit, "epoch_samples": self.epoch,
-                "segments": [s.as_dict() for s in self.segments]}
+        out = {"budget_samples": self.budget, "samples": self.samples_at(step),
+               "samples_per_schedule_step": self.unit, "epoch_samples": self.epoch,
+               "segments": [s.as_dict() for s in self.segments]}
+        if self.schedule is not None:
+            out["lr_schedule"] = self.schedule.as_dict()
+        return out
 
 
 def global_batch(cfg, world_size: int) -> int:
@@ -160,7 +193,11 @@ def plan(cfg, world_size: int, steps_per_epoch: int, start_step: int = 0,
     unit, epoch = int(resumed["samples_per_schedule_step"]), int(resumed["epoch_samples"])
     segments: List[Segment] = [Segment(**s) for s in resumed["segments"]]
     samples = int(resumed["samples"])
-    length = RunLength(budget_of(cfg, unit, epoch), unit, epoch, segments)
+    budget = budget_of(cfg, unit, epoch)
+    schedule = ImportedSchedule(**resumed["lr_schedule"]) if "lr_schedule" in resumed else None
+    if schedule is not None and budget != int(resumed["budget_samples"]):   # extended: its decay to the new end
+        schedule = replace(schedule, total=budget / schedule.samples_per_step)
+    length = RunLength(budget, unit, epoch, segments, schedule)
     if length.current.world_size != world_size or length.current.global_batch != g:
         was = length.current
         length.segments.append(Segment(start_step, samples, world_size, g))

@@ -76,6 +76,17 @@ def lr_factor(step: float, total: float, warmup: int, schedule: str, min_ratio: 
     return min_ratio + (1 - min_ratio) * decay
 
 
+def imported_factor(index: float, warmup: float, total: float, power: float) -> float:
+    """Multiplier of the peak lr at scheduler step ``index`` of an imported run's own schedule
+    (progress.ImportedSchedule): arcface_torch's poly with linear warm-up, ``index / warmup`` up to and at
+    ``warmup``, then ``(1 - (index - warmup) / (total - warmup)) ** power``, 0 from ``total`` on (today's
+    arcface_torch holds it there; the older one's square rose again, which no run reaches: the budget ends
+    at ``total``)."""
+    if warmup > 0 and index <= warmup:
+        return index / warmup
+    return (1 - min(1.0, (index - warmup) / max(1, total - warmup))) ** power
+
+
 class Step:
     """The step of ``parts`` (parts.py) on batches of a shard set of ``kind``, for a run of ``length``
     (progress.RunLength; an int: that many steps at one world size).
@@ -93,10 +104,14 @@ class Step:
         self.channels_last = bool(cfg.train.channels_last) and kind in ("images", "encoded")
 
     def set_lr(self, step: int) -> float:
-        o = self.cfg.optim
+        o, imported = self.cfg.optim, self.length.schedule
         # by the samples consumed (progress.py): at the run's first world size exactly (step, total_steps)
-        f = lr_factor(self.length.position(step), self.length.schedule_total, o.warmup_steps, o.schedule,
-                      o.min_lr_ratio, o.poly_power)
+        if imported is None:
+            f = lr_factor(self.length.position(step), self.length.schedule_total, o.warmup_steps, o.schedule,
+                          o.min_lr_ratio, o.poly_power)
+        else:   # an imported run's own schedule; the import checked that the config's keys say the same
+            f = imported_factor(imported.index(self.length.samples_at(step)), imported.warmup, imported.total,
+                                imported.power)
         for opt, peak in ((self.parts.backbone_opt, o.backbone_lr), (self.parts.head_opt, o.classifier_lr)):
             for g in opt.param_groups:
                 # lr_from: the classifier's group names its peak lr (it sits in backbone_opt when averaged)

@@ -1,7 +1,10 @@
 """``hvd-partialfc config --from-arcface CONFIG.py``: an arcface_torch config file as this package's YAML.
 
-The file is parsed, never run (no ``exec``, no import): each ``config.KEY = VALUE`` whose value is a literal
-(numbers, strings, booleans, None, tuples, lists) is read; anything else is listed as not read. arcface_torch
+The file is parsed, never run (no ``exec``, no import): each statement of the file's top level that sets
+``config.KEY`` (or ``config["KEY"]``) to a literal (numbers, strings, booleans, None, tuples, lists) is read,
+one or several at a time (``config.a, config.b = 1, 2``), annotated or not; every other statement that sets a
+key (not a literal, under an ``if``/``for``/``def``/..., an element of it, ``+=``) is listed as not read, with
+its line, as the run's value could be another. arcface_torch
 starts every config from ``configs/base.py`` (its ``get_config``): that file is read first when it lies
 beside CONFIG.py, else its published defaults below stand in for it.
 
@@ -9,8 +12,9 @@ Carried (arcface_torch -> here): network -> model.name; embedding_size -> model.
 (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
 sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
 the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
-warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its steps of batch_size x W); the poly
-schedule; gradient_acc -> optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
+warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its batches of batch_size x W, which
+its scheduler counts, in optimizer steps of gradient_acc batches); the poly schedule; gradient_acc ->
+optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
 data.workers, train.log_every, eval.every; rec + val_targets -> eval.pairs (its .bin files), eval.flip;
 train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_grad_norm 5, data.augment.
 ``head.mode`` is ``local`` (this package's method) unless ``--mode global`` (Partial FC's exact softmax).
@@ -57,18 +61,107 @@ def read_config(path: str) -> Tuple[Dict[str, Any], List[str]]:
 
 def _assignments(path: str) -> Tuple[Dict[str, Any], List[str]]:
     with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    values, not_read = {}, []
+        text = f.read()
+    try:
+        tree = ast.parse(text, path)
+    except SyntaxError as e:     # a ValueError: the command's one line and exit 2
+        raise ValueError(f"{path}:{e.lineno}: not Python ({e.msg}): fix the file (arcface_torch runs it) and "
+                         "translate it again") from None
+    values: Dict[str, Any] = {}
+    not_read: List[str] = []
+    lines = text.splitlines()
     for node in tree.body:
-        if not isinstance(node, ast.Assign):
-            continue
-        for t in node.targets:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "config":
-                try:
-                    values[t.attr] = ast.literal_eval(node.value)
-                except ValueError:
-                    not_read.append(f"{t.attr} (not a literal: {ast.unparse(node.value)[:60]})")
+        _read_statement(node, values, not_read, lines)
     return values, not_read
+
+
+def _read_statement(node: ast.stmt, values: Dict[str, Any], not_read: List[str], lines: List[str]) -> None:
+    """A top-level statement: the keys it sets to literals into ``values``; the keys it sets otherwise into
+    ``not_read`` with their line; those of a compound statement (``if``, ``for``, ``def``, ``with``, ...)
+    all, as they may be set or not."""
+    targets, value = [], None
+    if isinstance(node, ast.Assign):
+        targets, value = node.targets, node.value
+    elif isinstance(node, ast.AnnAssign):
+        if node.value is None:      # an annotation alone sets nothing
+            return
+        targets, value = [node.target], node.value
+    inside = "" if targets or isinstance(node, (ast.AugAssign, ast.Delete, ast.Expr)) else \
+        f", inside {type(node).__name__.lower()} of line {node.lineno}"
+    for target in targets or [node]:
+        pairs = _pairs(target, value) if targets else None
+        if pairs is None:      # a key set otherwise than whole to a literal of its own, or maybe not set
+            not_read.extend(f"{key} (line {n}{inside}: {lines[n - 1].strip()[:60]}: not read)"
+                            for key, n in _keys_set(target))
+            continue
+        for key, v in pairs:
+            try:
+                values[key] = ast.literal_eval(v)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                not_read.append(f"{key} (line {node.lineno}: not a literal: {ast.unparse(v)[:60]})")
+
+
+def _key(target: ast.AST):
+    """``KEY`` of ``config.KEY`` or ``config["KEY"]``; None for anything else."""
+    if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "config":
+        return target.attr
+    if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == "config" \
+            and isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str):
+        return target.slice.value
+    return None
+
+
+def _pairs(target: ast.AST, value: ast.AST):
+    """(key, value expression) for each key ``target`` sets whole from ``value``: one, or one per element of
+    a tuple or list target unpacking a tuple or list of as many; [] when it sets none; None otherwise."""
+    if _key(target) is not None:
+        return [(_key(target), value)]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        if not _keys_set(target):
+            return []
+        if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(target.elts) \
+                and not any(isinstance(e, ast.Starred) for e in target.elts + value.elts):
+            out = [_pairs(t, v) for t, v in zip(target.elts, value.elts)]
+            return None if any(p is None for p in out) else [kv for p in out for kv in p]
+        return None
+    return None if _keys_set(target) else []
+
+
+def _keys_set(node: ast.AST) -> List[Tuple[str, int]]:
+    """(key, line) of each place ``node`` (a statement, at any depth, or a target) may set a key:
+    ``config.KEY`` or ``config["KEY"]`` written to or deleted, an element or attribute of one of them, or a
+    method of one called (``.append``); a key named by a variable (``config[k]``) or a call on ``config``
+    itself (``config.update(...)``, ``setattr(config, ...)``) by its text."""
+    keys: List[Tuple[str, int]] = []
+    for n in ast.walk(node):
+        label = None
+        if isinstance(getattr(n, "ctx", None), (ast.Store, ast.Del)) and not isinstance(n, ast.Name):
+            label = _root_key(n) or (ast.unparse(n)[:40] if _is_config(getattr(n, "value", None)) else None)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            label = ast.unparse(n.func)[:40] + "(...)" if _is_config(n.func.value) else _root_key(n.func.value)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("setattr", "delattr") \
+                and n.args and _is_config(n.args[0]):
+            label = ast.unparse(n)[:40]
+        if label is not None and (label, n.lineno) not in keys:
+            keys.append((label, n.lineno))
+    return keys
+
+
+def _root_key(node: ast.AST):
+    """The key under ``node`` (``config.KEY``, ``config["KEY"]``, or an element or attribute of one)."""
+    while _key(node) is None and isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return _key(node)
+
+
+def _is_config(node) -> bool:
+    return isinstance(node, ast.Name) and node.id == "config"
+
+
+def optimizer_steps(batches: float, acc: int) -> int:
+    """arcface_torch's warm-up, in the batches its lr scheduler counts (it steps once a batch), as optimizer
+    steps of ``acc`` batches (gradient_acc): whole steps, as its own ``int`` counts did."""
+    return int(batches // acc)
 
 
 def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tuple[Dict[str, Any], List[str]]:
@@ -105,8 +198,9 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     if "num_epoch" in v:
         cfg["train"]["epochs"] = float(v["num_epoch"])
     warm = v.get("warmup_epoch", 0)
-    if warm and world_size and v.get("num_image"):
-        o["warmup_steps"] = int(v["num_image"] // (cfg["data"]["batch_size"] * world_size) * warm)
+    if warm and world_size and v.get("num_image"):     # train_v2.py's warmup_step, in batches
+        batches = v["num_image"] // (cfg["data"]["batch_size"] * world_size) * warm
+        o["warmup_steps"] = optimizer_steps(batches, o["backward_passes_per_step"])
     elif warm:
         why.append(f"warmup_epoch {warm}: its steps need num_image and the run's GPU count (--world-size)")
     else:

@@ -10,6 +10,15 @@ Partial FC v2 gives rank r of W the classes ``C // W * r + min(r, C % W)`` on, `
 them: this package's even split (``RankLayout.even``), so the checkpoint keeps those slices and a resume
 re-cuts them for its own layout (run/reshard.py), at any world size.
 
+The step and the schedule: arcface_torch adds 1 to ``global_step`` and steps its lr scheduler at every
+batch, and its optimizer every ``gradient_acc`` batches (the config's ``optim.backward_passes_per_step``), so
+the run has taken ``global_step // gradient_acc`` optimizer steps of ``batch_size x gradient_acc x W``
+samples (a partial accumulation at the save was never applied). Its lr schedule is read from
+``state_lr_scheduler`` (total, warm-up and power, today's ``PolynomialLRWarmup`` or the older
+``PolyScheduler`` with power 2) and goes on as it would have (progress.ImportedSchedule); the config's keys
+must say the same (``optim.schedule`` poly, ``optim.poly_power``, ``optim.warmup_steps`` in optimizer steps,
+the peak lrs, and a length that ends at the scheduler's total), or the import refuses with the key to set.
+
 The labels: a shard set built from the run's ``.rec`` (``hvd-partialfc-shards build recordio``) names its
 classes by the original integer labels, in numeric order: a ``.rec`` of labels 0 ... C-1 keeps every label
 as it is, and row l of the run is class l here. The import checks that from the manifest's class names.
@@ -44,9 +53,15 @@ from ..run import progress
 from ..run.parts import build_parts
 from ..run.startup import run_info_of
 from ..run_files import CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, classifier_file, load_file, step_dir_name
+from .arcface_config import optimizer_steps
 
 RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
-KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer")
+KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
+        "state_lr_scheduler")
+# an unreadable rank file is the copy's fault, not the run's: there is no earlier checkpoint to go back to
+COPY_AGAIN = "copy it again from the arcface_torch run's output folder, as its train_v2.py wrote it"
+# the lr scheduler's state: today's PolynomialLRWarmup's keys, then the older PolyScheduler's
+SCHEDULER_KEYS = (("total_iters", "warmup_iters"), ("max_steps", "warmup_steps"))
 
 
 class ArcfaceImportError(ValueError):
@@ -70,7 +85,7 @@ def rank_files(run_dir: str) -> List[str]:
 
 def _read(path: str) -> Dict[str, Any]:
     try:
-        obj = load_file(path, "arcface_torch rank file")
+        obj = load_file(path, "arcface_torch rank file", fix=COPY_AGAIN)
     except Exception as e:  # CheckpointError: unreadable, truncated, or holding code
         raise ArcfaceImportError(str(e)) from None
     missing = [k for k in KEYS if not isinstance(obj, dict) or k not in obj]
@@ -138,7 +153,9 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     made = [d for d in (cfg.out, out_base) if not os.path.isdir(d)]
 
     t0, first = time.time(), _read(files[0])
-    step, epoch = int(first["global_step"]), int(first["epoch"])
+    global_step, epoch = int(first["global_step"]), int(first["epoch"])
+    step = global_step // cfg.optim.backward_passes_per_step      # optimizer steps (arcface counts batches)
+    length = _length(cfg, world, first, files[0], step)
     comm0 = LocalComm(0, world)
     parts = build_parts(cfg, comm0, layout, list(manifest.sample_shape), torch.device("cpu"))
     names = [n for n, _ in parts.backbone.named_parameters()]
@@ -158,7 +175,6 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
                                      f"{tuple(params[name].shape)}")
         opt.state[params[name]]["momentum_buffer"] = m.clone()
     base = parts.training_state(layout, 0)
-    length = _length(cfg, world, step, manifest)
     run_info = run_info_of(cfg, manifest)
     partial = os.path.join(out_base, step_dir_name(step) + ".partial")
     os.makedirs(partial, exist_ok=True)
@@ -166,7 +182,7 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
         for r in range(world):
             obj = first if r == 0 else _read(files[r])
             first = None                                # rank 0's file goes once its rows are written
-            _check_same_run(files[r], obj, step, same_run, names)
+            _check_same_run(files[r], obj, global_step, same_run, names)
             state = _rank_state(cfg, parts, base, layout, r, world, obj, files[r], names)
             own = {k: v for k, v in obj["state_dict_backbone"].items() if k not in params}   # its BatchNorm
             atomic.torch_save(state.rank_file(digest, own), os.path.join(partial, classifier_file(r, world)))
@@ -177,8 +193,8 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
                 "slices": layout.bounds(), "classifier_files": [classifier_file(r, world) for r in range(world)],
                 "model": base.model_args, "replicated": False, **run_info, **base.counters,
                 "digests": [digest] * world, "identical": True, "time": time.time(),
-                "imported_from": {"arcface_torch": run_dir, "epoch": epoch,
-                                  "global_step": step, "ranks": world}}
+                "imported_from": {"arcface_torch": run_dir, "epoch": epoch, "global_step": global_step,
+                                  "gradient_acc": cfg.optim.backward_passes_per_step, "ranks": world}}
         atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
         atomic.commit_folder(partial, os.path.join(out_base, step_dir_name(step)))
         atomic.write_text(os.path.join(out_base, LATEST), step_dir_name(step) + "\n")
@@ -191,11 +207,12 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
                 pass
         raise
     summary = {"out": cfg.out, "checkpoint": os.path.join(out_base, step_dir_name(step)), "step": step,
-               "epoch": epoch, "ranks": world, "classes": classes,
+               "global_step": global_step, "epoch": epoch, "ranks": world, "classes": classes,
                "samples_consumed": length.samples_at(step), "budget_samples": length.budget,
                "seconds": round(time.time() - t0, 2)}
-    log(f"imported {world} rank files of {run_dir}: step {step} (epoch {epoch}), {classes:,} classes; resume "
-        f"with --resume auto --out {cfg.out} at any world size")
+    log(f"imported {world} rank files of {run_dir}: step {step} (global_step {global_step} at gradient_acc "
+        f"{cfg.optim.backward_passes_per_step}, epoch {epoch}), {classes:,} classes, its lr schedule with it; "
+        f"resume with --resume auto --out {cfg.out} at any world size")
     return summary
 
 
@@ -235,20 +252,69 @@ def _rank_state(cfg, parts, base, layout, r: int, world: int, obj, path: str, na
     return replace(base, head=head, head_opt=head_opt, label_slice=(sl.start, sl.end), rank=r)
 
 
-def _length(cfg, world: int, step: int, manifest) -> progress.RunLength:
-    """The run's length as if this package had trained it at arcface_torch's W ranks: steps of its global
-    batch (``batch_size x gradient_acc x W``), an epoch of the fewest steps a rank's shards give at W (the
-    loader's start at the resume is the same fraction of an epoch; with fewer shards than W, arcface_torch's
-    count: the set's samples in whole steps), the budget from this config (``train.epochs`` or ``train.steps``)."""
-    unit = progress.global_batch(cfg, world)
-    try:
-        spe = progress.min_steps_per_epoch([[s.start, s.end] for s in manifest.shard_slices()],
-                                           [s.num_samples for s in manifest.shards], world,
-                                           cfg.data.batch_size, cfg.optim.backward_passes_per_step)
-    except ValueError:   # fewer shards than the run's GPUs: arcface_torch's own count, all samples in steps
-        spe = manifest.num_samples // unit
-    spe = max(1, spe)
-    return progress.plan(cfg, world, spe, step, progress.one_segment_record(world, unit, spe, step, 0))
+def _scheduler(path: str, obj: Dict[str, Any]) -> Dict[str, Any]:
+    """The run's lr schedule from its scheduler's state: total and warm-up in batches (the scheduler steps
+    once a batch), power, the peak lr of each group, and ``last_epoch`` (today's ends a run of G batches at
+    G, the older one at G - 1)."""
+    s = obj["state_lr_scheduler"]
+    for total, warmup in SCHEDULER_KEYS:
+        if isinstance(s, dict) and all(_number(s.get(k)) for k in (total, warmup, "power", "last_epoch")):
+            lrs = s.get("base_lrs") or [s.get("base_lr")] * 2
+            if len(lrs) != 2 or not all(_number(x) for x in lrs):
+                break
+            return {"total": s[total], "warmup": s[warmup], "power": float(s["power"]),
+                    "lrs": [float(x) for x in lrs], "last_epoch": int(s["last_epoch"])}
+    raise ArcfaceImportError(f"{path}: state_lr_scheduler is not arcface_torch's poly schedule (total_iters, "
+                             "warmup_iters, power and base_lrs, or the older max_steps, warmup_steps, power)")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _length(cfg, world: int, obj: Dict[str, Any], path: str, step: int) -> progress.RunLength:
+    """The run's length and lr schedule as arcface_torch's W ranks trained it: steps of ``batch_size x
+    gradient_acc x W`` samples, an epoch of the batches its loader gave each rank (global_step / epoch: it
+    saves at each epoch's end), the schedule of its scheduler's state. Refused, with the key to set, where the
+    config says otherwise: the resume would follow the config's keys."""
+    sched, o = _scheduler(path, obj), cfg.optim
+    acc, batch = o.backward_passes_per_step, cfg.data.batch_size * world   # a batch on every rank
+    unit, global_step, epochs = batch * acc, int(obj["global_step"]), int(obj["epoch"])
+    per_epoch = max(1, global_step // epochs if epochs > 0 else global_step)
+    total, warmup, power = sched["total"], sched["warmup"], sched["power"]
+    # the optimizer step after `samples` takes the lr of its last batch's scheduler step: the scheduler is at
+    # last_epoch after global_step batches, and steps once a batch
+    schedule = progress.ImportedSchedule(batch, acc - 1 + sched["last_epoch"] - global_step, warmup, total, power)
+    steps = int(total // acc)                   # its optimizer steps in `total` batches
+    record = {"budget_samples": steps * unit, "samples": step * unit, "samples_per_schedule_step": unit,
+              "epoch_samples": per_epoch * batch, "segments": [progress.Segment(0, 0, world, unit).as_dict()],
+              "lr_schedule": schedule.as_dict()}
+    length = progress.plan(cfg, world, per_epoch // acc, step, record)
+    at = f"optimizer steps at gradient_acc {acc}"
+    if o.schedule != "poly" or o.min_lr_ratio != 0:
+        _refuse(path, f"its lr scheduler is a poly schedule to 0, the config's optim.schedule {o.schedule} with "
+                      f"optim.min_lr_ratio {o.min_lr_ratio:g}: set optim.schedule=poly and optim.min_lr_ratio=0")
+    if power != o.poly_power:
+        _refuse(path, f"its lr scheduler's power is {power}, the config's optim.poly_power {o.poly_power}: set "
+                      f"optim.poly_power={power} (older arcface_torch used 2)")
+    if optimizer_steps(warmup, acc) != o.warmup_steps:
+        _refuse(path, f"its lr scheduler warms up over {warmup:g} batches ({optimizer_steps(warmup, acc)} {at}), "
+                      f"the config's optim.warmup_steps {o.warmup_steps}: set optim.warmup_steps="
+                      f"{optimizer_steps(warmup, acc)}")
+    if sched["lrs"] != [o.backbone_lr, o.classifier_lr]:
+        _refuse(path, f"its peak lrs are {sched['lrs'][0]:g} (backbone) and {sched['lrs'][1]:g} (classifier), the "
+                      f"config's optim.backbone_lr {o.backbone_lr:g} and optim.classifier_lr {o.classifier_lr:g}: "
+                      "set them to the run's")
+    if length.budget != steps * unit:
+        how = f"train.steps={cfg.train.steps}" if cfg.train.steps else \
+            f"train.epochs={cfg.train.epochs:g} x {per_epoch // acc} steps an epoch"
+        _refuse(path, f"its lr scheduler runs {total:g} batches ({steps} {at}), the config {length.budget // unit} "
+                      f"steps ({how}): set train.steps={steps}")
+    return length
+
+
+def _refuse(path: str, what: str) -> None:
+    raise ArcfaceImportError(f"{path}: {what}, and import again")
 
 
 def add_arguments(p) -> None:

@@ -52,7 +52,9 @@ def main() -> int:
     shutil.rmtree(out, ignore_errors=True)
     args = ["import-arcface", run, "--shards", shards, "--out", out, "--set", "model.name=mlp",
             "--set", f"model.embedding_dim={a.dim}", "--set", "model.kwargs={hidden_dim: 64}",
-            "--set", "head.negatives_every=0", "--set", "data.batch_size=1"]
+            "--set", "head.negatives_every=0", "--set", "data.batch_size=1",
+            # write_run's scheduler state: 1,000 batches of poly power 2, no warm-up (the import checks them)
+            "--set", "optim.schedule=poly", "--set", "optim.poly_power=2", "--set", "train.steps=1000"]
     # the import alone in a process of its own, which reports its own peak RSS (the builds above are other
     # processes' and this one's)
     code = ("import resource, sys; from hvd_partialfc.cli import main; rc = main(sys.argv[1:]); "
