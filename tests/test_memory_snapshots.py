@@ -16,8 +16,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
+import threading
+import time
 
+import psutil
 import pytest
 
 import pins
@@ -58,6 +62,57 @@ def wait(procs, timeout=150):
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
+
+
+class Flood:
+    """A stranger on the node: every port that the agents' workers listen on and that greets with the memory
+    link's nonce (the link; Gloo's ports say nothing and are left alone) gets 200 connections, every other one
+    saying garbage, held open until ``stop``. ``ports``: the link ports flooded."""
+
+    def __init__(self, procs, each=200):
+        self.procs, self.each, self.ports, self.socks = procs, each, set(), []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _listening(self):
+        out = set()
+        for p in self.procs:
+            try:
+                for child in psutil.Process(p.pid).children(recursive=True):
+                    out |= {c.laddr for c in child.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+            except psutil.Error:
+                pass
+        return out
+
+    @staticmethod
+    def _greets(addr) -> bool:
+        try:
+            with socket.create_connection(addr, timeout=0.5) as s:
+                return len(s.recv(64).strip()) == 32
+        except OSError:
+            return False
+
+    def _run(self):
+        while not self._stop.is_set() and len(self.ports) < len(self.procs):
+            for addr in self._listening() - self.ports:
+                if self._greets(addr):
+                    self.ports.add(addr)
+                    for i in range(self.each):
+                        try:
+                            s = socket.create_connection(addr, timeout=2)
+                            if i % 2:
+                                s.sendall([b"[]\n", b"\x00" * 64, b"GET / HTTP/1.0\r\n\r\n"][i % 3])
+                            self.socks.append(s)
+                        except OSError:
+                            pass
+            time.sleep(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self.thread.join(10)
+        for s in self.socks:
+            s.close()
 
 
 def said(results):
@@ -122,11 +177,19 @@ def test_the_crash_left_a_committed_snapshot_and_a_partial_one(crashed):
 def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_path, small_run_shards):
     """Node 1 lost: nodes 0 and 2 resume from the snapshot of step 20 (newer than the disk's 15; the partial 24
     unused), rank 1's slice from its buddy's copy on node 2, at 2 ranks; the run equals a resume of the
-    uninterrupted run's disk checkpoint of step 20 at 2 ranks, bitwise. The snapshots go when the run ends."""
+    uninterrupted run's disk checkpoint of step 20 at 2 ranks, bitwise. The snapshots go when the run ends. A
+    stranger's flood of 200 idle or garbage connections to each rank's link port costs no snapshot (before: a
+    garbage header's traceback, and an accept loop that a flood's EMFILE ended)."""
     run, roots = branch(crashed, tmp_path, [0, 2])
-    results = agents(roots, small_run_shards, run)
+    procs = start(roots, small_run_shards, run, fault="stall@20:0", env={"HVD_PARTIALFC_STALL_SECONDS": "2"})
+    flood = Flood(procs)           # a stranger floods both link ports while rank 0 stalls before step 21
+    results = wait(procs)
+    flood.stop()
     text = said(results)
     assert all(code == 0 for code, _ in results), text
+    assert len(flood.ports) == 2 and len(flood.socks) > 300, (flood.ports, len(flood.socks))
+    # the snapshots of steps 24, 28 and 32 landed in time beside the flood: none waited for, none dropped
+    assert "had not landed" not in text and "dropped" not in text and "Traceback" not in text, text
     assert "memory: resuming from the snapshot of step 20 in node memory (disk checkpoint: step 15;" in text, text
     assert snapshots_left(roots) == []
     from hvd_partialfc.config import load_config
