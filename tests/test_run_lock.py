@@ -1,12 +1,14 @@
 """One job a run folder (run/run_lock.py): while a job trains, a second one in the same run folder waits
-``checkpoint.lock_wait`` seconds, then refuses in one line naming the holder. That the lock goes with its
-process, however it ends, every restart test shows (test_elastic.py, test_chaos.py, test_memory_snapshots.py)."""
+``checkpoint.lock_wait`` seconds, then refuses in one line naming the holder; doctor names it too; the lock
+goes with its process (a SIGKILL here; every restart test shows it as well: test_elastic.py, test_chaos.py)."""
 from __future__ import annotations
 
 import os
 import re
 import time
 
+from hvd_partialfc.run.run_lock import in_use
+from hvd_partialfc.tools.doctor import NOTE, check_run_folder
 from test_memory_plan import _train_one
 
 
@@ -19,9 +21,11 @@ def test_a_second_job_in_the_run_folder_is_refused_naming_the_first(tmp_path, sm
             assert first.poll() is None, first.stdout.read()
             time.sleep(0.2)
         second = _train_one(run, small_run_shards, ["checkpoint.lock_wait=1"])
+        [busy] = check_run_folder(str(run))         # doctor says so too
     finally:
         first.kill()
         first.wait()
+    assert busy.status == NOTE and f"pid {first.pid}" in busy.what and in_use(str(run)) is None   # gone with it
     assert second.returncode == 2, second.stdout + second.stderr
     line = second.stderr.strip().splitlines()[-1]
     assert re.fullmatch(

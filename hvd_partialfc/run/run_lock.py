@@ -80,6 +80,23 @@ def hold(run_dir: str, wait_s: float, say: Callable[[str], None] = print) -> Opt
     return None
 
 
+def in_use(run_dir: str) -> Optional[str]:
+    """Who trains into ``run_dir`` now (``holder``'s words), or None when no process holds its lock (doctor).
+    The probe takes the lock and drops it at once when it is free."""
+    path = os.path.join(run_dir, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except OSError:
+        return holder(path)
+    finally:
+        os.close(fd)
+
+
 def release() -> None:
     """Drop every run folder lock this process holds (the end of ``train``, of a simulation)."""
     while _HELD:

@@ -155,6 +155,12 @@ def check_run_folder(out: str) -> List[Check]:
         return [Check(FAIL, f"run folder {out}: cannot write in {probe} ({e.strerror or e})",
                       "pass --out on a writable file system (every node's ranks write there)")]
     where = "" if probe == os.path.abspath(out) else f" (created at the start; {probe} takes files)"
+    from ..run.run_lock import in_use
+    busy = in_use(out)
+    if busy:
+        return [Check(NOTE, f"run folder {out}: writable, and in use by a job training now ({busy}): a start "
+                      "there waits for it (checkpoint.lock_wait), then refuses",
+                      "wait for that job to end, or pass another --out")]
     return [Check(OK, f"run folder {out}: writable{where}")]
 
 
