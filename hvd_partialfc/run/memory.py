@@ -62,7 +62,10 @@ def run_token(run_dir: str, keep: bool) -> str:
     if keep and os.path.isfile(path):
         token = open(path).read().strip()
         if token:
-            os.chmod(path, 0o600)           # a run folder of an earlier version left it 0644
+            try:
+                os.chmod(path, 0o600)       # a run folder of an earlier version left it 0644
+            except OSError:                 # another user's file (a run folder a group shares): left as it is
+                pass
             return token
     os.makedirs(run_dir, exist_ok=True)
     token = secrets.token_hex(16)
