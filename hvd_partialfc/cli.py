@@ -75,10 +75,13 @@ def _train(args) -> int:
         return report("hvd-partialfc train", e, debug_requested(args))
     from .run.memory import close_snapshots
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
-    error, code = None, None
+    error, code, leave = None, None, None
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
+        leave = trainer.eviction   # a straggler's node evicted (run/stragglers.py): its ranks stop their agent
+        if leave:
+            leave.part(comm)
     except Exception as e:
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
         # The non-zero exit makes the launcher stop the others.
@@ -86,10 +89,13 @@ def _train(args) -> int:
         code = rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
         return code
     finally:   # memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and
-        close_snapshots(keep=code is not None)   # stay after a failure: a restart (or --resume auto) takes them
+        # stay after a failure, and for the nodes an eviction leaves: a restart (or --resume auto) takes them
+        close_snapshots(keep=code is not None or bool(leave and not leave.mine))
         # a goodbye after a normal end or an agreed error; none after this rank's own error, so that
         if heartbeat:   # its neighbour ends now, naming it, instead of waiting for it in a collective
             heartbeat.end(error)
+    if leave:
+        return leave.exit_code(comm.rank)
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
@@ -154,6 +160,9 @@ def _info(args) -> int:
     for r in s["ranks"]:
         print(f"  rank {r['rank']:>4}  labels [{r['label_start']}, {r['label_end']})  "
               f"classifier {r['classifier_shape']}  digest {r['digest'][:16]}")
+    from .run.stragglers import event_line
+    for e in s["stragglers"]:
+        print(f"  straggler {event_line(e)}")
     return 0
 
 
