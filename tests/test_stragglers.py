@@ -53,7 +53,7 @@ def test_with_two_nodes_the_slow_half_is_named():
 
 def test_node_names_are_hosts_or_torchrun_agents():
     assert node_names([("node1", "0"), ("node2", "1"), ("node2", "1")]) == (["node1", "node2", "node2"], [0, 1, 1])
-    assert node_names([("vm", "0"), ("vm", "1")]) == (["vm/agent 0", "vm/agent 1"], [0, 1])
+    assert node_names([("vm", "0"), ("vm", "1")]) == (["vm/agent0", "vm/agent1"], [0, 1])
     assert node_names([("a", None), ("b", None)]) == (["a", "b"], [0, 1])
 
 

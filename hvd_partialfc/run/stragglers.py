@@ -157,12 +157,12 @@ def _nodes(n: int) -> str:
 
 def node_names(idents: Sequence[Tuple[str, Optional[str]]]) -> Tuple[List[str], List[int]]:
     """Every rank's node name and node index from its (host name, torchrun agent) pair: a torchrun agent is a
-    node (several agents on one host: ``host/agent G``); without torchrun, the host."""
+    node (several agents on one host: ``host/agentG``); without torchrun, the host."""
     keys: Dict[Tuple[str, Optional[str]], int] = {}
     for ident in idents:
         keys.setdefault(tuple(ident), len(keys))
     shared = {h for h, _ in keys if sum(1 for k in keys if k[0] == h) > 1}
-    names = [f"{h}/agent {g}" if h in shared else h for h, g in idents]
+    names = [f"{h}/agent{g}" if h in shared else h for h, g in idents]
     return names, [keys[tuple(i)] for i in idents]
 
 
