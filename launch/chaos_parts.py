@@ -209,8 +209,8 @@ class TorchrunJob:
 
     def env(self, node: int) -> Dict[str, str]:
         e = dict(self.nodes.launch_env(node), PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                 HVD_PARTIALFC_FAULT_FILE=self.fault_file(node), HVD_PARTIALFC_SLOW_FACTOR="2",
-                 **self.extra_env.get(node, {}))
+                 HVD_PARTIALFC_FAULT_FILE=self.fault_file(node), HVD_PARTIALFC_SLOW_FACTOR="2")
+        e.update(self.extra_env.get(node, {}))
         if self.memory:
             os.makedirs(self.memory_root(node), exist_ok=True)
             e["HVD_PARTIALFC_MEMORY_DIR"] = self.memory_root(node)

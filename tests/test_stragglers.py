@@ -161,3 +161,20 @@ def test_horovod_counts_its_synchronize_wait():
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert float(p.stdout.split()[-1]) > 0
+
+
+def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_line(tmp_path):
+    pytest.importorskip("tensorboard", reason="launch/install.sh installs tensorboard; this venv lacks it")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from hvd_partialfc.run.metrics_log import MetricsLog
+    watch, lines = _watch(tmp_path, ["n1", "n2", "n3"])
+    metrics = MetricsLog(str(tmp_path), tensorboard=True)
+    for done in range(2, 12):
+        watch.read(done, [0.0, FAST, FAST, 2 * FAST], metrics)
+    metrics.close()
+    (event,) = [r["straggler"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+    assert event == read_events(str(tmp_path))[0] and event["line"] == lines[0] and "rank 2 on n3" in lines[0]
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    (text,) = ea.Tensors("stragglers/text_summary")
+    assert text.step == event["step"] and text.tensor_proto.string_val[0].decode() == lines[0]

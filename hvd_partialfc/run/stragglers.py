@@ -11,8 +11,8 @@ its work and not its waits (``own_time``):
 * on the CPU, the CPU time of the rank's main thread over the step: a wait (for a collective, for the data
   workers) blocks and costs none, and the time the rank was not running does not count. The span less the
   waits was measured first and named healthy ranks: 2 ranks on 2 shared cores (a 200-step MLP run, no fault),
-  rank 0's span less waits had a 10-step median of 2.5x rank 1's, its extra 5 ms a step spent descheduled
-  in the backward pass (its CPU time: 4.2 ms, rank 1's 4.1); the CPU time's largest 10-step median ratio was
+  rank 0's span less waits had a 10-step median of 2.5x rank 1's, its extra 5 ms a step spent in the backward
+  pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1); the CPU time's largest 10-step median ratio was
   1.49, its 90th percentile 1.15x its median. The price: on the CPU, a rank slowed by another process taking
   its cores is not seen; a rank slowed by more work (a slower core, the ``slow`` fault) is.
 
@@ -23,12 +23,12 @@ its work and not its waits (``own_time``):
 * **Named by rank 0** (``Detector``): a rank whose time is at least ``train.straggler_ratio`` times the step's
   median in ``train.straggler_steps`` counted steps in a row. The lower median: with two nodes a whole slow
   node is half the ranks, and the mean of the two middle times would hide it. One line (rank, node, its time
-  against the median, since which step), an event record in metrics.jsonl and ``RUN/stragglers.jsonl`` (which
-  ``hvd-partialfc info`` lists); every training record carries the slowest rank's ratio and the count named
-  (TensorBoard shows both), the progress line the named rank. Not counted, so never a reason: the first
-  ``WARMUP`` steps after a (re)start, alike on every rank, and the step after a checkpoint, an evaluation or a
-  memory snapshot (``hold``): a rank slow only while it writes or evaluates is not a straggler. A held step
-  neither extends nor breaks a run of slow steps.
+  against the median, since which step), an event record in metrics.jsonl (TensorBoard: the line as text) and
+  ``RUN/stragglers.jsonl`` (which ``hvd-partialfc info`` lists); every training record carries the slowest
+  rank's ratio and the count named (TensorBoard's scalars), the progress line the named rank. Not counted, so
+  never a reason: the first ``WARMUP`` steps after a (re)start, alike on every rank, and the step after a
+  checkpoint, an evaluation or a memory snapshot (``hold``): a rank slow only while it writes or evaluates is not
+  a straggler. A held step neither extends nor breaks a run of slow steps.
 * **Evicted** (``evict``): rank 0 puts the node in the next vote; at the step that reads it every rank takes an
   agreed snapshot (a memory snapshot, committed, or a disk checkpoint without them: trainer.py), the node's
   ranks stop their torchrun agent and exit ``EXIT_EVICTED``, and the others exit 75, so that their agents
@@ -291,7 +291,7 @@ class Stragglers:
     def _event(self, metrics, bar, line: str, event: str, step: int, **fields) -> None:
         """Rank 0: the line, and the event in metrics.jsonl and RUN/stragglers.jsonl."""
         (bar.write if bar is not None else self.say)(line)
-        rec = dict(event=event, step=step, **fields, time=time.time())
+        rec = dict(event=event, step=step, **fields, line=line, time=time.time())
         if metrics is not None:
             metrics.write({"step": step, "straggler": rec, "time": rec["time"]})
         try:
