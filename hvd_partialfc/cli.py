@@ -76,10 +76,13 @@ def _train(args) -> int:
     from .run.memory import close_snapshots
     from .run.run_lock import release
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
-    error, ended = None, False
+    error, ended, leave = None, False, None
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
+        leave = trainer.eviction   # a straggler's node evicted (run/stragglers.py): its ranks stop their agent
+        if leave:
+            leave.part(comm)
         ended = True
     except Exception as e:
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
@@ -88,12 +91,15 @@ def _train(args) -> int:
         return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
     finally:
         # Memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and stay
-        # after anything else (an error, Ctrl-C, SystemExit): a restart (or --resume auto) takes them.
-        close_snapshots(keep=not ended)
+        # after anything else (an error, Ctrl-C, SystemExit), and on the nodes an eviction leaves: a restart
+        # (or --resume auto) takes them.
+        close_snapshots(keep=not ended or bool(leave and not leave.mine))
         release()                  # the run folder's lock (run/run_lock.py)
         # A goodbye after a normal end or an agreed error; none after this rank's own error, so that its
         if heartbeat:   # neighbour ends now, naming it, instead of waiting for it in a collective
             heartbeat.end(error)
+    if leave:
+        return leave.exit_code(comm.rank)
     if trainer.stopped_by:
         from .run.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
@@ -158,6 +164,9 @@ def _info(args) -> int:
     for r in s["ranks"]:
         print(f"  rank {r['rank']:>4}  labels [{r['label_start']}, {r['label_end']})  "
               f"classifier {r['classifier_shape']}  digest {r['digest'][:16]}")
+    from .run.stragglers import event_line
+    for e in s["stragglers"]:
+        print(f"  straggler {event_line(e)}")
     return 0
 
 

@@ -157,6 +157,18 @@ class TrainConfig:
                                 see="docs/gpu.md#the-keys")
     channels_last: bool = opt(False, "channels_last (NHWC) backbone and batches, for Tensor Cores under fp16 / bf16",
                               see="docs/gpu.md#the-keys")
+    stragglers: str = opt("warn", "a rank whose own step time stays straggler_ratio x the median for straggler_steps "
+                                  "steps: name it (warn), also go on without its node (evict: elastic torchrun), "
+                                  "or watch nothing (off)", choices=("off", "warn", "evict"),
+                          see="docs/reliability.md#stragglers")
+    straggler_ratio: float = opt(1.5, "a rank is slow in a step when its own time is at least this times the "
+                                      "ranks' median", see="docs/reliability.md#stragglers")
+    straggler_steps: int = opt(10, "slow steps in a row before a rank is named (quiet ones before it is cleared)",
+                               see="docs/reliability.md#stragglers")
+    straggler_min_nodes: int = opt(2, "evict: never below this many nodes (torchrun's --nnodes MIN)",
+                                   see="docs/reliability.md#stragglers")
+    straggler_cooldown: int = opt(1000, "evict: steps after an eviction before the next one",
+                                  see="docs/reliability.md#stragglers")
     allow_host_allreduce: bool = opt(False, "Horovod on CUDA without NCCL: go on through host memory (several "
                                             "times slower) instead of stopping", see="docs/gpu.md#without-nccl")
 
@@ -234,6 +246,11 @@ class Config:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.heartbeat_timeout < 0:
             raise ConfigError("train.heartbeat_timeout must be >= 0 (0: off)")
+        t = self.train
+        if t.straggler_ratio <= 1 or t.straggler_steps < 1 or t.straggler_min_nodes < 1 or t.straggler_cooldown < 0:
+            raise ConfigError(f"train.straggler_ratio={t.straggler_ratio}, straggler_steps={t.straggler_steps}, "
+                              f"straggler_min_nodes={t.straggler_min_nodes}, straggler_cooldown="
+                              f"{t.straggler_cooldown}: expected a ratio > 1, steps >= 1, nodes >= 1, cooldown >= 0")
         if self.train.collective_timeout <= 0:
             raise ConfigError("train.collective_timeout must be > 0 seconds")
         if self.checkpoint.lock_wait < 0:
@@ -311,7 +328,13 @@ def _merge(obj: Any, updates: Dict[str, Any], prefix: str = "") -> None:
                 raise ConfigError(f"{path}: expected a section (mapping), got {value!r}")
             _merge(current, value, path + ".")
         else:
+            if value is False and "off" in _field(obj, key).metadata.get("choices", ()):
+                value = "off"   # YAML reads a bare `off` as False (train.stragglers: off)
             setattr(obj, key, _check_type(path, value, hints[key]))
+
+
+def _field(obj: Any, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(obj) if f.name == name)
 
 
 def parse_override(text: str) -> Dict[str, Any]:

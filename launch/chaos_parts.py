@@ -177,11 +177,26 @@ class TorchrunJob:
     scheduler's requeue of the job does."""
 
     def __init__(self, nodes, train_argv: Sequence[str], port: int, log_dir: str, min_nodes: int,
-                 memory: Optional[str] = None):
+                 memory: Optional[str] = None, env: Optional[Dict[int, Dict[str, str]]] = None):
         self.nodes, self.train_argv, self.port, self.log_dir = nodes, list(train_argv), port, log_dir
         self.min_nodes, self.queue, self.launches = min_nodes, 0, 0
         self.agents: Dict[int, subprocess.Popen] = {}
         self.memory = memory      # a folder for each node's memory-snapshot root (checkpoint.memory_every)
+        self.extra_env = env or {}   # more variables for a node's agent (a planned fault)
+
+    def fault_file(self, node: int) -> str:
+        """The node's fault file (run/faults.py ``HVD_PARTIALFC_FAULT_FILE``), read by its ranks at every step."""
+        return os.path.join(self.log_dir, f"faults-node{node}")
+
+    def make_slow(self, node: int, slow: bool) -> None:
+        """The node's ranks twice as slow from their next step (``slow@0`` in its fault file), or no longer."""
+        path = self.fault_file(node)
+        if slow:
+            with open(path + ".tmp", "w") as f:
+                f.write("slow@0\n")
+            os.replace(path + ".tmp", path)
+        elif os.path.exists(path):
+            os.remove(path)
 
     def memory_root(self, node: int) -> str:
         return os.path.join(self.memory, f"node{node}")
@@ -193,7 +208,9 @@ class TorchrunJob:
             os.makedirs(self.memory_root(node))
 
     def env(self, node: int) -> Dict[str, str]:
-        e = dict(self.nodes.launch_env(node), PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        e = dict(self.nodes.launch_env(node), PYTHONPATH=ROOT, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                 HVD_PARTIALFC_FAULT_FILE=self.fault_file(node), HVD_PARTIALFC_SLOW_FACTOR="2")
+        e.update(self.extra_env.get(node, {}))
         if self.memory:
             os.makedirs(self.memory_root(node), exist_ok=True)
             e["HVD_PARTIALFC_MEMORY_DIR"] = self.memory_root(node)

@@ -31,10 +31,21 @@ def table(report: Dict) -> str:
     if "samples" in extra:
         info.append(f"  samples consumed {extra['samples']:,} of a budget of {extra['budget']:,} (one global batch "
                     f"now: {extra['last_global_batch']}); world sizes {extra['worlds']}")
+    if "stragglers_named" in extra:
+        info.append(f"  stragglers named {extra['stragglers_named']}, by no slow fault {len(extra['false_stragglers'])}"
+                    + "".join(f"; {x}" for x in extra["false_stragglers"]))
     if extra.get("error"):
         info.append(f"  error: {extra['error']}")
     return head + "\n".join(lines) + "\n" + "\n".join(info + checks) + \
         f"\n{'PASSED' if report['passed'] else 'FAILED'}\n"
+
+
+def unexplained_stragglers(named: List[Dict], rows: List[Dict]) -> List[str]:
+    """The stragglers named (RUN/stragglers.jsonl's "named" events) that no ``slow`` fault explains: one names
+    that fault's node between the fault and its eviction."""
+    slow = [(r["slow_host"], r["slow_from"], r.get("slow_until", float("inf"))) for r in rows if r.get("slow_host")]
+    return [f"step {e['step']}: rank {e['rank']} on {e['node']}" for e in named
+            if not any(host == e["node"] and start <= e["time"] <= end for host, start, end in slow)]
 
 
 def found_damaged(run) -> List[str]:

@@ -45,5 +45,6 @@ def test_short_chaos_run(tmp_path):
     lost = {r["kind"]: r["lost"] for r in report["rows"]}
     assert lost["node-joins"] == 0                                       # the group stops with a checkpoint first
     source = {r["kind"]: r.get("source") for r in report["rows"]}
-    assert source["node-lost"] == "memory" and lost["node-lost"] <= 5 + 1  # memory_every + the step to commit
-    assert checks["ok_steps_lost_at_most_K_plus_1"]
+    # at most 2 K: the steps since the snapshot, and up to K more while it lands (docs/reliability.md)
+    assert source["node-lost"] == "memory" and lost["node-lost"] <= 2 * 5
+    assert checks["ok_steps_lost_at_most_2K"] and checks["ok_no_false_stragglers"]

@@ -9,7 +9,9 @@ averaging (the pooled statistics), and the all-gather whose backward sums over r
 Primitives a subclass provides (each a collective: every rank calls it, in the same order, same name):
 ``allreduce_scalar``, ``allgather_object``, ``allreduce_tensor``, ``allgather_tensor``, ``grouped_average``
 (elementwise mean of a list of tensors), ``vote_async``, ``broadcast_module``, ``distributed_optimizer``,
-``shutdown``; ``step_synchronized`` steps what ``distributed_optimizer`` returned. Not a collective to
+``shutdown``; ``step_synchronized`` steps what ``distributed_optimizer`` returned. ``wait_s`` counts the
+seconds a rank waited in tensor collectives and in the averaging optimizer's ``synchronize``, under every
+engine (a straggler is told by its own time, without them: run/stragglers.py). Not a collective to
 import; imports no Horovod.
 """
 from __future__ import annotations
@@ -82,10 +84,22 @@ class CommBase:
     # hands in, and seconds spent waiting in them. Read and reset by the benchmark.
     sent_bytes: int = 0
     wait_s: float = 0.0
+    # Each rank is a process of its own, whose step times say how fast it is (run/stragglers.py); not the
+    # simulator's virtual ranks, which take turns in one process.
+    times_ranks = True
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def regroup_refusal(self) -> Optional[str]:
+        """Why this job cannot go on without one of its nodes (an evicted straggler, run/stragglers.py); None
+        when it can. Not a collective."""
+        return "only elastic torchrun (--nnodes MIN:MAX, --max-restarts > 0) can go on without a node"
+
+    def stop_agent(self) -> None:
+        """This node leaves the job: its launcher's agent is told to stop without restarting it (the engines
+        that can, ``regroup_refusal`` None). Not a collective."""
 
     def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
         """``fn(tensor)`` (a tensor collective), counted in ``sent_bytes`` and ``wait_s``."""

@@ -13,7 +13,8 @@ Contract:
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+import time
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -80,9 +81,22 @@ class Comm(CommBase):
         """
         named = backbone_params(optimizer, module)
         compression = hvd.Compression.fp16 if fp16_compression else hvd.Compression.none
-        return hvd.DistributedOptimizer(optimizer, named_parameters=[("backbone." + n, p) for n, p in named],
-                                        compression=compression,
-                                        backward_passes_per_step=backward_passes_per_step, op=hvd.Average)
+        opt = hvd.DistributedOptimizer(optimizer, named_parameters=[("backbone." + n, p) for n, p in named],
+                                       compression=compression,
+                                       backward_passes_per_step=backward_passes_per_step, op=hvd.Average)
+        synchronize = opt.synchronize
+
+        def timed_synchronize():   # its wait counted in wait_s, as the torch engine's (run/stragglers.py)
+            t0 = time.perf_counter()
+            synchronize()
+            self.wait_s += time.perf_counter() - t0
+        opt.synchronize = timed_synchronize
+        return opt
+
+    def regroup_refusal(self) -> Optional[str]:
+        """horovodrun cannot go on without a host: docs/engines.md, "Stragglers under horovodrun"."""
+        return ("horovodrun cannot drop a host from a running job (Horovod's elastic mode restores rank 0's state, "
+                "and a host's classifier slices are its own; docs/engines.md)")
 
     def grouped_average(self, tensors: List[torch.Tensor], name: str) -> List[torch.Tensor]:
         """Elementwise mean over ranks of each tensor (one fused allreduce), out of place."""

@@ -267,9 +267,14 @@ class SimComm(CommBase):
     (``train.threads`` sets another). ``local_rank`` is 0: on a GPU host every virtual rank uses the first.
     """
 
+    times_ranks = False     # virtual ranks take turns in one process: their step times name no straggler
+
     def __init__(self, world: SimWorld, rank: int):
         super().__init__(rank=rank, size=world.size, local_rank=0, local_size=world.size)
         self.world = world
+
+    def regroup_refusal(self) -> Optional[str]:
+        return "the simulator's ranks are one process"
 
     def _meet(self, kind: str, name: str, value: Any, combine) -> Any:
         return self.world.meet(self.rank, kind, name, value, combine)

@@ -35,9 +35,10 @@ import atexit
 import gc
 import hashlib
 import os
+import signal
 import time
 from datetime import timedelta
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +174,32 @@ class TorchComm(CommBase):
         module's docstring: bucketed, overlapped with the backward pass, Horovod's average)."""
         return BucketAverager(self, optimizer, backbone_params(optimizer, module), fp16_compression,
                               backward_passes_per_step)
+
+    def regroup_refusal(self) -> Optional[str]:
+        """None under elastic torchrun across nodes with restarts (the others' agents restart without a node that
+        left), else why not."""
+        if _restarts_across_nodes(os.environ):
+            return None
+        return ("the job goes on without a node only under elastic torchrun across nodes with restarts "
+                "(--nnodes MIN:MAX, --max-restarts > 0)")
+
+    def stop_agent(self) -> None:
+        """This node leaves the elastic job (an evicted straggler): SIGTERM to its torchrun agent, from the node's
+        first rank. An agent that ends normally closes the rendezvous and so ends the whole job; one stopped by a
+        signal leaves it open (torch's launcher), so the other nodes' agents re-form the group without it. The
+        agent stops its workers with SIGTERM: every rank of the node ignores it from here and exits on its own.
+        The parent is the agent only under torchrun (its command line names it): anything else is not signalled."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.local_rank != 0 or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return
+        agent = os.getppid()
+        try:
+            with open(f"/proc/{agent}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace")
+        except OSError:
+            argv = ""
+        if "torchrun" in argv or "torch.distributed.run" in argv:
+            os.kill(agent, signal.SIGTERM)
 
     def shutdown(self) -> None:
         gc.collect()                   # the Work objects of the last steps, while their tensors can still go

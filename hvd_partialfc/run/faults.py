@@ -17,12 +17,22 @@ ranks). STEP counts completed optimizer steps. Kinds:
                        written, ``meta.json`` not yet, ``latest`` not moved): a kill then must leave the
                        previous checkpoint valid;
 * ``kill-in-memory``   SIGKILL the rank in the middle of the memory snapshot of step STEP (its own copy
-                       written, its buddy's not sent): the previous snapshot must be the one recovered.
+                       written, its buddy's not sent): the previous snapshot must be the one recovered;
+* ``slow``             from step STEP+1 on, each step takes ``HVD_PARTIALFC_SLOW_FACTOR`` (F, default 2) times
+                       the rank's own work: after its step the rank works (small matrix products on its own
+                       thread) for F - 1 times that step's own time (run/stragglers.py measures it; on the CPU,
+                       CPU time), so it reaches the next collective late, as a throttled GPU's rank does. Work,
+                       not a pause.
 
 Faults fire in the first attempt of an elastic job only (``restart_count() == 0``): the restarted group,
-resumed from a checkpoint before STEP, must not meet the same fault again.
+resumed from a checkpoint before STEP, must not meet the same fault again. Except ``slow``: a slow machine
+stays slow when its job restarts.
 
-Unset (the normal case), every check is one dictionary lookup.
+``HVD_PARTIALFC_FAULT_FILE`` names a file of more entries, read again whenever it changes (its mtime): a fault
+started from outside a running job, at no planned step (the chaos run's slow node: ``slow@0`` written while
+it trains, the file removed to end it).
+
+Unset (the normal case), every check is two dictionary lookups.
 """
 from __future__ import annotations
 
@@ -32,7 +42,9 @@ import time
 from typing import List, Optional, Tuple
 
 ENV = "HVD_PARTIALFC_FAULT"
-KINDS = ("raise", "kill", "sigterm", "sigint", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory")
+FILE_ENV = "HVD_PARTIALFC_FAULT_FILE"
+KINDS = ("raise", "kill", "sigterm", "sigint", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory", "slow")
+SLOW_FACTOR = "HVD_PARTIALFC_SLOW_FACTOR"
 
 
 class InjectedFault(RuntimeError):
@@ -50,6 +62,28 @@ def _parse(text: str) -> List[Tuple[str, int, Optional[int]]]:
     return out
 
 
+_FILE = {"key": None, "text": ""}    # the fault file's (path, mtime) as last read, and its entries
+
+
+def _entries() -> List[Tuple[str, int, Optional[int]]]:
+    """The entries of ``HVD_PARTIALFC_FAULT`` and of the file ``HVD_PARTIALFC_FAULT_FILE`` names (none: [])."""
+    text, path = os.environ.get(ENV, ""), os.environ.get(FILE_ENV)
+    if path:
+        try:
+            key = (path, os.stat(path).st_mtime_ns)
+        except OSError:
+            key = (path, None)
+        if key != _FILE["key"]:
+            try:
+                with open(path) as f:
+                    _FILE["text"] = f.read().replace("\n", ",")
+            except OSError:
+                _FILE["text"] = ""
+            _FILE["key"] = key
+        text = f"{text},{_FILE['text']}"
+    return _parse(text) if text else []
+
+
 def restart_count() -> int:
     """Which attempt of an elastic job this process belongs to: torchrun's ``TORCHELASTIC_RESTART_COUNT``,
     or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.py); 0 outside them."""
@@ -57,10 +91,9 @@ def restart_count() -> int:
 
 
 def active(kind: str, step: int, rank: int) -> bool:
-    text = os.environ.get(ENV)
-    if not text or restart_count() > 0:    # faults are injected in the first attempt only (see the docstring)
+    if not (ENV in os.environ or FILE_ENV in os.environ) or restart_count() > 0:   # the first attempt only
         return False
-    return any(k == kind and s == step and (r is None or r == rank) for k, s, r in _parse(text))
+    return any(k == kind and s == step and (r is None or r == rank) for k, s, r in _entries())
 
 
 def before_step(step: int, rank: int) -> None:
@@ -77,6 +110,19 @@ def before_step(step: int, rank: int) -> None:
             os.kill(os.getpid(), sig)
     if active("stall", step, rank):
         time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
+
+
+def slow_work(step: int, rank: int, own_s: float) -> None:
+    """``slow`` (see the module's docstring): after step ``step + 1``, whose own time was ``own_s`` seconds,
+    work for F - 1 times that (this thread's CPU time) when the fault is on for this rank."""
+    if not (ENV in os.environ or FILE_ENV in os.environ) or not any(
+            k == "slow" and step >= s and (r is None or r == rank) for k, s, r in _entries()):
+        return
+    import torch
+    end = time.thread_time() + (float(os.environ.get(SLOW_FACTOR, "2")) - 1.0) * own_s
+    a = torch.full((96, 96), 1.0 / 96)      # a @ a == a: the same work every product, no overflow
+    while time.thread_time() < end:
+        a = a @ a
 
 
 def kill_self(what: str = "", rank: Optional[int] = None) -> None:

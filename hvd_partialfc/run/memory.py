@@ -1,5 +1,6 @@
-"""Memory snapshots (``checkpoint.memory_every: K``): a lost node costs at most K steps, not the steps since
-the last disk checkpoint. memory_recover.py restores them; docs/reliability.md "Memory snapshots" is the user's page.
+"""Memory snapshots (``checkpoint.memory_every: K``): a lost node costs at most 2 K steps (K since the last
+snapshot, up to K more while it lands: ``settle``), not the steps since the last disk checkpoint.
+memory_recover.py restores them; docs/reliability.md "Memory snapshots" is the user's page.
 
 What is unique to a rank is its classifier slice (rows, their optimizer state), its counters, its random
 streams and its own BatchNorm statistics: its checkpoint file (checkpoint.TrainingState.rank_file). The

@@ -8,7 +8,9 @@ Contract:
   - a training record: ``train/<key>`` for each number (loss, lr, grad_norm, samples_per_s, data_time,
     step_time, ...; not ``step`` and ``time``, which are its step and wall time);
   - a verification record ``{"eval": {"set": NAME, ...}, "step": S}``: ``eval/NAME/<key>`` for each number
-    (acc, auc, tar@far=..., ...).
+    (acc, auc, tar@far=..., ...);
+  - a straggler event ``{"straggler": {"line": ..., ...}, "step": S}`` (run/stragglers.py): its line as the text
+    ``stragglers`` (training records carry its numbers: ``train/straggler_ratio``, ``train/stragglers``).
 * ``LoaderWatch``: the one-line warning, once per run, when the trainer waits for data more than
   ``LOADER_BOUND_FRACTION`` of its step time.
 * TensorBoard is an optional install (``pip install hvd_partialfc[tensorboard]``); ``tensorboard_missing``
@@ -71,6 +73,9 @@ class MetricsLog:
         if self.writer is not None:
             for tag, value in scalars(record):
                 self.writer.add_scalar(tag, value, int(record["step"]), walltime=record.get("time"))
+            if isinstance(record.get("straggler"), dict):      # a straggler event: its line, as text
+                self.writer.add_text("stragglers", record["straggler"]["line"], int(record["step"]),
+                                     walltime=record.get("time"))
             self.writer.flush()
 
     def close(self) -> None:

@@ -2,11 +2,12 @@
 and engine; the parts it trains and the step it runs are built once, before it (startup.py).
 
 Per step: the step (step.py); the names of the bad samples it replaced (sample_watch.py); the stop vote
-started after the previous step is read (any rank's SIGTERM, rank 0's time-based checkpoint), so every rank
-stops at the same step; the log line (its figures agreed across ranks); the BatchNorm buffers averaged once
-when a checkpoint or an evaluation is due; the checkpoint when due, stopped, voted, or before stopping on too
-many bad samples; then evaluation on its schedule, so a failing evaluation never costs the step's
-checkpoint. A failed evaluation is agreed across ranks (verification/evaluator.py) and, with
+started after the previous step is read (any rank's SIGTERM, rank 0's time-based checkpoint; every rank's
+own time of the step and an eviction rank 0 decided: stragglers.py), so every rank stops at the same step;
+the log line (its figures agreed across ranks); the BatchNorm buffers averaged once when a checkpoint or an
+evaluation is due; the checkpoint when due, stopped, voted, or before stopping on too many bad samples; then
+evaluation on its schedule, so a failing evaluation never costs the step's checkpoint; an agreed eviction's
+snapshot. A failed evaluation is agreed across ranks (verification/evaluator.py) and, with
 ``eval.on_error=log``, recorded and survived; with ``stop`` the run ends after a checkpoint of that step.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..config import dump_config
 from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
 from .sample_watch import SampleWatch
+from .stragglers import Stragglers
 from ..data.shards import ShardError
 from ..verification.evaluator import EvaluationError
 
@@ -54,6 +56,8 @@ class Trainer:
         self.start_step, self.resumed_from = start_step, resumed_from
         self.total_steps = step.total_steps
         self.stopped_by: Optional[str] = None   # the signal that stopped fit(), if one did
+        self.eviction = None   # stragglers.Eviction: the node fit() stopped for, to go on without it (cli.py)
+        self.stragglers: Optional[Stragglers] = None   # built in fit() (a collective)
         self.eval_failures: List[Tuple[int, str]] = []   # (step, reason) of each failed evaluation (on_error=log)
         self.loader_watch = LoaderWatch(cfg.data.workers)
         self.sample_watch = SampleWatch(cfg.data.on_bad_sample, cfg.data.max_bad_samples, data.manifest.num_samples)
@@ -99,12 +103,14 @@ class Trainer:
         every_s = 60.0 * cfg.checkpoint.every_minutes
         ckpt_dir, vote = None, None
         try:
+            watch = self.stragglers = Stragglers.start(cfg, comm, self.start_step, bar.write if comm.is_main
+                                                       else (lambda line: None), self.step.device.type == "cuda")
             with StopSignals() as signals:
                 # after the handlers: forked workers inherit them
                 batches = self.sample_watch.batches(iter(self.loader))
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
-                    out = self.train_step(step, batches)
+                    out = watch.timed(step, self.train_step, step, batches)   # its own time: stragglers.py
                     for line in self.sample_watch.new_lines():   # every rank names its own bad samples
                         bar.write(line)
                     for key in interval:
@@ -113,8 +119,9 @@ class Trainer:
                     final = done == self.total_steps
                     # The vote started after the previous step: did any rank get a stop signal, is rank 0's
                     # time-based checkpoint due? Every rank reads the same answer at the same step.
-                    stop, time_due, not_landed = (v > 0 for v in vote.result()) if vote is not None \
-                        else (False, False, True)
+                    flags = vote.result() if vote is not None else [0.0, 0.0, 1.0]
+                    stop, time_due, not_landed = (v > 0 for v in flags[:3])
+                    evict = watch.read(done, flags[3:], metrics, bar)   # the ranks' times; an agreed eviction
                     vote = None
                     if self.memory and not not_landed:   # every rank's snapshot copies landed: commit
                         self.memory.all_landed()
@@ -128,6 +135,8 @@ class Trainer:
                     evaluate = self.evaluator.due(done, final)
                     if scheduled or evaluate:   # the run goes on with the averaged buffers
                         self.average_buffers(done, save)
+                    if save or evaluate:
+                        watch.hold(done)
                     if save:
                         ckpt_dir = self.save_checkpoint(done, averaged=scheduled or evaluate)
                         last_save = time.monotonic()
@@ -145,18 +154,43 @@ class Trainer:
                         bar.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {ckpt_dir} written, "
                                   f"resume with --resume auto")
                         break
+                    if evict and not final:   # an agreed snapshot; then its ranks leave, the others restart
+                        ckpt_dir = self._snapshot_to_leave(done, save, scheduled or evaluate, ckpt_dir, evict)
+                        break
                     if self.memory and not final and self.memory.due(done):
-                        state = self.parts.training_state(self.layout, comm.rank)
-                        self.memory.snapshot(done, state, scheduled or evaluate, lambda digests: self.checkpointer.meta(
-                            done, state, self.step.length, digests, True))
+                        self._memory_snapshot(done, scheduled or evaluate)
+                        watch.hold(done)
                     if not final:  # after the save, so a time-based checkpoint is not due twice in a row
                         due = comm.is_main and every_s > 0 and time.monotonic() - last_save >= every_s
                         vote = comm.vote_async([signals.received is not None, due,
-                                                self.memory.vote_flag() if self.memory else 0.0], name="step")
+                                                self.memory.vote_flag() if self.memory else 0.0,
+                                                *watch.vote_part()], name="step")
         finally:
             bar.close()
             if metrics:
                 metrics.close()
+        return ckpt_dir
+
+    def _memory_snapshot(self, done: int, averaged: bool) -> None:
+        """The memory snapshot of step ``done`` (a collective; memory.py); ``averaged``: the buffers were pooled."""
+        state = self.parts.training_state(self.layout, self.comm.rank)
+        self.memory.snapshot(done, state, averaged, lambda digests: self.checkpointer.meta(
+            done, state, self.step.length, digests, True))
+
+    def _snapshot_to_leave(self, done: int, saved: bool, averaged: bool, ckpt_dir: Optional[str],
+                           evict) -> Optional[str]:
+        """The agreed snapshot an eviction leaves from (stragglers.py): the memory snapshot of ``done``, settled at
+        once (committed on every node, or dropped), else a disk checkpoint of it (the step's own, if it wrote one).
+        Sets ``self.eviction``; returns the last disk checkpoint."""
+        evict.where = "in node memory"
+        if self.memory:
+            self._memory_snapshot(done, averaged)
+            self.memory.settle()
+            if self.memory.committed == done:
+                self.eviction = evict
+                return ckpt_dir
+        ckpt_dir = ckpt_dir if saved else self.save_checkpoint(done, averaged=averaged)
+        evict.where, self.eviction = ckpt_dir, evict
         return ckpt_dir
 
     def _log(self, done: int, out: Dict[str, float], samples_per_step: int, last_log: int, last_t: float,
@@ -183,8 +217,10 @@ class Trainer:
             if self.parts.loss_scale.enabled:
                 rec["loss_scale"] = self.parts.loss_scale.scale
             rec.update(bad)
+            rec.update(self.stragglers.record())
             metrics.write(rec)
-        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s")
+        bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.4g}", sps=f"{sps:.0f}", data=f"{data_t:.3f}/{step_t:.3f}s",
+                        **self.stragglers.postfix())
         warning = self.loader_watch.check(done, data_t, step_t, first=last_log == self.start_step)
         if warning and self.comm.is_main:   # rank 0's figures, said by rank 0 (tqdm.write ignores `disable`)
             bar.write(warning)

@@ -27,7 +27,7 @@ backward pass (Horovod's DistributedOptimizer per tensor, fused each cycle; the 
 the averages back. So under both, *comm* is the time the step is blocked on communication after backward
 (plus the head's collectives, taken out of forward / backward), and communication that overlaps the
 backward pass (launching, flattening a bucket, the engine's thread taking a core) shows up as a longer
-*backward* than the limit's. ``BucketAverager`` also counts its own wait in ``comm.wait_s``: that part
+*backward* than the limit's. Both engines also count ``synchronize``'s wait in ``comm.wait_s``: that part
 lies inside ``synchronize`` and is counted once. Bytes per step are counted from the tensors handed to
 collectives: the gradients of the parameters the averaging optimizer holds (Horovod's are computed
 from the parameters; the torch engine counts its buckets in ``comm.sent_bytes`` itself), plus what
@@ -131,7 +131,7 @@ def run_worker(a) -> Dict[str, Any]:
         waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0", "sync1")}
         head_wait_fwd = waits["fwd1"] - waits["fwd0"]
         head_wait_bwd = waits["sync0"] - waits["fwd1"]
-        sync_wait = waits["sync1"] - waits["sync0"]      # the torch engine's, inside synchronize already
+        sync_wait = waits["sync1"] - waits["sync0"]      # inside synchronize already
         split["data"] += out["data_time"]
         split["forward"] += marks["fwd1"] - marks["fwd0"] - head_wait_fwd
         split["backward"] += marks["sync0"] - marks["fwd1"] - head_wait_bwd

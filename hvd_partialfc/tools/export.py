@@ -12,6 +12,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from ..run_files import load_file, read_meta, resolve_checkpoint
+from ..run.stragglers import read_events
 from .. import atomic
 from ..digest import state_dict_digest
 
@@ -21,7 +22,8 @@ class ExportError(RuntimeError):
 
 
 def run_summary(path: str) -> Dict[str, Any]:
-    """The JSON of ``hvd-partialfc info``: world size, step, slices, classifier shapes, digests."""
+    """The JSON of ``hvd-partialfc info``: world size, step, slices, classifier shapes, digests, and the
+    stragglers the run named or evicted (run/stragglers.py)."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     ranks = []
@@ -37,7 +39,9 @@ def run_summary(path: str) -> Dict[str, Any]:
         ranks.append(entry)
     return {"checkpoint": ckpt, "step": meta["step"], "total_steps": meta.get("total_steps"),
             "world_size": meta["world_size"], "num_classes": meta["num_classes"], "model": meta["model"],
-            "digests_agree": len(set(meta["digests"])) == 1, "ranks": ranks}
+            "digests_agree": len(set(meta["digests"])) == 1, "ranks": ranks,
+            # the run folder's straggler events (checkpoints/step-X sits two levels below it)
+            "stragglers": read_events(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))))}
 
 
 def verified_backbone(path: str, rank: int = 0) -> Tuple[Dict[str, Any], Dict[str, Any], str]:

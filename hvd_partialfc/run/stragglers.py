@@ -1,0 +1,316 @@
+"""Stragglers (``train.stragglers: off | warn | evict``, docs/reliability.md "Stragglers"): the rank that slows
+every rank, named; with ``evict`` under elastic torchrun, the job goes on without its node.
+
+The step is synchronous: every rank waits for the slowest at the gradient all-reduce, so one slow rank (a
+throttled GPU, a degraded link, a noisy neighbour) costs the whole job while every health check passes. The
+ranks' step times are all alike (the fast ones wait); what tells the slow one apart is its *own* time a step,
+its work and not its waits (``own_time``):
+
+* on a GPU, the step's span less its wait for data (``data_time``) and its wait in the collectives
+  (``Comm.wait_s``): the host waits there while the device computes;
+* on the CPU, the CPU time of the rank's main thread over the step: a wait (for a collective, for the data
+  workers) blocks and costs none, and the time the rank was not running does not count. The span less the
+  waits was measured first and named healthy ranks: 2 ranks on 2 shared cores (a 200-step MLP run, no fault),
+  rank 0's span less waits had a 10-step median of 2.5x rank 1's, its extra 5 ms a step spent in the backward
+  pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1); the CPU time's largest 10-step median ratio was
+  1.49, its 90th percentile 1.15x its median. The price: on the CPU, a rank slowed by another process taking
+  its cores is not seen; a rank slowed by more work (a slower core, the ``slow`` fault) is.
+
+* **Gathered in the vote, every step.** Each rank puts its time of step S at its own place in a vector of N
+  zeros, after the loop's flags (trainer.py's ``vote_async``, read a step later): the vote is an elementwise
+  max, so every rank reads every rank's time with no collective of its own: N float64 more in an all-reduce
+  that runs anyway (4 KB at 512 ranks), overlapped with the next step.
+* **Named by rank 0** (``Detector``): a rank whose time is at least ``train.straggler_ratio`` times the step's
+  median in ``train.straggler_steps`` counted steps in a row. The lower median: with two nodes a whole slow
+  node is half the ranks, and the mean of the two middle times would hide it. One line (rank, node, its time
+  against the median, since which step), an event record in metrics.jsonl (TensorBoard: the line as text) and
+  ``RUN/stragglers.jsonl`` (which ``hvd-partialfc info`` lists); every training record carries the slowest
+  rank's ratio and the count named (TensorBoard's scalars), the progress line the named rank. Not counted, so
+  never a reason: the first ``WARMUP`` steps after a (re)start, alike on every rank, and the step after a
+  checkpoint, an evaluation or a memory snapshot (``hold``): a rank slow only while it writes or evaluates is not
+  a straggler. A held step neither extends nor breaks a run of slow steps.
+* **Evicted** (``evict``): rank 0 puts the node in the next vote; at the step that reads it every rank takes an
+  agreed snapshot (a memory snapshot, committed, or a disk checkpoint without them: trainer.py), the node's
+  ranks stop their torchrun agent and exit ``EXIT_EVICTED``, and the others exit 75, so that their agents
+  restart them without it, re-sharded, from that snapshot: no step is lost. Never below
+  ``train.straggler_min_nodes``, never within ``train.straggler_cooldown`` steps of the run's last eviction
+  (``RUN/stragglers.jsonl``, read at each start), never where the engine cannot go on without a node
+  (``Comm.regroup_refusal``: horovodrun, the simulator; said once at start, and the run warns instead). The
+  node may join again later, as any node may (torchrun's ``--nnodes MIN:MAX``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import faults
+
+EXIT_EVICTED = 76      # the evicted node's ranks; its neighbours exit preempt.EXIT_PREEMPTED, restarted without it
+EVENTS = "stragglers.jsonl"
+WARMUP = 3             # steps after a (re)start that are not counted: start-up work, alike on every rank
+
+
+@dataclass
+class Finding:
+    """A rank named at ``step`` (the step whose times named it): its mean time over the run of slow steps that
+    began at ``since``, against the mean of those steps' medians (seconds)."""
+
+    step: int
+    rank: int
+    node: str
+    own_s: float
+    median_s: float
+    since: int
+
+    def line(self) -> str:
+        return (f"step {self.step}: straggler: rank {self.rank} on {self.node} takes {1e3 * self.own_s:.1f} ms a step "
+                f"against the median {1e3 * self.median_s:.1f} ms ({self.own_s / self.median_s:.2f}x) since step "
+                f"{self.since}")
+
+
+class Detector:
+    """Rank 0's reading of every rank's times (see the module's docstring). Pure: times in, findings out."""
+
+    def __init__(self, nodes: Sequence[str], ratio: float, steps: int, start: int):
+        self.nodes, self.ratio, self.steps, self.start = list(nodes), ratio, steps, start
+        n = len(self.nodes)
+        self.run, self.quiet, self.since = [0] * n, [0] * n, [0] * n   # slow steps in a row, quiet ones, first
+        self.sums = [[0.0, 0.0] for _ in range(n)]                     # its times, the medians, over the run
+        self.named: Dict[int, Finding] = {}
+        self.held: set = set()
+        self.worst: List[float] = []       # the slowest rank's ratio of each counted step since the last take
+
+    def hold(self, step: int) -> None:
+        """Step ``step`` is not counted (it follows a checkpoint, an evaluation or a snapshot)."""
+        self.held.add(step)
+
+    def observe(self, step: int, times: Sequence[float]) -> Tuple[List[Finding], List[Finding]]:
+        """Every rank's own time of ``step`` (seconds, in rank order): the ranks named at it, and the named ones
+        that have been below the ratio for ``steps`` counted steps."""
+        if step in self.held or step <= self.start + WARMUP or len(times) != len(self.nodes) or min(times) <= 0:
+            self.held = {s for s in self.held if s > step}
+            return [], []
+        median = sorted(times)[(len(times) - 1) // 2]                  # the lower median
+        self.worst.append(max(times) / median)
+        new, cleared = [], []
+        for r, t in enumerate(times):
+            if t >= self.ratio * median:
+                self.since[r] = step if self.run[r] == 0 else self.since[r]
+                self.run[r] += 1
+                self.quiet[r] = 0
+                self.sums[r][0] += t
+                self.sums[r][1] += median
+                if self.run[r] == self.steps and r not in self.named:
+                    self.named[r] = Finding(step, r, self.nodes[r], self.sums[r][0] / self.steps,
+                                            self.sums[r][1] / self.steps, self.since[r])
+                    new.append(self.named[r])
+            else:
+                self.run[r], self.sums[r] = 0, [0.0, 0.0]
+                self.quiet[r] += 1
+                if self.quiet[r] == self.steps and r in self.named:
+                    cleared.append(self.named.pop(r))
+        return new, cleared
+
+    def take_worst(self) -> Optional[float]:
+        """The mean, over the counted steps since the last call, of the slowest rank's ratio (None: none)."""
+        worst, self.worst = self.worst, []
+        return sum(worst) / len(worst) if worst else None
+
+
+@dataclass
+class Eviction:
+    """The agreed eviction of ``node`` (its ``ranks``) at ``step``; ``mine``: this rank is one of them."""
+
+    step: int
+    node: str
+    ranks: List[int]
+    mine: bool
+    nodes_left: int
+    where: str = ""          # the snapshot it leaves from (set by trainer.py): node memory, or a checkpoint
+
+    def part(self, comm) -> None:
+        """After the agreed snapshot (a collective): the node's ranks stop their launcher agent first, then
+        every rank agrees, so that the others' agents restart only once that agent is no longer in the job."""
+        if self.mine:
+            comm.stop_agent()
+        comm.agree(None, name=f"stragglers.leave.{self.step}")
+
+    def exit_code(self, rank: int) -> int:
+        """This rank's line and exit status (cli.py)."""
+        from .preempt import EXIT_PREEMPTED
+        if self.mine:
+            print(f"[rank {rank}] evicted: {self.node} is a straggler; this node leaves the job after the snapshot "
+                  f"of step {self.step} ({self.where}); exit {EXIT_EVICTED}", flush=True)
+            return EXIT_EVICTED
+        print(f"[rank {rank}] {self.node} evicted as a straggler after the snapshot of step {self.step} ({self.where}); "
+              f"exit {EXIT_PREEMPTED}: torchrun restarts the group on {_nodes(self.nodes_left)} from it", flush=True)
+        return EXIT_PREEMPTED
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" + ("s" if n != 1 else "")
+
+
+def node_names(idents: Sequence[Tuple[str, Optional[str]]]) -> Tuple[List[str], List[int]]:
+    """Every rank's node name and node index from its (host name, torchrun agent) pair: a torchrun agent is a
+    node (several agents on one host: ``host/agentG``); without torchrun, the host."""
+    keys: Dict[Tuple[str, Optional[str]], int] = {}
+    for ident in idents:
+        keys.setdefault(tuple(ident), len(keys))
+    shared = {h for h, _ in keys if sum(1 for k in keys if k[0] == h) > 1}
+    names = [f"{h}/agent{g}" if h in shared else h for h, g in idents]
+    return names, [keys[tuple(i)] for i in idents]
+
+
+def read_events(run_dir: str) -> List[Dict[str, Any]]:
+    """``RUN/stragglers.jsonl``: every straggler named, cleared or evicted in the run (none: [])."""
+    try:
+        with open(os.path.join(run_dir, EVENTS)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def event_line(e: Dict[str, Any]) -> str:
+    """One event of ``RUN/stragglers.jsonl`` as ``hvd-partialfc info`` lists it."""
+    if e.get("event") == "named":
+        return (f"step {e['step']}: rank {e['rank']} on {e['node']} named: {1e3 * e['own_s']:.1f} ms a step against "
+                f"{1e3 * e['median_s']:.1f} ms ({e['own_s'] / e['median_s']:.2f}x) since step {e['since']}")
+    if e.get("event") == "evicted":
+        return f"step {e['step']}: {e['node']} evicted (ranks {e['ranks']})"
+    return f"step {e.get('step')}: {e.get('node')} {e.get('event')}"
+
+
+class Stragglers:
+    """This rank's side: its own time a step, the vote's part, and on rank 0 the detector and the decision.
+    ``start`` is a collective unless the watch is off (the same on every rank: the config and the engine)."""
+
+    def __init__(self, cfg, comm, start_step: int, say: Callable[[str], None], cuda: bool = False,
+                 nodes: Sequence[str] = (), node_of: Sequence[int] = (), refusal: Optional[str] = None):
+        t = cfg.train
+        self.comm, self.cfg, self.say, self.cuda = comm, cfg, say, cuda
+        self.active = bool(nodes)
+        self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
+        self.own = 0.0
+        self.evict_flag = 0.0        # rank 0: the node (index + 1) the next vote evicts
+        self.detector = Detector(nodes, t.straggler_ratio, t.straggler_steps, start_step) \
+            if self.active and comm.is_main else None
+        self.last_eviction = None
+        if self.detector:
+            past = [e["step"] for e in read_events(cfg.out) if e.get("event") == "evicted" and e["step"] <= start_step]
+            self.last_eviction = max(past, default=None)
+
+    @classmethod
+    def start(cls, cfg, comm, start_step: int, say: Callable[[str], None], cuda: bool = False) -> "Stragglers":
+        """``cuda``: the step runs on a GPU (its own time is measured so)."""
+        mode = cfg.train.stragglers
+        if mode == "off" or comm.size == 1 or not comm.times_ranks:
+            return cls(cfg, comm, start_step, say, cuda)
+        idents = comm.allgather_object((socket.gethostname(), os.environ.get("GROUP_RANK")), name="stragglers.nodes")
+        nodes, node_of = node_names(idents)
+        refusal = comm.regroup_refusal() if mode == "evict" else None
+        if refusal:
+            say(f"train.stragglers=evict: {refusal}; stragglers are named, not evicted")
+        return cls(cfg, comm, start_step, say, cuda, nodes, node_of, refusal)
+
+    # --- every step ----------------------------------------------------------------------------------------
+
+    def timed(self, step: int, fn, *args):
+        """``fn(*args)`` (the step; its figures hold ``data_time``), keeping this rank's own time of it
+        (``own_time``); the ``slow`` fault's work (faults.py) is part of it."""
+        start = (time.perf_counter(), time.thread_time(), self.comm.wait_s)
+        out = fn(*args)
+        faults.slow_work(step, self.comm.rank, self.own_time(start, out["data_time"]))
+        self.own = self.own_time(start, out["data_time"])
+        return out
+
+    def own_time(self, start: Tuple[float, float, float], data_time: float) -> float:
+        """Seconds of this rank's own work since ``start`` (wall clock, this thread's CPU time, ``wait_s``): on a
+        GPU the span less the data and collective waits, on the CPU the thread's CPU time (the module's docstring)."""
+        if self.cuda:
+            return time.perf_counter() - start[0] - data_time - (self.comm.wait_s - start[2])
+        return time.thread_time() - start[1]
+
+    def vote_part(self) -> List[float]:
+        """This rank's part of the next vote: the eviction rank 0 decided, then its own time at its place."""
+        if not self.active:
+            return []
+        times = [0.0] * self.comm.size
+        times[self.comm.rank] = max(self.own, 1e-9)
+        return [self.evict_flag] + times
+
+    def hold(self, step: int) -> None:
+        """Side work (a checkpoint, an evaluation, a snapshot) came after step ``step``: the next is not counted."""
+        if self.detector:
+            self.detector.hold(step + 1)
+
+    def read(self, done: int, part: Sequence[float], metrics=None, bar=None) -> Optional[Eviction]:
+        """The vote's part, read after step ``done`` (the times of step ``done - 1``): rank 0 names and decides;
+        every rank returns the eviction the vote agreed, if any."""
+        if not self.active or not part:
+            return None
+        if self.detector:
+            new, cleared = self.detector.observe(done - 1, part[1:])
+            for f in new:
+                self._event(metrics, bar, f.line(), "named", f.step,
+                            **{k: v for k, v in asdict(f).items() if k != "step"})
+                self._decide(f, metrics, bar)
+            for f in cleared:
+                self._event(metrics, bar, f"step {done - 1}: rank {f.rank} on {f.node} is no longer a straggler "
+                            f"(named at step {f.step})", "cleared", done - 1, rank=f.rank, node=f.node)
+        node = int(part[0]) - 1
+        if node < 0:
+            return None
+        ranks = [r for r, n in enumerate(self.node_of) if n == node]
+        out = Eviction(done, self.nodes[ranks[0]], ranks, self.comm.rank in ranks, len(set(self.node_of)) - 1)
+        if self.detector:
+            self._event(metrics, bar, f"step {done}: evicting {out.node} (ranks {ranks}) after this step's snapshot; "
+                        f"the job goes on with {_nodes(out.nodes_left)}", "evicted", done, node=out.node, ranks=ranks)
+        return out
+
+    def _decide(self, f: Finding, metrics, bar) -> None:
+        """Rank 0, on a new finding under ``evict``: the eviction of its node in the next vote, or why not."""
+        t = self.cfg.train
+        if t.stragglers != "evict" or self.refusal or self.evict_flag:
+            return
+        left = len(set(self.node_of)) - 1
+        if left < t.straggler_min_nodes:
+            why = f"{_nodes(left + 1)}, and train.straggler_min_nodes is {t.straggler_min_nodes}"
+        elif self.last_eviction is not None and f.step - self.last_eviction < t.straggler_cooldown:
+            why = (f"the last eviction was at step {self.last_eviction}, within train.straggler_cooldown="
+                   f"{t.straggler_cooldown} steps")
+        else:
+            self.evict_flag = float(self.node_of[f.rank] + 1)   # read by every rank with the next vote
+            return
+        self._event(metrics, bar, f"step {f.step}: {f.node} not evicted: {why}", "not evicted", f.step, node=f.node)
+
+    def _event(self, metrics, bar, line: str, event: str, step: int, **fields) -> None:
+        """Rank 0: the line, and the event in metrics.jsonl and RUN/stragglers.jsonl."""
+        (bar.write if bar is not None else self.say)(line)
+        rec = dict(event=event, step=step, **fields, line=line, time=time.time())
+        if metrics is not None:
+            metrics.write({"step": step, "straggler": rec, "time": rec["time"]})
+        try:
+            with open(os.path.join(self.cfg.out, EVENTS), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:   # the line and metrics.jsonl have it; the cool-down then counts from the start
+            self.say(f"stragglers: cannot append to {os.path.join(self.cfg.out, EVENTS)}: {e.strerror}")
+
+    # --- the log line ------------------------------------------------------------------------------------
+
+    def record(self) -> Dict[str, float]:
+        """Rank 0's figures for a training record: the slowest rank's ratio to the median (mean over the counted
+        steps since the last record) and how many ranks are named now."""
+        if not self.detector:
+            return {}
+        worst = self.detector.take_worst()
+        return ({"straggler_ratio": worst} if worst is not None else {}) | {"stragglers": len(self.detector.named)}
+
+    def postfix(self) -> Dict[str, str]:
+        """The progress line's part: the named ranks, while any is."""
+        named = self.detector.named if self.detector else {}
+        return {"slow": ",".join(f"r{r}@{f.node}" for r, f in sorted(named.items()))} if named else {}

@@ -1,0 +1,251 @@
+#!/usr/bin/env python
+"""Stragglers (train.stragglers, run/stragglers.py) measured on network-namespace nodes (launch/twonode.py): elastic
+torchrun, one rank a node, CPU; the figures of docs/reliability.md "Stragglers", against issue 52's goals.
+
+    python launch/studies/stragglers.py --json stragglers.json [--chaos chaos.json]
+    python launch/studies/stragglers.py --show stragglers.json
+
+Runs (``--steps`` steps at 3 ranks, an MLP on feature shards, memory snapshots every 10 steps):
+
+* **warn**: 3 nodes, node 2's rank made ``--factor`` times slower (the ``slow`` fault: work on its step's path)
+  from step ``--slow-from``: the step it is named at and the node named; the job's speed before and after.
+* **evict**: the same with ``train.stragglers=evict``: the step of the eviction, the first step at 2 ranks, the
+  speed after it (steps from the eviction + 20 to the end) against **clean2**, the same job on 2 nodes from the
+  start over the same steps; the samples consumed against the budget, the lr against the cosine of the samples
+  consumed (its largest departure, and its largest step-to-step change at the eviction against elsewhere), the
+  classes of the final classifier slices; steps lost.
+* **cost**: 3 clean nodes with the watch ``off`` and ``warn``, alternated ``--repeats`` times: the mean wall time
+  a step after step 20 (the vote carries N more numbers, every rank times its step, rank 0 reads them); and the
+  watch's own work a step measured in this process (timing, the vote's part, rank 0's reading) at N = 3 and 512.
+* **false alarms**: the stragglers named in every run but the slowed ones, and in a chaos run's JSON (``--chaos``:
+  ``launch/chaos.py --only torchrun --json FILE``, every other fault kind in 1,500 steps).
+
+Needs root (namespaces). This machine: 2 cores shared by the 3 nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(HERE))
+import twonode  # noqa: E402
+from chaos_parts import TorchrunJob  # noqa: E402
+from memory_recovery import shards  # noqa: E402
+from hvd_partialfc.run.stragglers import read_events  # noqa: E402
+
+BATCH = 32
+PORTS = itertools.count(29500 + 10 * (os.getpid() % 40))
+SETS = ["model.name=mlp", "model.embedding_dim=128", "model.kwargs={hidden_dim: 512}", f"data.batch_size={BATCH}",
+        "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.resume=auto", "checkpoint.every=50",
+        "checkpoint.memory_every=10", "train.heartbeat_timeout=5", "head.negatives_every=0", "train.engine=torch",
+        "train.straggler_min_nodes=2"]
+
+
+def records(run: str) -> List[Dict]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def speed(recs: List[Dict], lo: int, hi: int) -> float:
+    """Samples a second over the steps (lo, hi] (each record: a step, its world size, its time)."""
+    by = {r["step"]: r for r in recs}
+    done = sum(BATCH * by[s]["world_size"] for s in range(lo + 1, hi + 1))
+    return done / (by[hi]["time"] - by[lo]["time"])
+
+
+def job(nodes, which: List[int], data: str, run: str, steps: int, sets: List[str], work: str,
+        env: Dict[int, Dict[str, str]] = None) -> Dict:
+    """One elastic torchrun job (``--nnodes 2:3``) on ``which`` nodes, each its own snapshot root (logs in
+    WORK/logs/RUN); the agents' exit codes and the seconds it took."""
+    logs = os.path.join(work, "logs", os.path.basename(run))
+    os.makedirs(logs)
+    argv = ["-m", "hvd_partialfc.cli", "train", "--shards", data, "--out", run, "--steps", str(steps)]
+    for s in SETS + sets:
+        argv += ["--set", s]
+    memory = tempfile.mkdtemp(prefix="hpfc-stragglers-", dir="/dev/shm")
+    j = TorchrunJob(nodes, argv, next(PORTS), logs, min_nodes=2, memory=memory, env=env)
+    t0 = time.time()
+    try:
+        for n in which:
+            j.start(n)
+            time.sleep(0.3)
+        codes = j.wait(900)
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    return {"codes": codes, "seconds": round(time.time() - t0, 1)}
+
+
+def lr_checks(run: str) -> Dict:
+    """The samples consumed against the budget, the lr against the cosine of the samples consumed before each
+    step, the final slices' classes."""
+    from hvd_partialfc.run_files import read_meta, resolve_checkpoint
+    meta = read_meta(resolve_checkpoint(run))
+    budget, recs = meta["length"]["budget_samples"], records(run)
+    seen, worst, steps = 0, 0.0, []
+    for r in recs:
+        worst = max(worst, abs(r["lr"] - 0.1 * 0.5 * (1 + math.cos(math.pi * seen / budget))))
+        seen += BATCH * r["world_size"]
+    slices = meta["slices"]
+    changes = [abs(a["lr"] - b["lr"]) for a, b in zip(recs, recs[1:])]
+    at = next(i for i, r in enumerate(recs) if r["world_size"] != recs[0]["world_size"])
+    return {"samples": meta["length"]["samples"], "budget": budget, "lr_off_cosine": worst,
+            "lr_change_at_eviction": changes[at - 1], "lr_change_largest_elsewhere": max(changes[:at - 1] + changes[at:]),
+            "slices": slices, "classes_once": [a for s in slices for a in range(*s)] == list(range(meta["num_classes"])),
+            "steps_redone": len(recs) - len({r["step"] for r in recs})}
+
+
+def watch_cost(n: int, steps: int = 3000) -> float:
+    """Seconds a step of rank 0's watch (its timing, its part of the vote and that part as a tensor, the reading and
+    the detector) at N ranks, in this process."""
+    import torch
+    from hvd_partialfc.config import load_config
+    from hvd_partialfc.engine.local import LocalComm
+    from hvd_partialfc.run.stragglers import Stragglers
+    cfg = load_config(None, ["data.shards=x", f"out={tempfile.mkdtemp()}"])
+    watch = Stragglers(cfg, LocalComm(0, n), 0, lambda line: None, False, [f"n{i}" for i in range(n)], list(range(n)))
+    times = [0.01 + 1e-5 * i for i in range(n)]
+    t0 = time.perf_counter()
+    for s in range(steps):
+        watch.timed(s, lambda: {"data_time": 0.0})
+        part = watch.vote_part()
+        torch.tensor([0.0, 0.0, 0.0] + part, dtype=torch.float64)   # what the vote sends (its 3 flags: there anyway)
+        watch.read(s + 1, part[:1] + times)
+    return (time.perf_counter() - t0) / steps
+
+
+def study(a, work: str) -> Dict:
+    data = shards(work, 600, 24, 64, 6)
+    slow = {2: {"HVD_PARTIALFC_FAULT": f"slow@{a.slow_from}", "HVD_PARTIALFC_SLOW_FACTOR": str(a.factor)}}
+    out: Dict = {"steps": a.steps, "slow_from": a.slow_from, "factor": a.factor, "evict": [], "clean2": [],
+                 "cost": {"off": [], "warn": []}}
+    with twonode.Nodes(3, suffix=twonode.owner_suffix(), prefix="hpfcs") as nodes:
+        def one(name, sets, which, env=None):
+            run = os.path.join(work, name)
+            res = job(nodes, which, data, run, a.steps, sets, work, env)
+            recs, events = records(run), read_events(run)
+            res.update(events=events, worlds=sorted({r["world_size"] for r in recs}), last_step=recs[-1]["step"],
+                       named=[e for e in events if e["event"] == "named"])
+            print(f"{name}: {res['seconds']} s, exit {res['codes']}", flush=True)
+            return res, recs
+        res, recs = one("warn", [], [1, 2, 3], slow)
+        out["warn"] = dict(res, speed_before=speed(recs, 20, a.slow_from),
+                           speed_slow=speed(recs, a.slow_from + 20, recs[-1]["step"]))
+        for rep in range(a.repeats):     # alternated: the machine's other load changes over minutes
+            res, recs = one(f"evict-{rep}", ["train.stragglers=evict"], [1, 2, 3], slow)
+            ev = [e for e in res["events"] if e["event"] == "evicted"]
+            res.update(evicted_at=ev[0]["step"] if ev else None,
+                       first_step_at_2=next((r["step"] for r in recs if r["world_size"] == 2), None),
+                       speed_before=speed(recs, 20, a.slow_from))
+            lo = res["first_step_at_2"] + 20
+            res["speed_after"] = speed(recs, lo, recs[-1]["step"])
+            res.update(lr_checks(os.path.join(work, f"evict-{rep}")))
+            out["evict"].append(res)
+            res, recs = one(f"clean2-{rep}", [], [1, 2])
+            res["speed"] = speed(recs, lo, min(recs[-1]["step"], out["evict"][-1]["last_step"]))
+            out["clean2"].append(res)
+            for mode in ("off", "warn"):
+                res, recs = one(f"cost-{mode}-{rep}", [f"train.stragglers={mode}"], [1, 2, 3])
+                out["cost"][mode].append((recs[-1]["time"] - recs[19]["time"]) / (len(recs) - 20))
+                out["cost"].setdefault("named", []).extend(res["named"])
+    out["cost"]["watch_s"] = {n: watch_cost(n) for n in (3, 512)}
+    if a.chaos:
+        with open(a.chaos) as f:
+            torchrun = [r for r in json.load(f) if r["run"] == "torchrun"][0]
+        out["chaos"] = {"seed": torchrun["seed"], "steps": torchrun["steps"], "faults": [r["kind"] for r in torchrun["rows"]],
+                        "named": torchrun["checks"].get("stragglers_named"),
+                        "false": torchrun["checks"].get("false_stragglers"), "passed": torchrun["passed"]}
+    return out
+
+
+def _median(xs: List[float]) -> float:
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
+def table(r: Dict) -> str:
+    w, ev, c2, cost = r["warn"], r["evict"], r["clean2"], r["cost"]
+    named = w["named"][0] if w["named"] else {}
+    e = ev[0]
+    off, on = (_median(cost[m]) for m in ("off", "warn"))
+    after, clean = [x["speed_after"] for x in ev], [x["speed"] for x in c2]
+    false = len(cost.get("named", [])) + sum(len(x["named"]) for x in c2)
+    evicted = ", ".join(f"{x['evicted_at']} / {x['first_step_at_2']}" for x in ev)
+    nodes = sorted({x["named"][0]["node"] for x in ev if x["named"]} | ({named["node"]} if named else set()))
+    rows = [
+        ("3 nodes, node 2 at 1/%g speed from step %d: detected" % (r["factor"], r["slow_from"]), "within 20 steps, naming node 2",
+         f"named at step {named.get('step')} ({named.get('step', 0) - r['slow_from']} steps), rank {named.get('rank')} on "
+         f"{named.get('node')}, {named.get('own_s', 0) / max(named.get('median_s', 1), 1e-12):.2f}x the median, since "
+         f"step {named.get('since')}; every run named {', '.join(nodes)}, at steps "
+         f"{', '.join(str(x['named'][0]['step']) for x in [w] + ev if x['named'])}"),
+        ("with evict: the job runs on 2 nodes", "from step <= 140",
+         f"evicted at step / first step at 2 ranks: {evicted}"),
+        ("its speed after the eviction", ">= 0.9x a clean 2-node job's",
+         f"{_median(after):.0f} against {_median(clean):.0f} samples/s: {_median(after) / _median(clean):.2f}x (medians of "
+         f"{len(ev)} alternated pairs; each: {', '.join(f'{x:.0f}/{y:.0f}' for x, y in zip(after, clean))}); "
+         f"the 3 nodes before: {e['speed_before']:.0f}, with the straggler (warn): {w['speed_slow']:.0f}"),
+        ("samples consumed, lr curve, final rows", "exactly the budget; no lr jump; every class once",
+         f"{e['samples']:,} of {e['budget']:,} in every run: {all(x['samples'] == x['budget'] for x in ev)}; the lr at "
+         f"most {max(x['lr_off_cosine'] for x in ev):.1e} off the cosine of the samples consumed (its change at the "
+         f"eviction {e['lr_change_at_eviction']:.2e}, largest elsewhere {e['lr_change_largest_elsewhere']:.2e}); "
+         f"slices {e['slices']}, every class once: {all(x['classes_once'] for x in ev)}; steps redone: "
+         f"{sum(x['steps_redone'] for x in ev)}"),
+        ("no straggler: false alarms", "0", f"{false} in {len(cost['off']) + len(cost['warn']) + len(c2)} clean runs of "
+         f"{r['steps']} steps"
+         + (f"; chaos seed {r['chaos']['seed']} ({r['chaos']['steps']} steps, {len(r['chaos']['faults'])} faults: "
+            f"{', '.join(sorted(set(r['chaos']['faults'])))}): {len(r['chaos']['false'])} named by no slow fault, "
+            f"{r['chaos']['named']} named in all" if r.get("chaos") else "")),
+        ("detection's cost, every step", "<= 0.5% of the step",
+         f"{1e6 * cost['watch_s']['3']:.0f} us a step on rank 0 at N = 3 ({100 * cost['watch_s']['3'] / off:.2f}% of "
+         f"{1e3 * off:.1f} ms), {1e6 * cost['watch_s']['512']:.0f} us at N = 512; the wall time a step with the watch "
+         f"off / warn: {1e3 * off:.2f} / {1e3 * on:.2f} ms ({100 * (on / off - 1):+.1f}%; medians of {len(cost['off'])} "
+         f"alternated runs: {', '.join(f'{1e3 * x:.1f}/{1e3 * y:.1f}' for x, y in zip(cost['off'], cost['warn']))})"),
+    ]
+    return "| check | goal | measured |\n|---|---|---|\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--slow-from", type=int, default=100)
+    ap.add_argument("--factor", type=float, default=2.0, help="the slow node's ranks take this many times their work")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chaos", metavar="JSON", help="a chaos run's report (launch/chaos.py --json): its false alarms")
+    ap.add_argument("--json")
+    ap.add_argument("--work", help="keep the runs and logs here (default: a temporary folder, removed)")
+    ap.add_argument("--show", metavar="JSON")
+    a = ap.parse_args(argv)
+    if a.show:
+        with open(a.show) as f:
+            print(table(json.load(f)))
+        return 0
+    reason = twonode.unavailable_reason()
+    if reason:
+        print(f"stragglers: cannot run: {reason}", file=sys.stderr)
+        return 2
+    work = a.work or tempfile.mkdtemp(prefix="hpfc-stragglers-")
+    os.makedirs(work, exist_ok=True)
+    report = study(a, work)
+    report["command"] = " ".join(["python", "launch/studies/stragglers.py", *(argv or sys.argv[1:])])
+    report["date"] = time.strftime("%Y-%m-%d")
+    report = json.loads(json.dumps(report, default=str))
+    print(table(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if not a.work:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The straggler watch's logic (run/stragglers.py) and the ``slow`` fault (run/faults.py), in one process. The
+real path (elastic torchrun agents, the slow node named, evicted, the job on without it from memory, ``info``)
+is tests/test_stragglers_run.py."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, launch_env, require_horovod
+from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.engine.local import LocalComm
+from hvd_partialfc.run import faults
+from hvd_partialfc.run.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
+
+FAST, MID, SLOW = 0.010, 0.012, 0.024     # the lower median of (FAST, MID, SLOW) is MID: SLOW is 2.0x it
+
+
+def test_a_rank_slow_in_M_counted_steps_in_a_row_is_named_once_with_its_time_since_and_then_cleared():
+    """Named after M = 4 counted slow steps: warm-up steps and a held step (after a checkpoint) are not counted
+    and do not break the run; M - 1 slow steps are noise; M quiet steps clear it."""
+    det = Detector(["node1", "node2", "node3"], ratio=1.5, steps=4, start=0)
+    det.hold(8)                                                   # a checkpoint after step 7
+    seen = {}
+    for step in range(1, 25):
+        t = [FAST, MID, FAST]
+        if step <= 4:
+            t[0] = SLOW                           # slow in the warm-up (steps 1-3, not counted) and step 4 only
+        if 6 <= step <= 7 or 9 <= step <= 15:
+            t[2] = SLOW                           # rank 2 from step 6 (step 8, held, is fast)
+        if 17 <= step <= 19:
+            t[1] = 2 * SLOW                       # rank 1: three slow steps, then fast again
+        seen[step] = det.observe(step, t)
+    named = [(s, f) for s, (new, _) in seen.items() for f in new]
+    assert [(s, f.rank, f.node, f.since) for s, f in named] == [(10, 2, "node3", 6)]
+    f = named[0][1]
+    assert f.own_s == pytest.approx(SLOW) and f.median_s == pytest.approx(MID)
+    assert "rank 2 on node3 takes 24.0 ms a step against the median 12.0 ms (2.00x) since step 6" in f.line()
+    cleared = [(s, c.rank) for s, (_, gone) in seen.items() for c in gone]
+    assert cleared == [(19, 2)]                                   # quiet at steps 16-19
+
+
+def test_with_two_nodes_the_slow_half_is_named():
+    """The lower median: of two ranks, the faster; the mean of the two would make a 2x rank 1.33x."""
+    det = Detector(["node1", "node2"], ratio=1.5, steps=3, start=0)
+    named = [f for step in range(1, 10) for f in det.observe(step, [FAST, 2 * FAST])[0]]
+    assert [(f.rank, f.step, f.since) for f in named] == [(1, 6, 4)]
+
+
+def test_node_names_are_hosts_or_torchrun_agents():
+    assert node_names([("node1", "0"), ("node2", "1"), ("node2", "1")]) == (["node1", "node2", "node2"], [0, 1, 1])
+    assert node_names([("vm", "0"), ("vm", "1")]) == (["vm/agent0", "vm/agent1"], [0, 1])
+    assert node_names([("a", None), ("b", None)]) == (["a", "b"], [0, 1])
+
+
+def _watch(tmp_path, nodes, start=0, refusal=None, **sets):
+    cfg = load_config(None, ["data.shards=x", f"out={tmp_path}", "train.stragglers=evict", "train.straggler_steps=3",
+                             *(f"train.{k}={v}" for k, v in sets.items())])
+    lines = []
+    os.makedirs(tmp_path, exist_ok=True)
+    names, node_of = node_names([(n, None) for n in nodes])
+    return Stragglers(cfg, LocalComm(0, len(nodes)), start, lines.append, False, names, node_of, refusal), lines
+
+
+def _until_named(watch, start):
+    """Steps with the last rank at 2x until it is named; the step read after it."""
+    for done in range(start + 2, start + 40):
+        times = [FAST] * (len(watch.nodes) - 1) + [2 * FAST]
+        watch.read(done, [0.0] + times)
+        if watch.detector.named:
+            return done + 1
+    raise AssertionError("never named")
+
+
+def test_evict_decides_once_in_the_vote_not_below_min_nodes_nor_within_the_cooldown(tmp_path):
+    watch, lines = _watch(tmp_path / "a", ["n1", "n2", "n3"], straggler_min_nodes=2)
+    done = _until_named(watch, 0)
+    assert watch.vote_part()[0] == 3.0                       # node 2 (index) + 1, for every rank to read
+    out = watch.read(done, [3.0] + [FAST] * 3)
+    assert (out.node, out.ranks, out.mine, out.nodes_left, out.step) == ("n3", [2], False, 2, done)
+    assert [e["event"] for e in read_events(str(tmp_path / "a"))] == ["named", "evicted"]
+    # two nodes and a minimum of two: named, not evicted, said
+    watch, lines = _watch(tmp_path / "b", ["n1", "n2"], straggler_min_nodes=2)
+    _until_named(watch, 0)
+    assert watch.vote_part()[0] == 0.0 and "n2 not evicted: 2 nodes, and train.straggler_min_nodes is 2" in lines[-1]
+    # an eviction at step 150 (before this start, at 200) and a cool-down of 100 steps
+    os.makedirs(tmp_path / "c")
+    with open(tmp_path / "c" / EVENTS, "w") as f:
+        f.write(json.dumps({"event": "evicted", "step": 150, "node": "n9", "ranks": [3], "time": 0}) + "\n")
+    watch, lines = _watch(tmp_path / "c", ["n1", "n2", "n3"], start=200, straggler_cooldown=100)
+    _until_named(watch, 200)
+    assert watch.vote_part()[0] == 0.0 and "last eviction was at step 150" in lines[-1]
+    # an engine that cannot go on without a node (horovodrun): named only
+    watch, lines = _watch(tmp_path / "d", ["n1", "n2", "n3"], refusal="horovodrun cannot")
+    _until_named(watch, 0)
+    assert watch.vote_part()[0] == 0.0
+
+
+def test_own_time_is_work_not_waits(tmp_path):
+    """On the CPU: this thread's CPU time (a sleep, as a wait in a collective, costs none); on a GPU: the span
+    less the data time and ``wait_s``."""
+    def busy(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    span = []
+
+    def step():                                  # 0.07 s waiting (0.02 for data, 0.05 in a collective), 0.03 working
+        t0 = time.perf_counter()
+        time.sleep(0.07)
+        busy(0.03)
+        watch.comm.wait_s += 0.05
+        span.append(time.perf_counter() - t0)
+        return {"data_time": 0.02}
+    watch, _ = _watch(tmp_path, ["n1", "n2"])
+    watch.timed(0, step)
+    assert 0.03 <= watch.own < 0.06 and span[-1] > 0.1
+    watch.cuda = True
+    watch.timed(0, step)
+    assert watch.own == pytest.approx(span[-1] - 0.07, abs=0.005)
+
+
+def test_the_slow_fault_works_from_its_step_on_every_attempt_and_from_a_file(tmp_path, monkeypatch):
+    def worked(step, rank, own=0.02):
+        t0 = time.thread_time()
+        faults.slow_work(step, rank, own)
+        return time.thread_time() - t0
+    monkeypatch.setenv(faults.ENV, "slow@5:1")
+    monkeypatch.setenv(faults.SLOW_FACTOR, "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")     # a restarted job: a slow machine stays slow
+    assert worked(4, 1) < 0.01 and worked(5, 0) < 0.01
+    assert 0.04 <= worked(5, 1) < 0.1 and worked(9, 1) >= 0.04   # F - 1 = 2 times its 0.02 s
+    monkeypatch.delenv(faults.ENV)
+    path = tmp_path / "faults"
+    monkeypatch.setenv(faults.FILE_ENV, str(path))
+    assert worked(7, 0) < 0.01                                    # no file yet
+    path.write_text("slow@0\n")
+    assert worked(7, 0) >= 0.04
+    path.unlink()
+    assert worked(8, 0) < 0.01
+
+
+def test_bad_straggler_settings_are_one_config_error():
+    with pytest.raises(ConfigError, match="straggler_ratio=1.0"):
+        load_config(None, ["data.shards=x", "train.straggler_ratio=1.0"])
+
+
+def test_horovod_counts_its_synchronize_wait():
+    """Horovod's DistributedOptimizer.synchronize counts its wait in ``wait_s``, as the torch engine's (a GPU
+    rank's own time is its span less its waits). In a process of its own: Horovod starts threads."""
+    require_horovod()
+    code = ("import torch; from hvd_partialfc.engine.horovod import init; c = init('cpu'); "
+            "m = torch.nn.Linear(4, 4); o = c.distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m); "
+            "m(torch.ones(2, 4)).sum().backward(); o.synchronize(); print(c.wait_s)")
+    p = subprocess.run([sys.executable, "-c", code], env=launch_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert float(p.stdout.split()[-1]) > 0
+
+
+def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_line(tmp_path):
+    pytest.importorskip("tensorboard", reason="launch/install.sh installs tensorboard; this venv lacks it")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from hvd_partialfc.run.metrics_log import MetricsLog
+    watch, lines = _watch(tmp_path, ["n1", "n2", "n3"])
+    metrics = MetricsLog(str(tmp_path), tensorboard=True)
+    for done in range(2, 12):
+        watch.read(done, [0.0, FAST, FAST, 2 * FAST], metrics)
+    metrics.close()
+    (event,) = [r["straggler"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
+    assert event == read_events(str(tmp_path))[0] and event["line"] == lines[0] and "rank 2 on n3" in lines[0]
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    (text,) = ea.Tensors("stragglers/text_summary")
+    assert text.step == event["step"] and text.tensor_proto.string_val[0].decode() == lines[0]
