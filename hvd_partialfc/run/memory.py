@@ -203,8 +203,9 @@ class MemorySnapshots:
 
     def _authorize(self, h: dict) -> Optional[str]:
         """Why an authenticated request (memory_link.py) is refused, else None: a put only from the rank whose
-        buddy this one is, for this segment, a step that can be due, its own file name and size; a landing only
-        to rank 0; a commit only from rank 0."""
+        buddy this one is, for this segment, a step that can be due (after this rank's last snapshot, at most K
+        steps on: the sender cannot be further ahead), its own file name and size; a landing only to rank 0; a
+        commit only from rank 0."""
         r, size = h["rank"], self.comm.size
         if r >= size:
             return f"rank {r} is not one of the {size} ranks"
@@ -214,7 +215,7 @@ class MemorySnapshots:
                 return f"rank {r}'s copies go to rank {self.plan.buddy(r)}, not to rank {self.comm.rank}"
             if h["segment"] != self.store.segment or h["name"] != classifier_file(r, size):
                 return f"rank {r} sends {classifier_file(r, size)} of segment {self.store.segment} only"
-            if h["step"] % self.every or not max(base, self.start_step + 1) <= h["step"] <= base + self.every:
+            if not max(base, self.start_step + 1) <= h["step"] <= base + self.every:   # an eviction's is unscheduled
                 return f"step {h['step']} is no snapshot due here (the last: {base}; every {self.every} steps)"
             if h["size"] > self.peers[r][3]["limit"]:
                 return f"{h['size']} bytes is more than rank {r}'s slice can take ({self.peers[r][3]['limit']})"
@@ -301,6 +302,11 @@ class MemorySnapshots:
                 for node in self.plan.nodes:
                     self._tell(node[0], what="commit", step=step)
 
+    @property
+    def committed_step(self) -> Optional[int]:
+        """The step of the newest committed snapshot (this start's, or the one it resumed from), or None."""
+        return self.committed[1] if self.committed else None
+
     def vote_flag(self) -> float:
         """This rank's part of the loop's vote: 1 while the pending snapshot has not landed here (or failed)."""
         if self.pending is None:
@@ -331,9 +337,8 @@ class MemorySnapshots:
         if self.is_writer:
             self.store.keep_only(self.committed)
         if self.comm.is_main:
-            print(f"memory snapshot of step {step} dropped (the previous one, of step "
-                  f"{self.committed[1] if self.committed else None}, stays): " + "; ".join(e for _, e in failed),
-                  flush=True)
+            print(f"memory snapshot of step {step} dropped (the previous one, of step {self.committed_step}, "
+                  "stays): " + "; ".join(e for _, e in failed), flush=True)
 
     def _commit(self, step: int) -> None:
         if self.is_writer:

@@ -186,7 +186,7 @@ class Trainer:
         if self.memory:
             self._memory_snapshot(done, averaged)
             self.memory.settle()
-            if self.memory.committed == done:
+            if self.memory.committed_step == done:
                 self.eviction = evict
                 return ckpt_dir
         ckpt_dir = ckpt_dir if saved else self.save_checkpoint(done, averaged=averaged)
