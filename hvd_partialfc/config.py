@@ -114,6 +114,12 @@ class OptimConfig:
                                 see="docs/faces.md#arcface_torchs-config-keys-here")
     fp16_compression: bool = opt(False, "Horovod: fp16 compression of the backbone gradient's allreduce",
                                  see="docs/engines.md#same-numbers")
+    backbone_kernel: str = opt("auto", "the backbone optimizer's kernels: torch's choice (auto: foreach on CUDA, a "
+                                       "loop on CPU), a loop per tensor, foreach, or fused",
+                               choices=("auto", "loop", "foreach", "fused"), see="docs/gpu.md#the-fast-path-keys")
+    classifier_kernel: str = opt("fused", "the classifier optimizer's kernels (its dense rows; the sampled-rows step "
+                                          "has its own)", choices=("fused", "foreach", "loop"),
+                                 see="docs/gpu.md#the-fast-path-keys")
     backward_passes_per_step: int = opt(1, "gradient accumulation: backward passes per optimizer step (one "
                                            "allreduce)")
     classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
@@ -157,6 +163,19 @@ class TrainConfig:
                                 see="docs/gpu.md#the-keys")
     channels_last: bool = opt(False, "channels_last (NHWC) backbone and batches, for Tensor Cores under fp16 / bf16",
                               see="docs/gpu.md#the-keys")
+    compile: str = opt("none", "torch.compile the backbone: none, the whole model (one graph: its gradients come out at "
+                              "the backward's end, after which their averaging starts), or each residual block",
+                       choices=("none", "model", "blocks"), see="docs/gpu.md#the-fast-path-keys")
+    compile_mode: str = opt("default", "torch.compile's mode with train.compile; reduce-overhead: CUDA graphs (fixed "
+                                       "shapes: every batch is full)",
+                            choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"),
+                            see="docs/gpu.md#the-fast-path-keys")
+    compile_head: bool = opt(False, "also torch.compile the margin softmax's passes over the (batch, width) logits",
+                             see="docs/gpu.md#the-fast-path-keys")
+    skip_decision: str = opt("host", "where a step decides to skip a non-finite gradient: host (reads both norms "
+                                     "each step) or device (no host read; skips counted and stops raised at log "
+                                     "lines; needs fused optimizer kernels)", choices=("host", "device"),
+                             see="docs/gpu.md#the-fast-path-keys")
     allow_host_allreduce: bool = opt(False, "Horovod on CUDA without NCCL: go on through host memory (several "
                                             "times slower) instead of stopping", see="docs/gpu.md#without-nccl")
 
@@ -227,6 +246,9 @@ class Config:
         if self.model.sync_batchnorm and self.model.checkpoint_activations:
             raise ConfigError("model.sync_batchnorm and model.checkpoint_activations together: the recomputed "
                               "forward would repeat every layer's collective; choose one")
+        if self.train.compile != "none" and self.model.sync_batchnorm:
+            raise ConfigError("train.compile with model.sync_batchnorm: the compiled graph would break at every "
+                              "layer's collective; choose one")
         if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.heartbeat_timeout < 0:
