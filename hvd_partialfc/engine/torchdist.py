@@ -371,6 +371,18 @@ def init(device: str = "auto", share_gpu: bool = False, timeout_s: float = DEFAU
                      check_names=os.environ.get(CHECK_ENV, "") not in ("", "0"))
 
 
+def arcface_data_parallel(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` wrapped as arcface_torch's train_v2.py wraps its backbone (torch's DDP, 16 MB buckets, unused
+    parameters searched, static graph, gradients all-reduced in fp16), in the group ``init`` made: for the
+    side-by-side benchmark (tools/arcface_compare.py), whose arcface step must be that step, DDP included."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                              broadcast_buffers=False, bucket_cap_mb=16,
+                                              find_unused_parameters=True, static_graph=True)
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    return ddp
+
+
 def _allgather_host(obj: Any) -> List[Any]:
     """Every rank's picklable ``obj``: over Gloo, since object collectives of a group with a ``cpu`` backend
     run on the host (torch.distributed's rule)."""
