@@ -11,6 +11,7 @@ command that runs it alone (``--only NAME``) in a later call. A failed cell is r
 on; the stage fails (exit 1) when every cell that ran failed.
 
 Cells (one GPU, fp16, 112 px, batch 128 unless named):
+* ``gpu-tests``: tests/test_fast_paths.py's GPU test (the device decision bitwise the host's on CUDA).
 * ``compare-*``: tools/arcface_compare.py in this process: arcface_torch's train_v2 step (``--arcface-dir``;
   without it ours alone, said) against ``local`` and ``global`` (r = 0.1, the heads that gather scoring the
   rows of a rank of 8: ``--gathered 8``), alternating rounds. ``-bmax``: at the largest batch ours fits,
@@ -160,6 +161,16 @@ def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, An
         return json.load(f)
 
 
+def gpu_tests() -> Dict[str, Any]:
+    """The fast paths' GPU tests (tests/test_fast_paths.py, marked gpu): the device decision on CUDA."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests/test_fast_paths.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, HVD_PARTIALFC_TEST_GPU="1"))
+    if p.returncode != 0:
+        raise RuntimeError(f"pytest exited {p.returncode}: {p.stdout[-1500:]}")
+    return {"summary": p.stdout.strip().splitlines()[-1]}
+
+
 def largest_batch(s, model: str) -> Dict[str, Any]:
     """The largest batch ``local`` fits (see the module docstring); on CPU (tiny) the batch itself."""
     if not torch.cuda.is_available() or s["tiny"]:
@@ -210,7 +221,8 @@ def plan(s, work: str, out: str, arcface: str) -> List[Any]:
         return go
     def compiled(name):
         return lambda: switches(s, {"defaults": [], "compiled": COMPILES[name]}, r50)
-    cells = [("compare-r50-125k", 35, lambda: compare(compare_args(s, arcface, r50, k, b))),
+    cells = [("gpu-tests", 25, gpu_tests),
+             ("compare-r50-125k", 35, lambda: compare(compare_args(s, arcface, r50, k, b))),
              ("profile-r50", 30, lambda: profile(s, work, out, "profile-r50", [])),
              ("switches", 45, lambda: switches(s, {k: v for k, v in SWITCHES.items() if not s["tiny"] or k in
                                                    ("defaults", "channels_last", "device decision")}, r50)),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_partialfc.config import load_config
+from conftest import TEST_GPU
+from hvd_partialfc.config import ConfigError, load_config
 from hvd_partialfc.digest import state_digest
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.run import speed
@@ -97,8 +98,37 @@ def test_the_kernel_keys_reach_both_optimizers(feature_shards, tmp_path):
                                                                     f"optim.classifier_kernel={kernel}"]).parts
         for opt in (parts.backbone_opt, parts.head_opt):
             assert [(g["foreach"], g["fused"]) for g in opt.param_groups] == [(foreach, fused)]
-    auto = _trainer(feature_shards, tmp_path / "auto", MLP).parts
-    assert [(g["foreach"], g["fused"]) for g in auto.backbone_opt.param_groups] == [(None, None)]  # torch's choice
+    default = _trainer(feature_shards, tmp_path / "default", MLP).parts
+    assert [(g["foreach"], g["fused"]) for g in default.backbone_opt.param_groups] == [(None, None)]  # torch's choice
+
+
+def test_auto_is_on_for_cuda_and_off_elsewhere():
+    """Each key's `auto`: the fast path on a CUDA device, today's setting elsewhere (so a default moved to auto
+    changes no CPU number); the defaults are off everywhere."""
+    auto = load_config(overrides=["data.shards=x", "train.channels_last=auto", "optim.backbone_kernel=auto",
+                                  "train.skip_decision=auto", "train.compile=auto"])
+    assert speed.resolve_fast_paths(auto, torch.device("cuda", 0)) == speed.FastPaths(True, "fused", "device", "blocks")
+    assert speed.resolve_fast_paths(auto, torch.device("cpu")) == speed.FastPaths(False, "torch", "host", "none")
+    with pytest.raises(ConfigError, match="train.channels_last='fast': expected true, false or auto"):
+        load_config(overrides=["data.shards=x", "train.channels_last=fast"])
+    default = load_config(overrides=["data.shards=x"])
+    for device in (torch.device("cpu"), torch.device("cuda", 0)):
+        assert speed.resolve_fast_paths(default, device) == speed.FastPaths(False, "torch", "host", "none")
+
+
+def test_auto_decides_on_the_host_where_a_kernel_is_not_fused():
+    """The device decision resolved on (CUDA) with an optimizer group that is not torch's fused kernel (the
+    sampled-rows step): `auto` goes back to the host decision, `device` is the error that names the keys."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    fused, loop = torch.optim.SGD([w], lr=0.1, fused=True), torch.optim.SGD([w], lr=0.1)
+    on = speed.FastPaths(False, "fused", "device", "none")
+    for setting, opts, want in (("auto", [fused, fused], True), ("auto", [fused, loop], False),
+                                ("device", [fused, fused], True)):
+        cfg = load_config(overrides=["data.shards=x", f"train.skip_decision={setting}"])
+        assert speed.device_skips_on(cfg, on, dict(zip(("backbone", "classifier"), opts))) is want
+    with pytest.raises(ValueError, match="the classifier optimizer has groups without one"):
+        speed.device_skips_on(load_config(overrides=["data.shards=x", "train.skip_decision=device"]), on,
+                              {"backbone": fused, "classifier": loop})
 
 
 @pytest.fixture
@@ -145,3 +175,15 @@ def test_compile_units_are_the_residual_blocks():
     units = speed.compile_units(model)
     assert len(units) == 8 and all(isinstance(u, IBlock) for u in units)
     assert speed.compile_units(create_model("mlp", in_shape=[16], embedding_dim=8, hidden_dim=8)) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (TEST_GPU and torch.cuda.is_available()),
+                    reason="needs a GPU and HVD_PARTIALFC_TEST_GPU=1 (docs/gpu.md)")
+def test_the_device_decision_on_cuda(feature_shards, tmp_path):
+    """On CUDA, fp16: the device decision is the host's (CUDA's fused kernels with found_inf), through a
+    skipped step; the speed stage of launch/gpu_check.sh runs it (the GPU smoke subset runs it too)."""
+    sets = MLP + ["train.precision=fp16", "train.device=cuda"]
+    host, _, _ = _run(feature_shards, tmp_path / "h", sets + FUSED, nan_at=(6,), steps=8)
+    device, _, _ = _run(feature_shards, tmp_path / "d", sets + DEVICE, nan_at=(6,), steps=8)
+    assert _books(device) == _books(host) and _books(host)[2]["skipped_steps"] >= 1

@@ -9,9 +9,10 @@ import torch
 from .rowsparse import SampledRowsOptimizer
 
 
-# ``optim.backbone_kernel`` / ``optim.classifier_kernel`` -> torch's optimizer flags. ``auto`` passes none:
-# torch picks foreach on CUDA and the per-tensor loop on CPU (the numbers every CPU pin was recorded with).
-KERNELS = {"auto": {}, "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+# ``optim.backbone_kernel`` / ``optim.classifier_kernel`` -> torch's optimizer flags (``auto`` is resolved per
+# device before, run/speed.py). ``torch`` passes none: torch picks foreach on CUDA and the per-tensor loop on
+# CPU (the numbers every CPU pin was recorded with).
+KERNELS = {"torch": {}, "loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def kernel_flags(kernel: str) -> Dict[str, bool]:
@@ -22,7 +23,7 @@ def kernel_flags(kernel: str) -> Dict[str, bool]:
 
 
 def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float,
-                   sampled_rows: str = "", kernel: str = "auto") -> torch.optim.Optimizer:
+                   sampled_rows: str = "", kernel: str = "torch") -> torch.optim.Optimizer:
     """torch's SGD / AdamW with ``kernel``'s flags (``KERNELS``); ``sampled_rows`` ("exact" / "lazy"): the
     step over the rows of a row-sparse gradient only, with that rule (`rowsparse.SampledRowsOptimizer`, the
     classifier of sampled ``local``), whose kernels are its own."""

@@ -25,7 +25,7 @@ from ..classifier.optimizers import NoOptimizer, classifier_group, make_optimize
 from ..seeds import classifier_block_seed, rank_process_seed
 from ..engine.syncbn import convert_sync_batchnorm
 from .skips import DeviceSkips
-from .speed import check_device_skips, compile_backbone, resolve_matmul, to_channels_last
+from .speed import FastPaths, compile_backbone, device_skips_on, resolve_fast_paths, resolve_matmul, to_channels_last
 
 
 def init_classifier_rows(weight: torch.Tensor, start: int, seed: int, block: int = 4096) -> None:
@@ -86,6 +86,7 @@ class Parts:
     model_args: Dict[str, Any]
     counters: Counters = field(default_factory=Counters)
     compiled: Dict[str, Any] = field(default_factory=dict)   # what train.compile compiled (speed.compile_backbone)
+    fast: Optional[FastPaths] = None     # the fast-path keys as applied on this device (speed.resolve_fast_paths)
     device_skips: Optional[DeviceSkips] = None   # train.skip_decision=device: the decision's device side (skips.py)
 
     def backbone_opt_params(self) -> List[nn.Parameter]:
@@ -133,7 +134,8 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
     torch.manual_seed(cfg.train.seed)  # same backbone init everywhere (and broadcast anyway)
     backbone = create_model(cfg.model.name, in_shape=list(sample_shape), embedding_dim=cfg.model.embedding_dim,
                             **cfg.model.kwargs).to(device)
-    to_channels_last(backbone, cfg)
+    fast = resolve_fast_paths(cfg, device)
+    to_channels_last(backbone, cfg, device)
     if cfg.model.checkpoint_activations:
         set_activation_checkpointing(backbone, True)
     if cfg.model.sync_batchnorm:
@@ -146,7 +148,7 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
     compiled = compile_backbone(backbone, head, cfg, device, sample_shape)
     torch.manual_seed(rank_process_seed(cfg.train.seed, comm.rank))  # per-rank stream (dropout, sampling)
     backbone_opt = make_optimizer(backbone.parameters(), o.name, o.backbone_lr, o.backbone_momentum,
-                                  o.backbone_weight_decay, kernel=o.backbone_kernel)
+                                  o.backbone_weight_decay, kernel=fast.backbone_kernel)
     averaged: nn.Module = backbone
     head_opt = mode.classifier_optimizer(head, cfg)
     if head_opt is None:
@@ -154,13 +156,13 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
         backbone_opt.add_param_group(classifier_group(head, o))
         averaged = nn.ModuleDict({"backbone": backbone, "classifier": head})
         head_opt = NoOptimizer()
-    check_device_skips(cfg, {"backbone": backbone_opt, "classifier": head_opt})
+    on_device = device_skips_on(cfg, fast, {"backbone": backbone_opt, "classifier": head_opt})
     backbone_opt = comm.distributed_optimizer(backbone_opt, averaged, fp16_compression=o.fp16_compression,
                                               backward_passes_per_step=o.backward_passes_per_step)
     parts = Parts(mode=mode, backbone=backbone, head=head, backbone_opt=backbone_opt, head_opt=head_opt,
                   loss_scale=LossScale(cfg.train.precision == "fp16", growth_interval=cfg.train.loss_scale_growth),
                   head_grad_scale=mode.grad_scale(cfg, comm.size), model_args=model_args(cfg, sample_shape),
-                  compiled=compiled)
-    if cfg.train.skip_decision == "device":
+                  compiled=compiled, fast=fast)
+    if on_device:
         parts.device_skips = DeviceSkips(cfg, comm, parts, device)
     return parts

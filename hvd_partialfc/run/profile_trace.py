@@ -34,7 +34,7 @@ def overlap(windows: Dict[int, Dict[str, float]], comm: Sequence[Interval]) -> D
     """Gradient averaging against the backward, per step then the medians (seconds): ``busy`` (the union of
     the all-reduces within the step), ``overlapped`` (busy during the last backward pass, from the head's
     backward to ``synchronize``), ``in_wait`` (busy during ``synchronize``'s wait), ``wait`` (that wait),
-    ``share`` = overlapped / busy. A check that needs no common clock: busy - wait is about ``overlapped``
+    ``share`` = overlapped / busy (per step, and its median). A check that needs no common clock: busy - wait is about ``overlapped``
     when the all-reduces end inside the wait."""
     rows = []
     for step, w in sorted(windows.items()):
@@ -46,9 +46,11 @@ def overlap(windows: Dict[int, Dict[str, float]], comm: Sequence[Interval]) -> D
                      "wait": w["wait_end"] - w["wait_start"]})
     if not rows:
         return {}
+    for r in rows:
+        r["share"] = r["overlapped"] / r["busy"] if r["busy"] > 0 else None
     med = {k: statistics.median(r[k] for r in rows) for k in ("busy", "overlapped", "in_wait", "wait", "all_reduces")}
-    busy_total = sum(r["busy"] for r in rows)
-    med["share"] = sum(r["overlapped"] for r in rows) / busy_total if busy_total > 0 else None
+    shares = [r["share"] for r in rows if r["share"] is not None]
+    med["share"] = statistics.median(shares) if shares else None
     return {"median_s": med, "steps": rows}
 
 

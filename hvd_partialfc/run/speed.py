@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
@@ -31,6 +32,33 @@ import torch.nn as nn
 from ..classifier.margins import compile_passes, probe_passes
 from ..models import model_input_shape
 from ..models.recompute import batchnorm_stats_restored
+
+# What ``auto`` turns on where the device is CUDA; elsewhere ``OFF``, today's CPU arithmetic. A key's default
+# moves to ``auto`` in config.py when the GPU run measures it faster (docs/gpu.md, "Deciding the defaults"):
+# one literal per key, and no CPU number changes with it.
+ON_CUDA = {"channels_last": True, "backbone_kernel": "fused", "skip_decision": "device", "compile": "blocks"}
+OFF = {"channels_last": False, "backbone_kernel": "torch", "skip_decision": "host", "compile": "none"}
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """The fast-path keys as this run applies them on its device (``auto`` resolved)."""
+
+    channels_last: bool
+    backbone_kernel: str
+    skip_decision: str
+    compile: str
+
+
+def resolve_fast_paths(cfg, device: torch.device) -> FastPaths:
+    """``cfg``'s fast-path keys on ``device``: each ``auto`` is ``ON_CUDA``'s setting on CUDA, ``OFF``'s
+    elsewhere. ``skip_decision: auto`` needs both optimizers fused; build_parts drops it to host where not."""
+    t, o = cfg.train, cfg.optim
+    values = {"channels_last": t.channels_last, "backbone_kernel": o.backbone_kernel,
+              "skip_decision": t.skip_decision, "compile": t.compile}
+    table = ON_CUDA if device.type == "cuda" else OFF
+    return FastPaths(**{k: table[k] if v == "auto" else v for k, v in values.items()})
+
 
 # The compiler behind train.compile; tests set "eager" (dynamo's tracing and the module wrapping without
 # inductor's code generation: the numbers of the uncompiled model, in a second instead of half a minute).
@@ -52,10 +80,10 @@ def set_device_flags(cfg, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = bool(cfg.train.cudnn_benchmark)
 
 
-def to_channels_last(backbone: nn.Module, cfg) -> nn.Module:
-    """The backbone's 4-D tensors in channels_last layout when ``train.channels_last`` (the step converts
-    its image batches too); its state dict keeps the same values and names."""
-    if cfg.train.channels_last:
+def to_channels_last(backbone: nn.Module, cfg, device: torch.device = torch.device("cpu")) -> nn.Module:
+    """The backbone's 4-D tensors in channels_last layout when ``train.channels_last`` is on for ``device``
+    (the step converts its image batches too); its state dict keeps the same values and names."""
+    if resolve_fast_paths(cfg, device).channels_last:
         backbone.to(memory_format=torch.channels_last)
     return backbone
 
@@ -94,16 +122,16 @@ def compile_backbone(backbone: nn.Module, head: nn.Module, cfg, device: torch.de
     backend that cannot compile here (no C++ compiler, no Triton) is found at start-up: the run goes on
     eager, saying why (``fallback``). Called before any optimizer hooks the parameters. Returns what was
     compiled, its seconds and where torch caches it."""
-    t = cfg.train
+    t, scope = cfg.train, resolve_fast_paths(cfg, device).compile
     compile_passes(False)
-    if t.compile == "none" and not t.compile_head:
+    if scope == "none" and not t.compile_head:
         return {"compile": "none"}
     import torch._dynamo
     for name in ("recompile_limit", "cache_size_limit"):    # one entry per block shape and mode (torch's name varies)
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
-    units = [backbone] if t.compile == "model" else compile_units(backbone) if t.compile == "blocks" else []
-    if t.compile == "blocks" and not units:
+    units = [backbone] if scope == "model" else compile_units(backbone) if scope == "blocks" else []
+    if scope == "blocks" and not units:
         raise ValueError(f"train.compile=blocks: {type(backbone).__name__} has no residual blocks (modules inside "
                          "an nn.Sequential); use train.compile=model")
     mode = None if t.compile_mode == "default" else t.compile_mode
@@ -113,7 +141,7 @@ def compile_backbone(backbone: nn.Module, head: nn.Module, cfg, device: torch.de
     for unit in units:
         unit.forward = torch.compile(unit.forward, mode=mode, backend=COMPILE_BACKEND, dynamic=False)
     compile_passes(bool(t.compile_head), backend=COMPILE_BACKEND)
-    info = {"compile": t.compile, "mode": t.compile_mode, "units": len(units), "head": bool(t.compile_head),
+    info = {"compile": scope, "mode": t.compile_mode, "units": len(units), "head": bool(t.compile_head),
             "cache_dir": compile_cache_dir(), "backend": COMPILE_BACKEND}
     t0 = time.perf_counter()
     try:
@@ -131,7 +159,7 @@ def _compile_now(backbone: nn.Module, head: nn.Module, cfg, device: torch.device
     """One training forward and backward of a zero batch through the compiled code (see compile_backbone)."""
     batch = cfg.data.batch_size
     x = torch.zeros(batch, *model_input_shape(list(sample_shape)), device=device)
-    if cfg.train.channels_last and x.dim() == 4:
+    if resolve_fast_paths(cfg, device).channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     was = backbone.training
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), batchnorm_stats_restored(backbone):
@@ -170,14 +198,18 @@ def compile_cache_dir() -> str:
         return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the system temporary folder's torchinductor_<user>")
 
 
-def check_device_skips(cfg, optimizers) -> None:
-    """``train.skip_decision=device`` skips inside torch's fused kernels (their ``found_inf``): every param
-    group of both optimizers must be fused (the sampled-rows step of sampled ``local`` is not)."""
-    if cfg.train.skip_decision != "device":
-        return
+def device_skips_on(cfg, fast: FastPaths, optimizers) -> bool:
+    """Whether the step decides on the device (``train.skip_decision``, resolved in ``fast``): it skips inside
+    torch's fused kernels (their ``found_inf``), so every param group of both optimizers must be fused (the
+    sampled-rows step of sampled ``local`` is not). ``device`` without them is an error; ``auto``: host."""
+    if fast.skip_decision != "device":
+        return False
     for name, opt in optimizers.items():
         if any(not g.get("fused") for g in opt.param_groups):
+            if cfg.train.skip_decision == "auto":
+                return False
             raise ValueError(f"train.skip_decision=device skips inside torch's fused optimizer kernels, and the "
                              f"{name} optimizer has groups without one: set optim.backbone_kernel=fused and "
                              "optim.classifier_kernel=fused (sampled local, head.sample_rate < 1 with "
                              "head.sampled_step exact or lazy, steps its own way: use train.skip_decision=host)")
+    return True

@@ -86,7 +86,7 @@ class Step:
         self.length = RunLength.fixed(length) if isinstance(length, int) else length
         self.total_steps = self.length.total_steps
         self.on_phase = on_phase or (lambda name: None)
-        self.channels_last = bool(cfg.train.channels_last) and kind in ("images", "encoded")
+        self.channels_last = parts.fast.channels_last and kind in ("images", "encoded")   # auto: resolved (speed.py)
 
     def set_lr(self, step: int) -> float:
         o = self.cfg.optim

@@ -119,9 +119,8 @@ def run(cfg, args) -> int:
         "cpus": os.cpu_count(), "engine": engine, "world_size": comm.size,
         "config": {"model": cfg.model.name, "batch": cfg.data.batch_size, "precision": cfg.train.precision,
                    "mode": cfg.head.mode, "sample_rate": cfg.head.sample_rate, "classes_this_rank": parts.head.width,
-                   "channels_last": cfg.train.channels_last, "compile": cfg.train.compile,
+                   **vars(parts.fast), "device_decision": parts.device_skips is not None,   # auto resolved
                    "compile_mode": cfg.train.compile_mode, "compile_head": cfg.train.compile_head,
-                   "skip_decision": cfg.train.skip_decision, "backbone_kernel": cfg.optim.backbone_kernel,
                    "classifier_kernel": cfg.optim.classifier_kernel, "data_decode": cfg.data.decode,
                    "workers": cfg.data.workers, "head_matmul": cfg.head.matmul},
         "warmup": args.warmup, "steps": args.profile_steps, "compile": parts.compiled,
