@@ -10,6 +10,7 @@
                          [--ijb DIR --ijb-name IJBC|IJBB] [--identification SHARDS ...] [--model NAME]
                          [--batch-size N] [--workers N] [--threads N] [--out DIR]   (docs/evaluation.md)
     hvd-partialfc bench  [--classes 10000,...] [--dims 128,512] [--modes local,global,replicated] [--plot]
+    hvd-partialfc profile [the train options] [--profile-out DIR] [--warmup N] [--profile-steps N] [--torch-trace]
     hvd-partialfc estimate --classes C --world-size N --dim D --batch B --backbone NAME [--mode ...] [--dtype ...]
                            [--memory-every K [--ranks-per-node R]]   (host memory of memory snapshots)
     hvd-partialfc config --list | --markdown [PATH]     (every config key: docs/configuration.md)
@@ -189,6 +190,12 @@ def _eval(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    """The trainer's step, phase by phase (tools/step_profile.py), under the launcher that started it."""
+    from .tools.step_profile import run
+    return run(_train_config(args), args)
+
+
 def _bench(args) -> int:
     from .tools.bench import run_bench
     run_bench(args)
@@ -250,6 +257,10 @@ EXAMPLES = {
     "eval": ["hvd-partialfc eval --backbone runs/r50 --pairs val/lfw.bin --pairs val/cfp_fp.bin --flip",
              "hvd-partialfc eval --backbone runs/r50 --ijb IJB_release/IJBC --ijb-name IJBC"],
     "bench": ["hvd-partialfc bench --classes 10000,100000 --dims 128 --modes local,global --np 2"],
+    "profile": ["hvd-partialfc profile --config configs/ms1mv3_r50.yaml --shards shards/train --profile-out runs/prof "
+                "--torch-trace",
+                "torchrun --nproc-per-node 2 -m hvd_partialfc.cli profile --config configs/demo.yaml --shards "
+                "data/fonts-gb2312 --set train.device=cpu"],
     "estimate": ["hvd-partialfc estimate --classes 1e6 --world-size 64 --dim 512 --batch 128 --backbone iresnet50"],
     "config": ["hvd-partialfc config --list", "hvd-partialfc config --markdown docs/configuration.md",
                "hvd-partialfc config --from-arcface arcface_torch/configs/ms1mv3_r50.py --world-size 8 --out r50.yaml"],
@@ -348,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="local vs global vs replicated vs the limit, synthetic data (docs/benchmarks.md)")
     bench_arguments(b)
     b.set_defaults(fn=_bench)
+    from .tools.step_profile import add_arguments as profile_arguments
+    f = sub.add_parser("profile", help="where the training step's time goes: loader, copies, forward, backward, "
+                                       "gradient averaging and its overlap, optimizers (docs/benchmarks.md)")
+    _train_arguments(f)
+    profile_arguments(f)
+    f.set_defaults(fn=_profile)
     from .tools.estimate import add_arguments as estimate_arguments
     s = sub.add_parser("estimate", help="per-rank memory and per-step traffic of each mode (docs/scaling.md)")
     estimate_arguments(s)
@@ -378,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cmd in ("train", "simulate"):     # before any rank starts: the config; the rest is rank_error's
+    if args.cmd in ("train", "simulate", "profile"):   # before any rank starts: the config; the rest is rank_error's
         from .config import ConfigError
         from .engine.select import launcher_rank
         # the config is the same on every rank: rank 0 reports its error, the others only exit 2

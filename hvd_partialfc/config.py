@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -29,6 +29,9 @@ def opt(default: Any, help: str, choices: Sequence[str] = (), see: str = "") -> 
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+FAST = "docs/gpu.md#the-fast-path-keys"    # the fast-path keys' page (each `auto`: on CUDA only, run/speed.py)
 
 
 @dataclass
@@ -114,6 +117,9 @@ class OptimConfig:
                                 see="docs/faces.md#arcface_torchs-config-keys-here")
     fp16_compression: bool = opt(False, "Horovod: fp16 compression of the backbone gradient's allreduce",
                                  see="docs/engines.md#same-numbers")
+    backbone_kernel: str = opt("torch", "the backbone optimizer's kernels: torch's choice (foreach on CUDA, a loop on "
+                               "CPU), or auto (fused on CUDA)", ("torch", "loop", "foreach", "fused", "auto"), FAST)
+    classifier_kernel: str = opt("fused", "the classifier optimizer's kernels (dense rows)", ("fused", "foreach", "loop"), FAST)
     backward_passes_per_step: int = opt(1, "gradient accumulation: backward passes per optimizer step (one "
                                            "allreduce)")
     classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
@@ -155,8 +161,16 @@ class TrainConfig:
                                             "(heartbeat_timeout)", see="docs/engines.md#timeouts")
     cudnn_benchmark: bool = opt(True, "CUDA: cuDNN picks its fastest convolution algorithms at the first step",
                                 see="docs/gpu.md#the-keys")
-    channels_last: bool = opt(False, "channels_last (NHWC) backbone and batches, for Tensor Cores under fp16 / bf16",
-                              see="docs/gpu.md#the-keys")
+    channels_last: Union[bool, str] = opt(False, "NHWC backbone and batches, for Tensor Cores under fp16 / bf16: false, "
+                                          "true, or auto (true on CUDA)", see="docs/gpu.md#the-keys")
+    compile: str = opt("none", "torch.compile the backbone: none, the whole model (its gradients, and their averaging, "
+                       "after the backward), each block, or auto (blocks on CUDA)", ("none", "model", "blocks", "auto"),
+                       FAST)
+    compile_mode: str = opt("default", "torch.compile's mode; reduce-overhead: CUDA graphs (every batch is full)",
+                            ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"), FAST)
+    compile_head: bool = opt(False, "also torch.compile the margin softmax's passes over the (M, W) logits", see=FAST)
+    skip_decision: str = opt("host", "where a step decides to skip a non-finite gradient: host (reads both norms), device "
+                             "(no host read; fused kernels), or auto (device on CUDA)", ("host", "device", "auto"), FAST)
     stragglers: str = opt("warn", "a rank whose own step time stays straggler_ratio x the median for straggler_steps "
                                   "steps: name it (warn), also go on without its node (evict: elastic torchrun), "
                                   "or watch nothing (off)", choices=("off", "warn", "evict"),
@@ -242,6 +256,10 @@ class Config:
         if self.model.sync_batchnorm and self.model.checkpoint_activations:
             raise ConfigError("model.sync_batchnorm and model.checkpoint_activations together: the recomputed "
                               "forward would repeat every layer's collective; choose one")
+        if self.train.channels_last not in (True, False, "auto"):
+            raise ConfigError(f"train.channels_last={self.train.channels_last!r}: expected true, false or auto")
+        if self.train.compile != "none" and self.model.sync_batchnorm:
+            raise ConfigError("train.compile with model.sync_batchnorm: a graph break at every layer's collective")
         if self.train.max_consecutive_skips < 0 or self.checkpoint.every_minutes < 0:
             raise ConfigError("train.max_consecutive_skips and checkpoint.every_minutes must be >= 0")
         if self.train.heartbeat_timeout < 0:
@@ -302,9 +320,14 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
         return list(value)
-    if origin is typing.Union:  # Optional[...]
+    if origin is typing.Union:  # Optional[...], or one of several types: the first that fits
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return None if value is None else _check_type(path, value, args[0])
+        for arg in args[:-1] if value is not None else ():
+            try:
+                return _check_type(path, value, arg)
+            except ConfigError:
+                pass
+        return None if value is None else _check_type(path, value, args[-1])
     if tp is Any:
         return value
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):

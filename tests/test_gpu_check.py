@@ -25,8 +25,13 @@ def test_gpu_check_cpu_path(tmp_path):
     assert sorted(rows) == sorted((e, p, h) for e in ("torch", "horovod") for p in ("bf16",)
                                   for h in ("head125k", "head1k"))
     stages = [line.split("\t")[0] for line in (out / "stages.tsv").read_text().splitlines()]
-    assert stages == ["env", "prepare", "torch", "build", "horovod", "report"]
+    assert stages == ["env", "prepare", "torch", "speed", "build", "horovod", "report"]
     assert "gpu_check: passed" in p.stdout
+    speed = json.loads((out / "speed.json").read_text())      # each kind of the speed stage's cells, at toy sizes
+    tiny = ("profile-r50", "switches", "largest-r50", "compare-r50-125k-bmax")     # one cell of each kind
+    assert {c["name"]: c["status"] for c in speed["cells"]} == {n: "ok" for n in tiny}, speed["cells"]
+    assert "arcface_torch skipped: no ARCFACE_DIR given" in p.stdout       # the suite never needs InsightFace
+    assert "| iresnet50, 125k-class local head: samples/s |" in (out / "speed_table.md").read_text()
 
 
 def test_gpu_check_fails_loudly(tmp_path):

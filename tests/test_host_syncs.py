@@ -110,13 +110,18 @@ def step_reads(shards, out, sets, steps=3):
 
 
 # The most synchronising calls one step may make (docs/gpu.md, "Speed on the GPU", lists them): the skip
-# decision's one read of both gradient norms; sampled local when int(rate x width) < the batch: + the count
-# of the batch's classes that sizes the sample; global: + the gather's row counts (host tensors).
+# decision's one read of both gradient norms (none with train.skip_decision=device); sampled local when
+# int(rate x width) < the batch: + the count of the batch's classes that sizes the sample; global: + the
+# gather's row counts (host tensors).
+DEVICE = ["train.skip_decision=device", "optim.backbone_kernel=fused", "optim.classifier_kernel=fused"]
 LIMITS = {"local": ([], 1), "local, fp16": (["train.precision=fp16"], 1), "replicated": (["head.mode=replicated"], 1),
           "sampled local": (["head.sample_rate=0.5"], 1),
           "sampled local, lazy": (["head.sample_rate=0.5", "head.sampled_step=lazy"], 1),
           "sampled local, small sample": (["head.sample_rate=0.05"], 2),
-          "global, sampled": (["head.mode=global", "head.sample_rate=0.5"], 2)}
+          "global, sampled": (["head.mode=global", "head.sample_rate=0.5"], 2),
+          # train.skip_decision=device: none; the norms reach the host by a copy into host memory, read a step later
+          "local, fp16, device decision": (["train.precision=fp16", *DEVICE], 0),
+          "replicated, device decision": (["head.mode=replicated", *DEVICE], 0)}
 
 
 @pytest.mark.parametrize("case", list(LIMITS))

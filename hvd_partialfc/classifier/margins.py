@@ -238,19 +238,10 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         rows = torch.arange(m, device=labels.device)
         cols = labels.clamp_min(0)                                                # -1: column 0, left as it is
         scale = margin.scale if normalized else 1.0
-        if normalized:
-            out.div_(norm).clamp_(-1.0, 1.0)                                      # cosines
-            t_cos = out[rows, cols]
-            out[rows, cols] = torch.where(has, margin.target_logit(t_cos), t_cos)
-        else:
-            t_cos = out[rows, cols]
-        out.mul_(scale)                                                           # logits
-        target = torch.where(has, out[rows, cols], 0.0)
-        row_max = out.max(dim=1).values                                           # (M,)
+        t_cos, target, row_max = _PASSES["logits"](out, norm, has, rows, cols, margin, scale, normalized)
         if comm is not None:
             row_max = comm.allreduce_tensor(row_max, "max", f"{name}.max")
-        out.sub_(row_max[:, None]).exp_()
-        sums = torch.stack([out.sum(dim=1), target])                              # (2, M)
+        sums = _PASSES["exp_sums"](out, row_max, target)                          # (2, M)
         if comm is not None:
             sums = comm.allreduce_tensor(sums, "sum", f"{name}.sum")
         out.div_(sums[0][:, None])                                                # softmax (this rank's columns)
@@ -265,13 +256,12 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         w, precision = weight.shape[0], ctx.precision
         rows = torch.arange(ctx.m, device=cols.device)
         g = prob.clone() if torch.is_grad_enabled() else prob   # reuse the buffer unless double backward
-        g[rows, cols] -= has.to(g.dtype)                         # 1 at the targets, 0 (no change) elsewhere
-        g.mul_(grad_out * ctx.scale / ctx.m)                     # d loss / d (logit / s), (M, W)
+        slope = None
         if ctx.normalized:
             with torch.enable_grad():                            # the margin's slope at the targets (small)
                 t = t_cos.detach().requires_grad_(True)
                 slope, = torch.autograd.grad(ctx.margin.target_logit(t).sum(), t)
-            g[rows, cols] *= torch.where(has, slope, 1.0)
+        _PASSES["logit_grads"](g, has, rows, cols, grad_out * ctx.scale / ctx.m, slope)
         with _products_in(precision):
             return _MarginSoftmaxCE._grads(g, xn, weight, frozen, norm, w, ctx.normalized, precision)
 
@@ -292,6 +282,68 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             else:
                 grad_x.addmm_(g[:, w:], frozen)                  # the frozen columns' share
         return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def _logits_pass(out, norm, has, rows, cols, margin, scale: float, normalized: bool):
+    """In place: ``out``'s products -> cosines -> margin logits (x s); returns (the targets' cosines, the
+    targets' logits (0 where none), each row's max)."""
+    if normalized:
+        out.div_(norm).clamp_(-1.0, 1.0)                                          # cosines
+        t_cos = out[rows, cols]
+        out[rows, cols] = torch.where(has, margin.target_logit(t_cos), t_cos)
+    else:
+        t_cos = out[rows, cols]
+    out.mul_(scale)                                                               # logits
+    target = torch.where(has, out[rows, cols], 0.0)
+    return t_cos, target, out.max(dim=1).values                                   # (M,) each
+
+
+def _exp_sums_pass(out, row_max, target):
+    """In place: ``out`` -> exp(logit - row max); returns (2, M): the rows' sums of it and the targets."""
+    out.sub_(row_max[:, None]).exp_()
+    return torch.stack([out.sum(dim=1), target])
+
+
+def _logit_grads_pass(g, has, rows, cols, factor, slope) -> None:
+    """In place: the softmax ``g`` -> d loss / d (logit / s): minus 1 at the targets, times ``factor``, times
+    the margin's ``slope`` at the targets (None: no margin)."""
+    g[rows, cols] -= has.to(g.dtype)                         # 1 at the targets, 0 (no change) elsewhere
+    g.mul_(factor)                                           # d loss / d (logit / s), (M, W)
+    if slope is not None:
+        g[rows, cols] *= torch.where(has, slope, 1.0)
+
+
+# The passes over the (M, W) buffer, eager or torch.compile'd (``train.compile_head``, ``compile_passes``):
+# compiled, each pass's elementwise chain runs as one or two kernels instead of one kernel a step of it.
+_EAGER = {"logits": _logits_pass, "exp_sums": _exp_sums_pass, "logit_grads": _logit_grads_pass}
+_PASSES = dict(_EAGER)
+
+
+def compile_passes(enabled: bool, backend: str = "inductor") -> None:
+    """Process-wide: the softmax's passes torch.compile'd (each compiled at its first call; never CUDA graphs,
+    which would copy the (M, W) buffer into the graph's own each step) or eager (the numbers of every pinned
+    run). A setting of the process, as cuDNN's flags are: every head in it alike."""
+    _PASSES.clear()
+    _PASSES.update({k: torch.compile(f, backend=backend) for k, f in _EAGER.items()} if enabled else _EAGER)
+
+
+def probe_passes(batch: int, width: int, margin: "MarginLoss", device: torch.device) -> None:
+    """Each pass once on zero tensors of a (batch, width) step's shapes and kinds (``compile_passes``: they
+    compile now, not at the first step). Without autograd, as inside the softmax's forward and backward."""
+    with torch.no_grad():
+        _probe(batch, width, margin, device)
+
+
+def _probe(batch: int, width: int, margin: "MarginLoss", device: torch.device) -> None:
+    out = torch.zeros(batch, width, device=device)
+    labels = torch.arange(batch, device=device) % width
+    rows, has = torch.arange(batch, device=device), labels >= 0
+    normalized = margin.normalized
+    t_cos, target, row_max = _PASSES["logits"](out, torch.ones(width, device=device), has, rows, labels, margin,
+                                                margin.scale if normalized else 1.0, normalized)
+    _PASSES["exp_sums"](out, row_max, target)
+    _PASSES["logit_grads"](out, has, rows, labels, torch.ones((), device=device),
+                           torch.ones_like(t_cos) if normalized else None)
 
 
 def margin_cross_entropy(features: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -37,6 +37,16 @@ class AveragingOptimizer:
     def state(self):
         return self._opt.state
 
+    @property
+    def found_inf(self):
+        return getattr(self._opt, "found_inf", None)
+
+    @found_inf.setter
+    def found_inf(self, flag) -> None:
+        """torch's fused kernels skip their update where this (1,) tensor is non-zero (train.skip_decision=device),
+        read by the wrapped optimizer's ``step`` as ``GradScaler`` sets it."""
+        self._opt.found_inf = flag
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._opt.zero_grad(set_to_none=set_to_none)
 

@@ -250,6 +250,10 @@ class BucketAverager(AveragingOptimizer):
         super().__init__(comm, optimizer, named_params, fp16_compression, backward_passes_per_step)
         self.buckets = _plan_buckets(self._params, int(bucket_mb * 2 ** 20))
         self._bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
+        # A list to fill (the step profile, run/profile.py), else None: [bucket, bytes, launched, done] of each
+        # all-reduce, ``time.perf_counter`` seconds, done when its future completes (Gloo: the reduction has
+        # finished; NCCL: when it is queued on the GPU, so a GPU's overlap comes from its kernel trace instead).
+        self.timeline = None
         self._reset()
         if comm.size > 1:
             for p in self._params:
@@ -287,7 +291,12 @@ class BucketAverager(AveragingOptimizer):
         flat = flat.to(comm.device)
         comm.check_name(f"gradients.backbone.bucket{b}")
         comm.sent_bytes += flat.numel() * flat.element_size()
-        self._inflight.append((b, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), flat))
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+        if self.timeline is not None:
+            rec = [b, flat.numel() * flat.element_size(), time.perf_counter(), None]
+            self.timeline.append(rec)
+            work.get_future().then(lambda _, rec=rec: rec.__setitem__(3, time.perf_counter()))
+        self._inflight.append((b, work, flat))
 
     def synchronize(self) -> None:
         """Every backbone gradient replaced by its mean over ranks (buckets not launched by the hooks, e.g.
@@ -387,6 +396,18 @@ def init(device: str = "auto", share_gpu: bool = False, timeout_s: float = DEFAU
         where = torch.device("cpu")                   # every rank's collectives on host tensors: Gloo
     return TorchComm(rank, size, local_rank, local_size, where,
                      check_names=os.environ.get(CHECK_ENV, "") not in ("", "0"))
+
+
+def arcface_data_parallel(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module`` wrapped as arcface_torch's train_v2.py wraps its backbone (torch's DDP, 16 MB buckets, unused
+    parameters searched, static graph, gradients all-reduced in fp16), in the group ``init`` made: for the
+    side-by-side benchmark (tools/arcface_compare.py), whose arcface step must be that step, DDP included."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                              broadcast_buffers=False, bucket_cap_mb=16,
+                                              find_unused_parameters=True, static_graph=True)
+    ddp.register_comm_hook(None, fp16_compress_hook)
+    return ddp
 
 
 def _allgather_host(obj: Any) -> List[Any]:

@@ -20,7 +20,7 @@ of iresnet50 and the parameter counts). The module code is this package's own.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -119,11 +119,13 @@ def face_input_channels(name: str, in_shape) -> int:
 
 def _register(name: str) -> None:
     def build(in_shape=(112, 112, 3), embedding_dim: int = 512, dropout: float = 0.0,
-              zero_init_residual: bool = False, checkpoint_activations: bool = False) -> nn.Module:
-        return IResNet(LAYOUTS[name], embedding_dim, face_input_channels(name, in_shape), dropout, zero_init_residual,
-                       checkpoint_activations)
+              zero_init_residual: bool = False, checkpoint_activations: bool = False,
+              blocks: Optional[Sequence[int]] = None) -> nn.Module:
+        return IResNet(LAYOUTS[name] if blocks is None else blocks, embedding_dim, face_input_channels(name, in_shape),
+                       dropout, zero_init_residual, checkpoint_activations)
     build.__name__ = name
-    build.__doc__ = f"arcface_torch's {name}: blocks per stage {LAYOUTS[name]}, widths {WIDTHS}, 112x112 input."
+    build.__doc__ = (f"arcface_torch's {name}: blocks per stage {LAYOUTS[name]} (``blocks``: others, e.g. (1, 1, 1, 1) "
+                     f"for a CPU-sized test), widths {WIDTHS}, 112x112 input.")
     register_model(name)(build)
 
 

@@ -12,7 +12,7 @@ then the rank's own process stream is seeded (dropout, sampling) before the opti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,8 @@ from ..models.recompute import set_activation_checkpointing
 from ..classifier.optimizers import NoOptimizer, classifier_group, make_optimizer
 from ..seeds import classifier_block_seed, rank_process_seed
 from ..engine.syncbn import convert_sync_batchnorm
-from .speed import resolve_matmul, to_channels_last
+from .skips import DeviceSkips
+from .speed import FastPaths, compile_backbone, device_skips_on, resolve_fast_paths, resolve_matmul, to_channels_last
 
 
 def init_classifier_rows(weight: torch.Tensor, start: int, seed: int, block: int = 4096) -> None:
@@ -84,6 +85,9 @@ class Parts:
     head_grad_scale: float            # the classifier's local gradient is multiplied by this before its step
     model_args: Dict[str, Any]
     counters: Counters = field(default_factory=Counters)
+    compiled: Dict[str, Any] = field(default_factory=dict)   # what train.compile compiled (speed.compile_backbone)
+    fast: Optional[FastPaths] = None     # the fast-path keys as applied on this device (speed.resolve_fast_paths)
+    device_skips: Optional[DeviceSkips] = None   # train.skip_decision=device: the decision's device side (skips.py)
 
     def backbone_opt_params(self) -> List[nn.Parameter]:
         """The parameters the averaging optimizer steps (backbone; + classifier when the mode averages it)."""
@@ -94,7 +98,10 @@ class Parts:
         return [p for g in self.head_opt.param_groups for p in g["params"]]
 
     def training_state(self, layout, rank: int) -> ckpt.TrainingState:
-        """What a checkpoint saves and restores (checkpoint.py), counters as plain values."""
+        """What a checkpoint saves and restores (checkpoint.py), counters as plain values (their books kept
+        up to the last step first, under ``train.skip_decision=device``)."""
+        if self.device_skips is not None:
+            self.device_skips.settle()
         c = self.counters
         return ckpt.TrainingState(
             backbone=self.backbone, backbone_opt=self.backbone_opt, head=self.head, head_opt=self.head_opt,
@@ -127,7 +134,8 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
     torch.manual_seed(cfg.train.seed)  # same backbone init everywhere (and broadcast anyway)
     backbone = create_model(cfg.model.name, in_shape=list(sample_shape), embedding_dim=cfg.model.embedding_dim,
                             **cfg.model.kwargs).to(device)
-    to_channels_last(backbone, cfg)
+    fast = resolve_fast_paths(cfg, device)
+    to_channels_last(backbone, cfg, device)
     if cfg.model.checkpoint_activations:
         set_activation_checkpointing(backbone, True)
     if cfg.model.sync_batchnorm:
@@ -136,9 +144,11 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
     init_classifier_rows(head.weight, head.row_start, cfg.train.seed)
     head.matmul = resolve_matmul(cfg.head.matmul, device)
     head.to(device)
+    # before any optimizer hooks the parameters (the compile's probe runs a backward)
+    compiled = compile_backbone(backbone, head, cfg, device, sample_shape)
     torch.manual_seed(rank_process_seed(cfg.train.seed, comm.rank))  # per-rank stream (dropout, sampling)
     backbone_opt = make_optimizer(backbone.parameters(), o.name, o.backbone_lr, o.backbone_momentum,
-                                  o.backbone_weight_decay)
+                                  o.backbone_weight_decay, kernel=fast.backbone_kernel)
     averaged: nn.Module = backbone
     head_opt = mode.classifier_optimizer(head, cfg)
     if head_opt is None:
@@ -146,8 +156,13 @@ def build_parts(cfg, comm, layout, sample_shape, device: torch.device) -> Parts:
         backbone_opt.add_param_group(classifier_group(head, o))
         averaged = nn.ModuleDict({"backbone": backbone, "classifier": head})
         head_opt = NoOptimizer()
+    on_device = device_skips_on(cfg, fast, {"backbone": backbone_opt, "classifier": head_opt})
     backbone_opt = comm.distributed_optimizer(backbone_opt, averaged, fp16_compression=o.fp16_compression,
                                               backward_passes_per_step=o.backward_passes_per_step)
-    return Parts(mode=mode, backbone=backbone, head=head, backbone_opt=backbone_opt, head_opt=head_opt,
-                 loss_scale=LossScale(cfg.train.precision == "fp16", growth_interval=cfg.train.loss_scale_growth),
-                 head_grad_scale=mode.grad_scale(cfg, comm.size), model_args=model_args(cfg, sample_shape))
+    parts = Parts(mode=mode, backbone=backbone, head=head, backbone_opt=backbone_opt, head_opt=head_opt,
+                  loss_scale=LossScale(cfg.train.precision == "fp16", growth_interval=cfg.train.loss_scale_growth),
+                  head_grad_scale=mode.grad_scale(cfg, comm.size), model_args=model_args(cfg, sample_shape),
+                  compiled=compiled, fast=fast)
+    if on_device:
+        parts.device_skips = DeviceSkips(cfg, comm, parts, device)
+    return parts

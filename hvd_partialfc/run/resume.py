@@ -30,7 +30,9 @@ RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "tr
                     "model.checkpoint_activations", "train.tensorboard", "train.engine",
                     "train.heartbeat_timeout", "train.collective_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
                     "head.matmul", "train.allow_host_allreduce", "train.stragglers", "train.straggler_ratio",
-                    "train.straggler_steps", "train.straggler_min_nodes", "train.straggler_cooldown")
+                    "train.straggler_steps", "train.straggler_min_nodes", "train.straggler_cooldown",
+                    "train.compile", "train.compile_mode", "train.compile_head", "train.skip_decision",
+                    "optim.backbone_kernel", "optim.classifier_kernel")
 # Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
 # so the result is no longer the uninterrupted run's; resume says so.
 RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")

@@ -36,7 +36,7 @@ from .parts import build_parts
 from ..models.pretrained import load_initial_backbone
 from .resume import DataIdentity, resume
 from ..data.shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
-from .speed import set_device_flags
+from .speed import compile_note, set_device_flags
 from .step import Step
 from .trainer import RunData, Trainer
 from ..verification.evaluator import Evaluator
@@ -157,6 +157,8 @@ def start_trainer(cfg, comm) -> Trainer:
     comm.agree(error, name="setup")
     if decode_note and comm.is_main:
         print(decode_note, flush=True)
+    if compile_note(parts.compiled) and comm.is_main:
+        print(compile_note(parts.compiled), flush=True)
     memory = MemorySnapshots.start(cfg, comm, parts, log=say)
     t0 = time.perf_counter()
     resumed_from = resume(cfg, comm, parts, data.layout, data.identity, memory) if cfg.checkpoint.resume else None

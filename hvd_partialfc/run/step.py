@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from collections.abc import Mapping
 from typing import Callable, Dict, Iterator, Optional, Tuple, Union
 
@@ -21,8 +20,9 @@ import torch
 
 from ..data.loader import prepare_batch
 from .progress import RunLength
+from .speed import autocast_for
 from ..classifier.rowsparse import grad_values
-from ..engine.base import mark_agreed
+from .skips import NonFiniteError, SkippedStepsError, account  # noqa: F401 (the step's errors, named here too)
 
 
 def read_norms(norm: torch.Tensor, cls_norm: Optional[torch.Tensor]) -> Tuple[float, float]:
@@ -36,13 +36,17 @@ def read_norms(norm: torch.Tensor, cls_norm: Optional[torch.Tensor]) -> Tuple[fl
 
 class StepFigures(Mapping):
     """A step's figures by name; those given as device tensors are read on first access only: a read is a
-    host synchronisation, and the loop reads ``loss`` at its log lines (``train.log_every``), not every step."""
+    host synchronisation, and the loop reads ``loss`` at its log lines (``train.log_every``), not every step.
+    ``settle``: called before the first such read (``train.skip_decision=device``: the books brought up to date)."""
 
-    def __init__(self, on_device: Dict[str, torch.Tensor], **values: float):
-        self._on_device, self._values = dict(on_device), dict(values)
+    def __init__(self, on_device: Dict[str, torch.Tensor], settle: Optional[Callable[[], None]] = None,
+                 **values: float):
+        self._on_device, self._values, self._settle = dict(on_device), dict(values), settle
 
     def __getitem__(self, key: str) -> float:
         if key in self._on_device:
+            if self._settle is not None:
+                self._settle()
             self._values[key] = float(self._on_device.pop(key))
         return self._values[key]
 
@@ -51,14 +55,6 @@ class StepFigures(Mapping):
 
     def __len__(self) -> int:
         return len(self._values) + len(self._on_device)
-
-
-class NonFiniteError(RuntimeError):
-    pass
-
-
-class SkippedStepsError(NonFiniteError):
-    """Too many steps in a row skipped (``train.max_consecutive_skips``): the run is no longer training."""
 
 
 def lr_factor(step: float, total: float, warmup: int, schedule: str, min_ratio: float, power: float) -> float:
@@ -101,7 +97,7 @@ class Step:
         self.length = RunLength.fixed(length) if isinstance(length, int) else length
         self.total_steps = self.length.total_steps
         self.on_phase = on_phase or (lambda name: None)
-        self.channels_last = bool(cfg.train.channels_last) and kind in ("images", "encoded")
+        self.channels_last = parts.fast.channels_last and kind in ("images", "encoded")   # auto: resolved (speed.py)
 
     def set_lr(self, step: int) -> float:
         o, imported = self.cfg.optim, self.length.schedule
@@ -119,15 +115,14 @@ class Step:
         return f
 
     def _autocast(self):
-        p = self.cfg.train.precision
-        if p == "fp32":
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+        return autocast_for(self.cfg.train.precision, self.device)
 
     def __call__(self, step: int, batches: Iterator) -> Dict[str, float]:
         """One optimizer step over ``backward_passes_per_step`` local batches; returns its figures."""
         parts, k = self.parts, self.cfg.optim.backward_passes_per_step
-        backbone, head, counters, loss_scale = parts.backbone, parts.head, parts.counters, parts.loss_scale
+        backbone, head, loss_scale = parts.backbone, parts.head, parts.loss_scale
+        skips = parts.device_skips                 # train.skip_decision=device (skips.py), else None
+        scale = skips.loss_scale_now() if skips else loss_scale.scale
         lr_f = self.set_lr(step)
         backbone.train(), head.train()
         parts.backbone_opt.zero_grad()  # Horovod: set_to_none is torch 2 default
@@ -143,7 +138,7 @@ class Step:
             with self._autocast():
                 features = backbone(x)                                              # (B, D)
             loss = head(features.float(), y) / k                                    # the mode's loss
-            (loss * loss_scale.scale).backward()
+            (loss * scale).backward()
             # summed on the device in float64, as Python's float sum of .item()s did: read at log time
             loss_sum = loss.detach().double() if loss_sum is None else loss_sum + loss.detach().double()
         self.on_phase("sync0")
@@ -154,49 +149,22 @@ class Step:
         averaged = [p for p in parts.backbone_opt_params() if p.grad is not None]
         local = [p for p in parts.head_opt_params() if p.grad is not None]
         if loss_scale.enabled:   # one kernel launch for all of them (iresnet50: 237 tensors); div_'s numbers
-            torch._foreach_div_([p.grad for p in averaged], loss_scale.scale)
+            torch._foreach_div_([p.grad for p in averaged], scale)
         if loss_scale.enabled or parts.head_grad_scale != 1.0:
             for p in local:
-                p.grad.mul_(parts.head_grad_scale / loss_scale.scale)
+                p.grad.mul_(parts.head_grad_scale / scale)
         norm_t = torch.nn.utils.get_total_norm([p.grad for p in averaged])  # identical on all ranks
         cls_t = torch.nn.utils.get_total_norm([grad_values(p.grad) for p in local]) if local else None
+        if skips:   # no host read: decided in the fused kernels, the books kept one step late (skips.py)
+            norm_t = skips.finish(step, averaged, local, norm_t, cls_t, loss_sum)
+            return StepFigures({"loss": loss_sum, "grad_norm": norm_t}, skips.settle, lr_factor=lr_f,
+                               data_time=data_time, step_time=time.perf_counter() - t0)
         grad_norm, cls_norm = read_norms(norm_t, cls_t)   # the step's one host synchronisation
-        finite = math.isfinite(grad_norm)
-        loss_scale.update(finite)
-        if finite:
-            counters.consecutive_skips = 0
+        if math.isfinite(grad_norm):
             if self.cfg.optim.clip_grad_norm > 0:
                 torch.nn.utils.clip_grads_with_norm_(averaged, self.cfg.optim.clip_grad_norm, norm_t)
             self.comm.step_synchronized(parts.backbone_opt)
-            if local:
-                if math.isfinite(cls_norm):  # local decision: the classifier is local
-                    parts.head_opt.step()
-                    counters.classifier_consecutive_skips = 0
-                else:
-                    counters.classifier_skipped_steps += 1
-                    counters.classifier_consecutive_skips += 1
-                    self._check_skips(counters.classifier_consecutive_skips, step, "this rank's classifier gradient",
-                                      every_rank=False)
-        elif loss_scale.enabled or self.cfg.train.on_nonfinite == "skip":
-            counters.skipped_steps += 1      # every rank skips: the averaged norm is the same everywhere
-            counters.consecutive_skips += 1
-            self._check_skips(counters.consecutive_skips, step, "the averaged gradient")
-        else:
-            raise mark_agreed(NonFiniteError(   # the averaged norm: every rank decides alike
-                f"rank {self.comm.rank}: non-finite backbone gradient at step {step} (local loss {float(loss_sum)}); "
-                "set train.on_nonfinite=skip to skip such steps"))
+        if account(self.cfg, self.comm, parts, step, grad_norm, cls_norm, bool(local), loss_sum):
+            parts.head_opt.step()    # the counters, the loss scale and the stops: skips.account
         return StepFigures({"loss": loss_sum}, grad_norm=grad_norm, lr_factor=lr_f, data_time=data_time,
                            step_time=time.perf_counter() - t0)
-
-    def _check_skips(self, consecutive: int, step: int, what: str, every_rank: bool = True) -> None:
-        """SkippedStepsError after ``train.max_consecutive_skips`` skips in a row; ``every_rank``: the skips
-        were every rank's (the averaged gradient), so is the error (engine/base.py, mark_agreed)."""
-        limit = self.cfg.train.max_consecutive_skips
-        if limit and consecutive >= limit:
-            ls = self.parts.loss_scale
-            scale = f"; fp16 loss scale now {ls.scale:g}" if ls.enabled else ""
-            err = SkippedStepsError(
-                f"rank {self.comm.rank}: {consecutive} steps in a row skipped up to step {step}: {what} is not "
-                f"finite{scale}. The run is not training; stopping (train.max_consecutive_skips="
-                f"{limit}). Lower the learning rate, check the data, or resume from an earlier checkpoint")
-            raise mark_agreed(err) if every_rank else err

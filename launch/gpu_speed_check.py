@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""The ``speed`` stage of launch/gpu_check.sh: issue 50's table measured in one budgeted pass (docs/gpu.md).
+
+    python launch/gpu_speed_check.py WORK OUT [--arcface-dir DIR] [--budget 150] [--only NAME,...] [--tiny]
+
+WORK holds the ``prepare`` stage's shard sets (``head125k``); results go to ``OUT/speed.json`` (rewritten after
+every cell, so a cut-short run keeps what it measured), ``OUT/speed/`` (each profile's and comparison's own
+JSON and traces) and ``OUT/speed_table.md`` (the issue's table). Cells run in ``CELLS``' order, the issue's
+headline first; a cell whose estimated seconds no longer fit ``--budget`` is recorded as skipped, with the
+command that runs it alone (``--only NAME``) in a later call. A failed cell is recorded and the pass goes
+on; the stage fails (exit 1) when every cell that ran failed.
+
+Cells (one GPU, fp16, 112 px, batch 128 unless named):
+* ``gpu-tests``: tests/test_fast_paths.py's GPU test (the device decision bitwise the host's on CUDA).
+* ``compare-*``: tools/arcface_compare.py in this process: arcface_torch's train_v2 step (``--arcface-dir``;
+  without it ours alone, said) against ``local`` and ``global`` (r = 0.1, the heads that gather scoring the
+  rows of a rank of 8: ``--gathered 8``), alternating rounds. ``-bmax``: at the largest batch ours fits,
+  each contender alone on the GPU.
+* ``profile-*``: ``hvd-partialfc profile`` on the trainer itself (the shards, 8 loader workers at most,
+  ``--torch-trace``): the phase split on the GPU's clock, idle time, top kernels, host syncs CUDA saw;
+  ``-nvjpeg``: with ``data.decode=gpu``.
+* ``switches``: each fast-path key on against the defaults, one process, alternating rounds (iresnet50,
+  125k-class ``local``): channels_last, fused kernels, the device decision, bf16, and all the winners'
+  candidates together. ``compile-*``: train.compile's settings, each against the defaults again.
+* ``largest-*``: the largest batch ``local`` fits: peak memory at two batches, a line through them, 92% of
+  the GPU's memory, checked by running it.
+``--tiny`` runs every cell at toy sizes on the CPU (tests/test_gpu_check.py), compile with dynamo's eager
+backend: its test measures nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from hvd_partialfc.atomic import write_text  # noqa: E402
+from hvd_partialfc.tools import arcface_compare as cmp  # noqa: E402
+
+SWITCHES = {"defaults": [], "channels_last": ["train.channels_last=true"],
+            "fused kernels": ["optim.backbone_kernel=fused"],
+            "device decision": ["train.skip_decision=device", "optim.backbone_kernel=fused"],
+            "bf16": ["train.precision=bf16"], "bf16 + channels_last": ["train.precision=bf16", "train.channels_last=true"],
+            "channels_last + fused + device": ["train.channels_last=true", "optim.backbone_kernel=fused",
+                                               "train.skip_decision=device"]}
+COMPILES = {"compile-blocks": ["train.compile=blocks"], "compile-model": ["train.compile=model"],
+            "compile-cudagraphs": ["train.compile=model", "train.compile_mode=reduce-overhead"],
+            "compile-head": ["train.compile_head=true"]}
+
+
+TINY_CELLS = ("profile-r50", "switches", "largest-r50", "compare-r50-125k-bmax")   # each code path once
+
+
+def sizes(tiny: bool, arcface: str) -> Dict[str, Any]:
+    """The cells' sizes: the GPU's, or toy ones (iresnet with one block a stage at 112 px where arcface_torch
+    is compared, else the small resnet at 32 px)."""
+    if tiny:
+        toy = {"r50": "iresnet18", "blocks": "1,1,1,1", "image_size": 112, "ours": []} if arcface else \
+            {"r50": "resnet", "blocks": "", "image_size": 32, "ours": ["model.kwargs={width: 4}"]}
+        return dict(toy, tiny=True, r100=toy["r50"], batch=2, k125=50, k1250=80, gathered=2, precision="fp32",
+                    rounds=1, steps=1, warmup=1, profile=["1", "2"], workers=1,
+                    profile_model=["--set", "model.name=resnet", "--set", "model.kwargs={width: 8}"])
+    return {"tiny": False, "r50": "iresnet50", "r100": "iresnet100", "blocks": "", "image_size": 112, "ours": [],
+            "batch": 128, "k125": 125_000, "k1250": 1_250_000, "gathered": 8, "precision": "fp16", "rounds": 3,
+            "steps": 10, "warmup": 5, "profile": ["10", "20"], "profile_model": [],
+            "workers": max(1, min(8, (os.cpu_count() or 4) - 2))}
+
+
+def compare_args(s, arcface_dir, model, classes, batch, contenders="arcface,local,global", sets=()):
+    names = contenders.split(",") if arcface_dir else [c for c in contenders.split(",") if c != "arcface"]
+    return SimpleNamespace(arcface_dir=arcface_dir, contenders=",".join(names), model=model, blocks=s["blocks"],
+                           batch=batch, image_size=s["image_size"], classes=classes, gathered=s["gathered"],
+                           sample_rate=0.1, precision=s["precision"], warmup=s["warmup"], rounds=s["rounds"],
+                           steps=s["steps"], pool=4, device="cpu" if s["tiny"] else "auto", threads=0, no_ddp=False,
+                           set=s["ours"] + list(sets), out=None)
+
+
+def compare(a) -> Dict[str, Any]:
+    r = cmp.run(a)
+    if not a.arcface_dir:
+        r["note"] = "arcface_torch not measured: no --arcface-dir (ARCFACE_DIR) on this machine"
+    return r
+
+
+def compare_alone(a) -> Dict[str, Any]:
+    """Each contender built, measured and freed alone (the largest batch: three heads would not fit together)."""
+    out = None
+    for name in a.contenders.split(","):
+        r = cmp.run(SimpleNamespace(**dict(vars(a), contenders=name)))
+        out = r if out is None else dict(out, contenders={**out["contenders"], **r["contenders"]})
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    base = out["contenders"].get("arcface", {}).get("median_ms")
+    for r in out["contenders"].values():
+        if base and "median_ms" in r:
+            r["speed_vs_arcface"] = base / r["median_ms"]
+    return out
+
+
+def switches(s, cells: Dict[str, List[str]], model: str) -> Dict[str, Any]:
+    """Our ``local`` step under each set of keys, 125k classes: built together and measured in alternating
+    rounds (cmp.measure); with ``train.compile_head`` one after the other instead, since the softmax's
+    compiled passes are the process's (margins.py ``compile_passes``): every step built before would use them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not s["tiny"] \
+        else torch.device("cpu")
+    a = compare_args(s, None, model, s["k125"], s["batch"], contenders="local")
+    total = a.warmup + a.rounds * a.steps + 1
+
+    def build(name, sets):
+        try:
+            fn = cmp.our_step(SimpleNamespace(**dict(vars(a), set=a.set + sets)), "local", device, total)
+            data = cmp._batches(a, device, a.classes)
+            return {"run": lambda d=data, f=fn: f(d), "compiled": fn.compiled}
+        except Exception as e:    # a key that fails here is a result: recorded, the others go on
+            return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+    built: Dict[str, Any] = {}
+    if any("train.compile_head=true" in sets for sets in cells.values()):
+        out = {}
+        for name, sets in cells.items():
+            built[name] = build(name, sets)
+            out.update(cmp.measure(a, device, {name: built[name]}))
+    else:
+        built = {name: build(name, sets) for name, sets in cells.items()}
+        out = cmp.measure(a, device, dict(built))
+    for name, c in built.items():
+        if c.get("compiled") not in (None, {"compile": "none"}):     # what compiled, its seconds, or its fallback
+            out[name]["compile"] = c["compiled"]
+    base = out.get("defaults", {}).get("median_ms")
+    for r in out.values():
+        if base and "median_ms" in r:
+            r["speed_vs_defaults"] = base / r["median_ms"]
+    return {"model": model, "batch": a.batch, "classes": a.classes, "precision": a.precision, "cells": out,
+            "sets": cells}
+
+
+def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, Any]:
+    folder = os.path.join(out, "speed", name)
+    argv = [sys.executable, "-m", "hvd_partialfc.cli", "profile", "--config", os.path.join(ROOT, "configs",
+            "ms1mv3_r50.yaml"), "--shards", os.path.join(work, "head125k"), "--profile-out", folder,
+            "--warmup", s["profile"][0], "--profile-steps", s["profile"][1], *([] if s["tiny"] else ["--torch-trace"]),
+            "--set", "head.mode=local", "--set", f"data.batch_size={s['batch']}", "--set", f"data.workers={s['workers']}",
+            "--set", f"train.precision={'bf16' if s['tiny'] else 'fp16'}", "--set", "train.engine=torch",
+            "--set", f"train.device={'cpu' if s['tiny'] else 'cuda'}", *s["profile_model"],
+            *extra]
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    if p.returncode != 0:
+        raise RuntimeError(f"profile exited {p.returncode}: {p.stderr[-1500:]}")
+    print(p.stdout[-2500:], flush=True)
+    with open(os.path.join(folder, "profile.json")) as f:
+        return json.load(f)
+
+
+def gpu_tests() -> Dict[str, Any]:
+    """The fast paths' GPU tests (tests/test_fast_paths.py, marked gpu): the device decision on CUDA."""
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                        "tests/test_fast_paths.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, HVD_PARTIALFC_TEST_GPU="1"))
+    if p.returncode != 0:
+        raise RuntimeError(f"pytest exited {p.returncode}: {p.stdout[-1500:]}")
+    return {"summary": p.stdout.strip().splitlines()[-1]}
+
+
+def largest_batch(s, model: str) -> Dict[str, Any]:
+    """The largest batch ``local`` fits (see the module docstring); on CPU (tiny) the batch itself."""
+    if not torch.cuda.is_available() or s["tiny"]:
+        return {"batch": s["batch"], "note": "no GPU: the tiny batch"}
+    device = torch.device("cuda", torch.cuda.current_device())
+    total_mem = torch.cuda.get_device_properties(device).total_memory
+
+    def peak(batch: int) -> int:
+        a = compare_args(s, None, model, s["k125"], batch, contenders="local")
+        fn, data = cmp.our_step(a, "local", device, 4), cmp._batches(SimpleNamespace(**dict(vars(a), pool=1)),
+                                                                   device, a.classes)
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(2):
+            fn(data)
+        torch.cuda.synchronize(device)
+        used = torch.cuda.max_memory_allocated(device)
+        del fn, data
+        torch.cuda.empty_cache()
+        return used
+    p1, p2 = peak(128), peak(256)
+    per = (p2 - p1) / 128
+    batch = int((0.92 * total_mem - (p1 - 128 * per)) / per) // 32 * 32
+    tried = []
+    for _ in range(3):
+        try:
+            tried.append(batch)
+            peak(batch)
+            return {"batch": batch, "peak_128_gib": p1 / 2 ** 30, "peak_256_gib": p2 / 2 ** 30,
+                    "gib_per_sample": per / 2 ** 30, "gpu_gib": total_mem / 2 ** 30, "tried": tried}
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            batch = int(batch * 0.85) // 32 * 32
+    raise RuntimeError(f"no batch of {tried} fits")
+
+
+def plan(s, work: str, out: str, arcface: str) -> List[Any]:
+    """(name, estimated seconds on an H100, what to run) in the order they run."""
+    r50, r100, b, k, kk = s["r50"], s["r100"], s["batch"], s["k125"], s["k1250"]
+    found: Dict[str, Any] = {}
+
+    def at_max(model):
+        return lambda: compare_alone(compare_args(s, arcface, model, k, found.get(model, {}).get("batch", b)))
+
+    def find(model):
+        def go():
+            found[model] = largest_batch(s, model)
+            return found[model]
+        return go
+    def compiled(name):
+        return lambda: switches(s, {"defaults": [], "compiled": COMPILES[name]}, r50)
+    cells = [("gpu-tests", 25, gpu_tests),
+             ("compare-r50-125k", 35, lambda: compare(compare_args(s, arcface, r50, k, b))),
+             ("profile-r50", 30, lambda: profile(s, work, out, "profile-r50", [])),
+             ("switches", 45, lambda: switches(s, {k: v for k, v in SWITCHES.items() if not s["tiny"] or k in
+                                                   ("defaults", "channels_last", "device decision")}, r50)),
+             ("compare-r50-1250k", 45, lambda: compare(compare_args(s, arcface, r50, kk, b))),
+             ("compile-cudagraphs", 90, compiled("compile-cudagraphs")),
+             ("compare-r100-125k", 45, lambda: compare(compare_args(s, arcface, r100, k, b))),
+             ("compile-blocks", 60, compiled("compile-blocks")),
+             ("profile-r50-nvjpeg", 30, lambda: profile(s, work, out, "profile-r50-nvjpeg",
+                                                        ["--set", f"data.decode={'cpu' if s['tiny'] else 'gpu'}"])),
+             ("compare-r100-1250k", 55, lambda: compare(compare_args(s, arcface, r100, kk, b))),
+             ("largest-r50", 20, find(r50)), ("compare-r50-125k-bmax", 45, at_max(r50)),
+             ("largest-r100", 25, find(r100)), ("compare-r100-125k-bmax", 60, at_max(r100)),
+             ("compile-model", 90, compiled("compile-model")), ("compile-head", 40, compiled("compile-head"))]
+    if s["tiny"]:     # each kind of cell once: the CPU test of this script stays short
+        cells = [c for c in cells if c[0] in TINY_CELLS]
+    return cells
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("work")
+    ap.add_argument("out")
+    ap.add_argument("--arcface-dir", default="")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds this stage may take")
+    ap.add_argument("--only", default="", help="these cells (comma-separated names) alone, ignoring the budget")
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args(argv)
+    arcface = a.arcface_dir if a.arcface_dir and os.path.isdir(a.arcface_dir) else ""
+    s = sizes(a.tiny, arcface)
+    if a.tiny:
+        from hvd_partialfc.run import speed
+        speed.COMPILE_BACKEND = "eager"      # the plumbing without inductor's minutes of CPU compiling
+    os.makedirs(os.path.join(a.out, "speed"), exist_ok=True)
+    result: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": a.budget, "tiny": a.tiny,
+                              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                              "torch": torch.__version__, "arcface_dir": arcface or None, "cells": []}
+    if not arcface:
+        print(f"speed: arcface_torch skipped: {'no ARCFACE_DIR given' if not a.arcface_dir else a.arcface_dir + ' is not a folder'}"
+              " (ours alone in the comparisons)", flush=True)
+    only = set(filter(None, a.only.split(",")))
+    t0 = time.perf_counter()
+    for name, cost, fn in plan(s, a.work, a.out, arcface):
+        if only and name not in only:
+            continue
+        used = time.perf_counter() - t0
+        if not only and not a.tiny and used + cost > a.budget:
+            reason = (f"budget: {used:.0f} s used of {a.budget:.0f}, about {cost} s needed; run it alone with "
+                      f"python launch/gpu_speed_check.py WORK OUT --only {name}")
+            result["cells"].append({"name": name, "status": "skipped", "reason": reason})
+            print(f"speed: {name} skipped ({reason})", flush=True)
+            continue
+        c0 = time.perf_counter()
+        try:
+            cell = {"name": name, "status": "ok", "result": fn()}
+        except Exception as e:
+            cell = {"name": name, "status": "failed", "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:]}
+        cell["seconds"] = time.perf_counter() - c0
+        gc.collect()                       # the cell's models and heads go before the next cell's
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        result["cells"].append(cell)
+        print(f"speed: {name} {cell['status']} in {cell['seconds']:.0f} s", flush=True)
+        write_text(os.path.join(a.out, "speed.json"), json.dumps(result, indent=1, default=str))
+    from speed_table import table   # launch/speed_table.py: the issue's table from speed.json
+    write_text(os.path.join(a.out, "speed_table.md"), table(result, a.out))
+    print(table(result, a.out), flush=True)
+    ran = [c["status"] for c in result["cells"] if c["status"] != "skipped"]
+    return 1 if ran and all(st == "failed" for st in ran) else 0      # nothing measured: the stage failed
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

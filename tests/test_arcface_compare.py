@@ -1,0 +1,87 @@
+"""The side-by-side script with arcface_torch (tools/arcface_compare.py, arcface_step.py), without an InsightFace
+checkout: our contenders end to end at toy sizes, the gathered rows of `global`, finding and importing a
+checkout's modules (a stand-in written here, no InsightFace code), the errors a user meets."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, launch_env
+from hvd_partialfc.tools import arcface_step
+from hvd_partialfc.tools.arcface_compare import GatheredRows, main
+
+TOY = ["--model", "resnet", "--image-size", "32", "--set", "model.kwargs={width: 4}", "--batch", "4",
+       "--classes", "50", "--precision", "fp32", "--device", "cpu", "--threads", "1", "--warmup", "1",
+       "--rounds", "2", "--steps", "1", "--pool", "2"]
+
+
+def _compare(args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hvd_partialfc.tools.arcface_compare", *args], cwd=ROOT,
+                          env=launch_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def test_our_contenders_side_by_side(tmp_path):
+    out = tmp_path / "cmp.json"
+    p = _compare(["--contenders", "local,global", "--gathered", "3", *TOY, "--out", str(out)])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads(out.read_text())
+    assert set(r["contenders"]) == {"local", "global"} and r["arcface_dir"] is None
+    for c in r["contenders"].values():
+        assert len(c["ms_per_step_rounds"]) == 2 and c["median_ms"] > 0 and "speed_vs_arcface" not in c
+    assert "local" in p.stdout and "samples/s" in p.stdout
+
+
+def test_the_users_mistakes_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--contenders", "arcface,local", *TOY])
+    assert e.value.code == 2 and "needs --arcface-dir" in capsys.readouterr().err
+    assert main(["--arcface-dir", str(tmp_path), "--contenders", "arcface", *TOY]) == 2   # before any work
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: no arcface_torch here" in err and "git clone" in err and len(err.strip().splitlines()) == 1
+
+
+def test_gathered_rows_are_a_rank_of_n_after_its_gather():
+    """`global` with --gathered 3: its head scores 3 x B rows, this rank's first; the gradient that comes back
+    to this rank's features is its own rows' times N (Partial FC's scaling under an averaging optimizer)."""
+    peers, peer_labels = torch.randn(4, 5), torch.tensor([7, 8, 9, 10])
+    comm = GatheredRows(3, peers, peer_labels)
+    x = torch.randn(2, 5, requires_grad=True)
+    gathered = comm.allgather_with_grad(x, "head.features", grad_scale=comm.size)
+    assert torch.equal(gathered, torch.cat([x.detach(), peers]))
+    w = torch.randn(6, 5)
+    (gathered * w).sum().backward()
+    assert torch.equal(x.grad, 3 * w[:2])
+    assert torch.equal(comm.allgather_tensor(torch.tensor([1, 2]), "head.labels"), torch.tensor([1, 2, 7, 8, 9, 10]))
+
+
+def _stand_in(root):
+    """A folder laid out as arcface_torch, holding stand-ins of its modules (written here)."""
+    (root / "backbones").mkdir(parents=True)
+    (root / "backbones" / "__init__.py").write_text("from .iresnet import NAME\n")
+    (root / "backbones" / "iresnet.py").write_text("NAME = 'stand-in iresnet'\n")
+    for name in ("partial_fc_v2", "losses", "lr_scheduler"):
+        (root / f"{name}.py").write_text(f"NAME = {name!r}\n")
+
+
+def test_a_checkout_is_found_and_its_modules_imported_under_private_names(tmp_path):
+    _stand_in(tmp_path / "insightface" / "recognition" / "arcface_torch")
+    before = list(sys.path)
+    mods = arcface_step.load_arcface(str(tmp_path / "insightface"))          # the checkout's root
+    assert mods["root"] == str(tmp_path / "insightface" / "recognition" / "arcface_torch")
+    assert (mods["backbones"].NAME, mods["pfc"].NAME, mods["lr"].NAME) == ("stand-in iresnet", "partial_fc_v2",
+                                                                           "lr_scheduler")
+    assert arcface_step.find_arcface(mods["root"]) == mods["root"]          # or the folder itself
+    assert sys.path == before and "backbones" not in sys.modules and "losses" not in sys.modules
+
+
+def test_cuda_calls_are_the_identity_on_cpu_only_while_asked():
+    t = torch.ones(2)
+    with arcface_step.cpu_cuda_calls(torch.device("cpu")):
+        assert t.cuda() is t
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            t.cuda()                                                          # torch's own again
