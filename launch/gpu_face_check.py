@@ -90,7 +90,7 @@ def prepare(work: str, tiny: bool) -> int:
 # --- measure: the trainer under the engine the launcher started --------------------------------------
 
 def run_config(work: str, engine: str, precision: str, head: str, s: Dict[str, Any]):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     sets = {"head125k": os.path.join(work, "head125k"), "head1k": os.path.join(work, "head1k")}
     extra = {"data": {"shards": sets[head], "batch_size": s["batch"], "workers": s["workers"]},
              "out": os.path.join(work, f"run-{engine}-{precision}-{head}"),

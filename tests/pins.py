@@ -11,8 +11,8 @@ state, and every rank's classifier rows, optimizer state and counters, hashed he
 this module's own hash (never the package's, which a refactor might move or change).
 
 The step-15 checkpoints are committed (``tests/fixtures/pins/<case>/``, with the shard sets they trained
-on): a run resumed from one must reach the pinned step-30 digest, so an old checkpoint keeps resuming
-bitwise after the code around it moved. The shard builders are pinned too: the sha256 of the shard files
+on; another environment's under ``tests/fixtures/pins/env-<hash>/<case>/``): a run resumed from one must reach
+the pinned step-30 digest, so an old checkpoint keeps resuming bitwise after the code around it moved. The shard builders are pinned too: the sha256 of the shard files
 that the in-memory and the streaming builder write from one small RecordIO source.
 
 Float results depend on the torch build and the CPU's kernels, shard bytes on numpy, h5py and Pillow: pins
@@ -76,9 +76,27 @@ def environment() -> str:
     import numpy
     import PIL
     import torch
-    return (f"torch {torch.__version__} / {platform.machine()} {torch.backends.cpu.get_cpu_capability()} / "
-            f"numpy {numpy.__version__} / h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}) / "
-            f"Pillow {PIL.__version__}")
+    return (f"torch {torch.__version__} / {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+            f"{_cpu_generation()} / numpy {numpy.__version__} / h5py {h5py.__version__} "
+            f"(HDF5 {h5py.version.hdf5_version}) / Pillow {PIL.__version__}")
+
+
+def _cpu_generation() -> str:
+    """" AMX" on a CPU with AMX tiles (Sapphire Rapids and later), else "". torch reports the same capability
+    (AVX512) there, but its float32 matrix products take other kernels: on 2026-12-06 a machine of this
+    project with AMX gave other digests than the pins recorded without, at the same torch, numpy and code."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+    return " AMX" if " amx_tile" in flags else ""
+
+
+def fixture_dir(recorded: Dict, case: str) -> str:
+    """The committed step-15 checkpoint of ``case`` for the environment whose pins are ``recorded``: each
+    environment resumes its own (another's step 15 takes other kernels' path to step 30)."""
+    return os.path.join(FIXTURES, recorded.get("fixtures", ""), case)
 
 
 # --- what runs on every build: losses and norms within a measured tolerance ------------------------------
@@ -274,13 +292,16 @@ def record() -> Dict:
     env = environment()
     pins = load_pins()
     mine = {"runs": {}, "shards": {}}
+    others = [k for k in pins if k not in ("portable", env)]
+    if pins.get(env, {}).get("fixtures") or others:   # the first environment's fixtures are FIXTURES/<case>
+        mine["fixtures"] = pins.get(env, {}).get("fixtures") or "env-" + hashlib.sha256(env.encode()).hexdigest()[:8]
     with tempfile.TemporaryDirectory() as tmp:
         for name in CASES:
             run = os.path.join(tmp, name)
             final = run_case(name, run)
             mine["runs"][name] = checkpoint_digests(final)
             at = os.path.join(run, "checkpoints", f"step-{RESUME_AT:08d}")
-            fixture = os.path.join(FIXTURES, name)
+            fixture = fixture_dir(mine, name)
             if not CASES[name].get("real"):
                 shutil.rmtree(fixture, ignore_errors=True)
                 shutil.copytree(at, fixture)

@@ -36,7 +36,7 @@ def _json(path):
 
 
 def _cfg(shards, out, *extra):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     return load_config(None, [*SETS, f"data.shards={shards}", f"out={out}", *extra])
 
 
@@ -200,7 +200,7 @@ def test_an_arcface_config_is_read_never_run_and_translated(tmp_path, capsys):
     """The file's literals become this package's keys (base.py's defaults under them); the keys without a
     counterpart are listed with why; a statement in the file does not run; the YAML loads as a config."""
     from hvd_partialfc.cli import main
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     marker = tmp_path / "marker"
     src = tmp_path / "wf42m_r100.py"
     src.write_text(ARCFACE_CONFIG.replace("MARKER", repr(str(marker))))
@@ -392,7 +392,7 @@ def test_a_gradient_acc_run_goes_on_at_arcface_lr_and_length(tmp_path):
     3 optimizer steps, 96 samples), it is translated (warm-up 6 optimizer steps, not 24), imported at step 3,
     and goes on for arcface's 6 remaining optimizer steps (3 in warm-up, 3 after) at arcface's own lr."""
     from hvd_partialfc.cli import main
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     shards = build_shards(make_feature_npz(tmp_path / "f.npz", [12] * 8), tmp_path / "shards", 2)
     (tmp_path / "acc4.py").write_text(ACC_CONFIG)
     assert main(["config", "--from-arcface", str(tmp_path / "acc4.py"), "--world-size", "2",
@@ -409,7 +409,7 @@ def test_a_run_on_uneven_data_goes_on_at_arcface_lr_and_length(tmp_path):
     gives the smaller rank 8 steps an epoch, arcface_torch's scheduler counts 96 // 8 = 12. An older
     arcface_torch run (PolyScheduler: power 2, last_epoch one behind) saved after its first epoch goes on
     at its own lr for its 24 remaining steps, to its 36 batches, not 3 x 8."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     shards = build_shards(make_feature_npz(tmp_path / "f.npz", [40] + [8] * 7), tmp_path / "shards", 4)
     cfg = load_config(None, [*SMALL_SETS, f"data.shards={shards}", f"out={tmp_path / 'out'}", "optim.schedule=poly",
                              "optim.poly_power=2", "optim.warmup_steps=12", "train.epochs=3"])

@@ -18,7 +18,7 @@ SMALL = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 
 def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
     """A toy mode (a local head whose classifier is frozen) registered here, nowhere else, trains under
     ``simulate --ranks 2``: its head and its "optimizer" are the ones used, the backbone learns."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.classifier.modes import LocalMode, _MODES, register_mode
     from hvd_partialfc.classifier.optimizers import NoOptimizer
     from hvd_partialfc.run.simulate import simulate
@@ -100,7 +100,7 @@ def test_the_core_runs_without_horovod(tmp_path, monkeypatch):
 
 def test_the_config_is_plain_data():
     """Loading and validating a config imports nothing of the runtime (no torch, no registry)."""
-    code = ("import sys; from hvd_partialfc.config import load_config; "
+    code = ("import sys; from hvd_partialfc.config_io import load_config; "
             "load_config(None, ['data.shards=x', 'head.mode=global', 'data.augment=[flip]']); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'h5py') "
             "or m.startswith('hvd_partialfc.') and m != 'hvd_partialfc.config'))")

@@ -9,7 +9,8 @@ import torch
 from PIL import Image, ImageFilter
 
 from hvd_partialfc.data.augment import AUGMENTATIONS, BatchAugment, parse_augment
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.data.loader import RankShardDataset, make_loader
 from hvd_partialfc.data.partition import even_slices
 from hvd_partialfc.seeds import derive_seed

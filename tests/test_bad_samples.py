@@ -28,7 +28,7 @@ def dirty(tmp_path_factory):
 
 def sim(shards, out, steps, sets=(), ranks=1):
     """``steps`` steps of BASE and ``sets`` on ``ranks`` virtual ranks, in this process (conftest.simulate_here)."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     return simulate_here(cfg, ranks)
 

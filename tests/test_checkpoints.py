@@ -32,7 +32,7 @@ def sim(ranks, shards, out, steps, sets=(), fault=None, timeout=120):
     (conftest.simulate_here): no interpreter or Horovod start-up, for the file logic that needs no real
     Horovod (one rank: what a run alone, without a launcher, does). ``fault``: ``HVD_PARTIALFC_FAULT`` for
     the run. Returns the SimResult or raises ``SimFailure`` (``.error``: the rank's exception)."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.run.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     saved = os.environ.pop(ENV, None)

@@ -3,7 +3,8 @@ import os
 
 import pytest
 
-from hvd_partialfc.config import ConfigError, diff_configs, dump_config, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import diff_configs, dump_config, load_config
 
 
 def test_defaults_yaml_and_overrides(tmp_path):

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from hvd_partialfc.config import Config, ConfigError, get_key, iter_keys, load_config, opt
+from hvd_partialfc.config import Config, ConfigError, get_key, iter_keys, opt
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.config_docs import PAGE, key_rows, markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,8 @@ from PIL import Image
 
 from data_tools.bench_loader import run_gpu_decode
 from data_tools.shard_writer import write_shard_set
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.data import device_decode as dd
 from hvd_partialfc.data.augment import BatchAugment
 from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch, resolve_workers

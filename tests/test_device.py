@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 
 
 class FakeGpus:

@@ -63,7 +63,7 @@ def recovery(run, killed_at, resumed_step):
 def _uninterrupted(shards, out, steps, sets):
     """The same run without a fault, as ``simulate --ranks 2`` in this process (bitwise a real 2-rank run's:
     tests/test_pins.py, test_engines.py); its last checkpoint."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*SMALL_RUN, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     return simulate_here(cfg, 2).checkpoint
 

@@ -15,7 +15,8 @@ import torch
 
 import pins
 from conftest import build_shards, make_image_npz, read_json_lines, simulate_here
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.base import CommBase
 from hvd_partialfc.run_files import list_checkpoints, resolve_checkpoint
 from hvd_partialfc.verification.evaluator import EvaluationError, Evaluator

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import TEST_GPU
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.digest import state_digest
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.run import speed

@@ -126,7 +126,7 @@ def fill(folder, leave: int = 0) -> str:
 
 
 def _sim(ranks, shards, out, *sets):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={STEPS}"])
     return simulate_here(cfg, ranks, 120)
 

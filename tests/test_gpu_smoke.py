@@ -131,7 +131,7 @@ def test_resume_on_cuda_is_bitwise(image_shards, tmp_path):
     from a 2x2 map (32 px images) had no deterministic CUDA backward (adaptive_avg_pool2d sums with atomics)
     and the comparison failed; ``pool: 2`` makes the pooling the identity, one addend a gradient."""
     import pins
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.run.faults import ENV
     from hvd_partialfc.run.simulate import SimFailure
 

@@ -78,7 +78,7 @@ def test_the_counter_counts():
 
 
 def _trainer(shards, out, sets):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.engine.local import LocalComm
     from hvd_partialfc.run.startup import start_trainer
     base = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",

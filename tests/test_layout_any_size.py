@@ -136,7 +136,7 @@ def shards6(tmp_path_factory):
 
 def _sim(ranks, shards, out, steps, *sets, timeout=60):
     """``simulate`` in this process (conftest.simulate_here); its last checkpoint."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     return simulate_here(cfg, ranks, timeout).checkpoint
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import launch_env, read_json_lines, run_job
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.run.metrics_log import LoaderWatch, scalars
 from hvd_partialfc.run.startup import check_runtime_options
 from data_tools.pair_sets import write_pairs_h5

@@ -192,7 +192,7 @@ def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_pa
     assert "had not landed" not in text and "dropped" not in text and "Traceback" not in text, text
     assert "memory: resuming from the snapshot of step 20 in node memory (disk checkpoint: step 15;" in text, text
     assert snapshots_left(roots) == []
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*SMALL_RUN, *SETS, f"data.shards={small_run_shards}", f"out={tmp_path / 'disk'}",
                              f"train.steps={STEPS}",
                              f"checkpoint.resume={crashed / 'ref' / 'checkpoints' / 'step-00000020'}"])
@@ -249,7 +249,7 @@ def test_under_horovodrun_a_crashed_rank_resumes_bitwise_from_its_nodes_memory(t
            "version's)" in out
     assert snapshots_left([root]) == [str(other)]           # this run's went at its end; another run's stays
     # the same size: bitwise the run that was never interrupted (simulate --ranks 2: horovodrun's numbers)
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, [*SMALL_RUN, *sets, f"data.shards={small_run_shards}", f"out={tmp_path / 'straight'}",
                              "train.steps=20"])
     simulate_here(cfg, 2)

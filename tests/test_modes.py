@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import MR, launch_env, require_horovod, run_hvd, run_job
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.classifier.margins import LocalClassifier, margin_cross_entropy
 from hvd_partialfc.classifier.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
 from hvd_partialfc.classifier.rowsparse import sample_rows

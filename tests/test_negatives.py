@@ -7,7 +7,8 @@ import os
 import pytest
 
 from conftest import MR, build_shards, make_feature_npz, run_hvd
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 
 pytestmark = pytest.mark.multirank
 SCEN = os.path.join(MR, "negatives_scenarios.py")

@@ -57,7 +57,7 @@ def runs(tmp_path_factory):
 def test_fixed_run_and_the_resume_of_its_committed_checkpoint(case, pinned, runs, tmp_path):
     want = pinned["runs"][case]
     assert pins.checkpoint_digests(runs(case)) == want
-    resumed = run_here(case, str(tmp_path / "resumed"), resume=os.path.join(pins.FIXTURES, case))
+    resumed = run_here(case, str(tmp_path / "resumed"), resume=pins.fixture_dir(pinned, case))
     assert pins.checkpoint_digests(resumed) == want
 
 

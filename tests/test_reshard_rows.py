@@ -46,7 +46,7 @@ def rank0_skips(monkeypatch):
 
 
 def _sim(ranks, shards, out, steps, *sets, fault=None):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.run.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     if fault:

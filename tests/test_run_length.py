@@ -34,7 +34,7 @@ def shards4(tmp_path_factory):
 
 
 def _run(shards, out, ranks, *sets, fault=None):
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, SETS + list(sets), {"data": {"shards": shards}, "out": str(out)})
     if fault:
         os.environ["HVD_PARTIALFC_FAULT"] = fault
@@ -69,7 +69,7 @@ def _cosine(fraction, peak):
 def _check_by_samples(run, budget, per_step):
     """Every logged lr (the lr of step s, logged at s + 1 done) is the cosine of the samples consumed before
     the step over the budget; ``per_step``: [(first step, last step, samples a step)] of the run's segments."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     peak = load_config(None, SETS, {"data": {"shards": "unused"}}).optim.backbone_lr
     lrs, samples = _lrs(run), 0
     for first, last, g in per_step:
@@ -153,7 +153,7 @@ def test_the_end_is_the_nearest_step_of_the_current_segment():
 
 
 def test_plan_continues_the_segment_at_the_same_size_and_refuses_an_inconsistent_record():
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     cfg = load_config(None, SETS + ["train.steps=50"], {"data": {"shards": "unused"}})
     fresh = plan(cfg, 2, 30)
     rec = fresh.record(20)

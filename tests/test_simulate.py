@@ -171,7 +171,7 @@ def in_process():
 
 def _simulate_here(ranks, shards, out, steps, *sets):
     """``simulate`` through its API, in a thread with a deadline (a deadlock fails instead of hanging)."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.run.simulate import simulate as run
     cfg = load_config(None, SETS + list(sets), {"data": {"shards": shards}, "out": str(out),
                                                "train": {"steps": steps}})

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from hvd_partialfc.classifier.margins import create_margin, margin_cross_entropy
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.run.speed import resolve_matmul, to_channels_last
 
 

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from conftest import ROOT, launch_env, require_horovod
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.run import faults
 from hvd_partialfc.run.stragglers import EVENTS, Detector, Stragglers, node_names, read_events

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from conftest import in_threads
-from hvd_partialfc.config import ConfigError, load_config
+from hvd_partialfc.config import ConfigError
+from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 N, B, C = 3, 5, 4

@@ -291,7 +291,7 @@ def test_options_train_and_stay_identical(runs, which):
     metrics = read_json_lines(os.path.join(run, "metrics.jsonl"))
     assert all(np.isfinite(m["loss"]) for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.run.step import lr_factor
     o = load_config(None, ["data.shards=x", *options]).optim
     for m in metrics:

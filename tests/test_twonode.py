@@ -180,7 +180,7 @@ def test_horovodrun_trains_across_two_nodes(nodes, tmp_path, small_run_shards):
     out = _finish([p], 200)[0]
     assert p.returncode == 0, out[-3000:]
     import torch
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     ckpt, step = _latest(run)
     meta = json.load(open(os.path.join(ckpt, "meta.json")))
     assert step == 10 and meta["world_size"] == 4 and meta["identical"]

@@ -5,7 +5,7 @@ nothing. The same interface as Horovod's ``DistributedOptimizer``: ``synchronize
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
@@ -81,3 +81,26 @@ class AveragingOptimizer:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self._opt.load_state_dict(state)
+
+
+def by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
+    """The indices of ``tensors`` by dtype (a collective runs on one dtype at a time)."""
+    groups: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def plan_buckets(params: List[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
+    """Parameters in reverse order (autograd reaches the last layers first), cut into buckets of at most
+    ``cap_bytes`` (a larger parameter gets a bucket of its own), one dtype and device a bucket."""
+    buckets: List[List[torch.Tensor]] = []
+    size, key = 0, None
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or (p.dtype, p.device) != key or size + nbytes > cap_bytes:
+            buckets.append([])
+            size, key = 0, (p.dtype, p.device)
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets

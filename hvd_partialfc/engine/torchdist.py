@@ -46,7 +46,7 @@ import torch.nn as nn
 
 from .base import DEFAULT_COLLECTIVE_TIMEOUT_S, CommBase, RankFailure, backbone_params
 from .device import agreed_device, uses_cuda
-from .optimizer import AveragingOptimizer
+from .optimizer import AveragingOptimizer, by_dtype, plan_buckets
 from .round_store import agreed_prefix
 
 CHECK_ENV = "HVD_PARTIALFC_CHECK_COLLECTIVES"
@@ -147,7 +147,7 @@ class TorchComm(CommBase):
         place; one all-reduce per dtype."""
         self.check_name(f"grouped.{name}")
         out: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-        for dtype, idx in _by_dtype(tensors).items():
+        for dtype, idx in by_dtype(tensors).items():
             flat = torch.cat([self._on_device(tensors[i]).reshape(-1) for i in idx])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.mul_(1.0 / self.size)
@@ -234,13 +234,6 @@ class TorchVote:
         return [float(v) for v in self.tensor.cpu()]
 
 
-def _by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
-    groups: Dict[torch.dtype, List[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
-
-
 class BucketAverager(AveragingOptimizer):
     """Horovod's DistributedOptimizer over torch.distributed: gradients averaged in buckets that start
     during the backward pass (``AveragingOptimizer`` gives the rest of the interface)."""
@@ -248,7 +241,7 @@ class BucketAverager(AveragingOptimizer):
     def __init__(self, comm: TorchComm, optimizer, named_params, fp16_compression: bool,
                  backward_passes_per_step: int, bucket_mb: float = BUCKET_MB):
         super().__init__(comm, optimizer, named_params, fp16_compression, backward_passes_per_step)
-        self.buckets = _plan_buckets(self._params, int(bucket_mb * 2 ** 20))
+        self.buckets = plan_buckets(self._params, int(bucket_mb * 2 ** 20))
         self._bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
         # A list to fill (the step profile, run/profile.py), else None: [bucket, bytes, launched, done] of each
         # all-reduce, ``time.perf_counter`` seconds, done when its future completes (Gloo: the reduction has
@@ -323,21 +316,6 @@ class BucketAverager(AveragingOptimizer):
             raise RuntimeError("zero_grad() with gradient all-reduces in flight: call synchronize() first")
         self._reset()
         super().zero_grad(set_to_none=set_to_none)
-
-
-def _plan_buckets(params: List[torch.Tensor], cap_bytes: int) -> List[List[torch.Tensor]]:
-    """Parameters in reverse order (autograd reaches the last layers first), cut into buckets of at most
-    ``cap_bytes`` (a larger parameter gets a bucket of its own), one dtype and device a bucket."""
-    buckets: List[List[torch.Tensor]] = []
-    size, key = 0, None
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if not buckets or (p.dtype, p.device) != key or size + nbytes > cap_bytes:
-            buckets.append([])
-            size, key = 0, (p.dtype, p.device)
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 def _restarts_across_nodes(environ) -> bool:

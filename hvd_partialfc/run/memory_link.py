@@ -197,10 +197,10 @@ class Link:
                     _send_json(conn, {"ok": True})      # the sender waits for this before its payload
                     self.store.write(h["step"], h["name"], lambda f: _recv_into(conn, h["size"], f, rest))
                     _send_json(conn, {"ok": True})
-                elif h["op"] == "note":
-                    _send_json(conn, {"ok": True})
+                elif h["op"] == "note":      # handled, then answered: a commit's sender knows it is done
                     if self.on_note is not None:
                         self.on_note(h)
+                    _send_json(conn, {"ok": True})
                 else:
                     path = self.store.find((h["segment"], h["step"]), h["name"])
                     if path is None:

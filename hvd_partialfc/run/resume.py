@@ -15,7 +15,8 @@ import torch
 from . import checkpoint as ckpt
 from ..run_files import find_resume, read_meta, resolve_checkpoint
 from .checkpoint_files import agree_on_resume
-from ..config import ConfigError, config_from_dict, diff_configs
+from ..config import ConfigError
+from ..config_io import config_from_dict, diff_configs
 from ..data import class_identity
 from ..classifier.modes import get_mode
 from ..seeds import RESHARD_RESEED, derive_seed

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from . import faults
 from ..engine.base import gradient_bytes, mark_agreed
-from ..config import dump_config
+from ..config_io import dump_config
 from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
 from .sample_watch import SampleWatch

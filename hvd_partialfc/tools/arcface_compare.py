@@ -71,7 +71,7 @@ def _peer_rows(a, classes: int, device: torch.device):
 
 def our_step(a, mode: str, device: torch.device, total: int) -> Callable[[Any], Any]:
     """This package's step for ``mode`` (local / global), as the trainer builds it, on ``a``'s sizes."""
-    from ..config import load_config
+    from ..config_io import load_config
     from ..data.layout import RankLayout
     from ..run.parts import build_parts
     from ..run.step import Step

@@ -237,7 +237,7 @@ def add_arguments(c, group) -> None:
 
 
 def run(args) -> int:
-    from ..config import load_config
+    from ..config_io import load_config
     values, not_read = read_config(args.from_arcface)
     cfg, why = translate(values, args.world_size, args.mode)
     text = to_yaml(cfg, why, args.from_arcface, not_read)

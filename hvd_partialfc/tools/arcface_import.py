@@ -327,7 +327,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..config import load_config
+    from ..config_io import load_config
     cfg = load_config(args.config, args.set or [], {"data": {"shards": args.shards}, "out": args.out})
     print(json.dumps(import_arcface(args.run_dir, cfg, log=lambda m: print(m, file=sys.stderr))))
     return 0

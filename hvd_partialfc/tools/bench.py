@@ -91,7 +91,7 @@ def _instrument(parts, comm) -> Tuple[Dict[str, float], Callable[[str], None]]:
 def run_worker(a) -> Dict[str, Any]:
     """One rank of one job: build the trainer's components for ``a.mode``, run steps, measure."""
     torch.set_num_threads(1)
-    from ..config import load_config
+    from ..config_io import load_config
     from ..data.layout import RankLayout
     from ..engine.local import LocalComm
     from ..engine.select import start_engine
@@ -267,7 +267,7 @@ def _opt_kind(cfg) -> str:
 
 
 def _bench_config(a):
-    from ..config import load_config
+    from ..config_io import load_config
     return load_config(a.config or None, [*(a.set or []), "data.shards=synthetic"])
 
 

@@ -292,7 +292,7 @@ def _snapshot_room(manifest, world_size: int, cfg) -> List[Check]:
 
 
 def _config(args):
-    from ..config import load_config
+    from ..config_io import load_config
     return load_config(args.config, args.set or [], {"data": {"shards": args.shards or "-"}})
 
 

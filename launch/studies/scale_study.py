@@ -245,7 +245,7 @@ def collective_bytes(args, c: Cell, bb_params: int, dim: int) -> Dict[str, float
     ``global``'s features and labels are all-gathers, its feature gradient and softmax statistics
     allreduces. The share is what a real run shares (``negatives.negatives_share``: negatives_share or W, capped
     at ceil(negatives_pool / N)), W = ceil(C / N)."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.tools.estimate import estimate
     h = load_config(args.config, c.sets, {"data": {"shards": c.shards}}).head
     kw = dict(classes=c.classes, world_size=c.n, dim=dim, batch=args.global_batch // c.n,
@@ -395,7 +395,7 @@ def _params(name: str, dim: int, in_shape: tuple, kwargs: str) -> int:
 
 def backbone_params(args) -> Dict[str, int]:
     """Parameter counts of the study's backbone and of iresnet50 (the traffic yardsticks)."""
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.data.shards import read_manifest
     cfg = load_config(args.config, list(args.set), {"data": {"shards": rel(args.shards)}})
     shape = tuple(read_manifest(args.shards).sample_shape)

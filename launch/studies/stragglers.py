@@ -109,7 +109,7 @@ def watch_cost(n: int, steps: int = 3000) -> float:
     """Seconds a step of rank 0's watch (its timing, its part of the vote and that part as a tensor, the reading and
     the detector) at N ranks, in this process."""
     import torch
-    from hvd_partialfc.config import load_config
+    from hvd_partialfc.config_io import load_config
     from hvd_partialfc.engine.local import LocalComm
     from hvd_partialfc.run.stragglers import Stragglers
     cfg = load_config(None, ["data.shards=x", f"out={tempfile.mkdtemp()}"])

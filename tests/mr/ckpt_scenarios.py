@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from hvd_partialfc.engine.select import start_engine  # noqa: E402
 from hvd_partialfc.run_files import CheckpointError  # noqa: E402
-from hvd_partialfc.config import load_config  # noqa: E402
+from hvd_partialfc.config_io import load_config  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.run.startup import start_trainer  # noqa: E402
 from hvd_partialfc.run.step import NonFiniteError, SkippedStepsError  # noqa: E402

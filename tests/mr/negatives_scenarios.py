@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
-from hvd_partialfc.config import load_config  # noqa: E402
+from hvd_partialfc.config_io import load_config  # noqa: E402
 from hvd_partialfc.data.loader import prepare_batch  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hvd_partialfc.engine import horovod as comm_lib  # noqa: E402
 from hvd_partialfc.run import parts as parts_lib  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
-from hvd_partialfc.config import load_config  # noqa: E402
+from hvd_partialfc.config_io import load_config  # noqa: E402
 from hvd_partialfc.data.loader import RankShardDataset, EpochBatchSampler, prepare_batch  # noqa: E402
 from hvd_partialfc.classifier.margins import LocalClassifier  # noqa: E402
 from hvd_partialfc.models import create_model  # noqa: E402

@@ -1,0 +1,109 @@
+"""``hvd-partialfc train`` and ``simulate``: the config they share, and the one place a trainer is started and
+everything it holds outside the process is let go on every way out (memory snapshots kept or removed, the run
+folder's lock, the heartbeat's goodbye). cli.py parses and calls these.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .cli_support import debug_requested, rank_error, report
+
+
+def train_config(args):
+    """The config of ``train`` and ``simulate``: the YAML, the --set overrides, then the named options."""
+    from .config_io import load_config
+    extra = {}
+    if args.shards:
+        extra.setdefault("data", {})["shards"] = args.shards
+    if args.out:
+        extra["out"] = args.out
+    if args.steps is not None:
+        extra.setdefault("train", {})["steps"] = args.steps
+    if args.resume:
+        extra.setdefault("checkpoint", {})["resume"] = args.resume
+    if args.classifier:
+        extra.setdefault("head", {})["mode"] = args.classifier
+    if args.init_backbone:
+        extra.setdefault("model", {})["init_backbone"] = args.init_backbone
+    if args.sample_rate is not None:
+        extra.setdefault("head", {})["sample_rate"] = args.sample_rate
+    return load_config(args.config, args.set or [], extra)
+
+
+def done_line(ckpt: str, final_eval_error) -> str:
+    """The run's last line: its checkpoint, and a final evaluation that failed (eval.on_error=log) said there."""
+    if final_eval_error is None:
+        return f"done: {ckpt}"
+    return (f"done: {ckpt}; but the final {final_eval_error} (in eval.jsonl; `hvd-partialfc eval --backbone "
+            f"{ckpt} --pairs ...` runs it again)")
+
+
+def run_train(args) -> int:
+    cfg = train_config(args)
+    from .run.resume import check_restarts_resume
+    check_restarts_resume(cfg.checkpoint.resume, os.environ)   # a ConfigError: one line, exit 2
+    from .engine.heartbeat import Heartbeat
+    from .engine.select import start_engine
+    from .run.startup import start_trainer
+    from .config import ConfigError
+    try:
+        comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, share_gpu=cfg.train.share_gpu,
+                            collective_timeout_s=cfg.train.collective_timeout,
+                            allow_host_allreduce=cfg.train.allow_host_allreduce)
+    except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
+        # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
+        return report("hvd-partialfc train", e, debug_requested(args))
+    from .run.memory import close_snapshots
+    from .run.run_lock import release
+    heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
+    error, ended, leave = None, False, None
+    try:
+        trainer = start_trainer(cfg, comm)
+        ckpt = trainer.fit()
+        leave = trainer.eviction   # a straggler's node evicted (run/stragglers.py): its ranks stop their agent
+        if leave:
+            leave.part(comm)
+        ended = True
+    except Exception as e:
+        # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
+        # The non-zero exit makes the launcher stop the others.
+        error = e
+        return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
+    finally:
+        # Memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and stay
+        # after anything else (an error, Ctrl-C, SystemExit), and on the nodes an eviction leaves: a restart
+        # (or --resume auto) takes them.
+        close_snapshots(keep=not ended or bool(leave and not leave.mine))
+        release()                  # the run folder's lock (run/run_lock.py)
+        # A goodbye after a normal end or an agreed error; none after this rank's own error, so that its
+        if heartbeat:   # neighbour ends now, naming it, instead of waiting for it in a collective
+            heartbeat.end(error)
+    if leave:
+        return leave.exit_code(comm.rank)
+    if trainer.stopped_by:
+        from .run.preempt import EXIT_PREEMPTED
+        print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
+              f"{EXIT_PREEMPTED} (resume with --resume auto)", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    if comm.is_main:
+        print(done_line(ckpt, trainer.final_evaluation_failed()))
+    comm.shutdown()
+    return 0
+
+
+def run_simulate(args) -> int:
+    """``train``'s run for ``--ranks`` virtual ranks in this process (simulate.py); the same exit codes."""
+    cfg = train_config(args)
+    from .run.simulate import SimFailure, simulate
+    try:
+        result = simulate(cfg, args.ranks)
+    except SimFailure as f:
+        return rank_error(f.error, f.rank, args.ranks, args, reporter=True)
+    if result.stopped_by:
+        from .run.preempt import EXIT_PREEMPTED
+        print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
+              "(resume with --resume auto)", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    print(done_line(result.checkpoint, result.final_eval_error))
+    return 0
