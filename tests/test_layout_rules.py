@@ -15,13 +15,14 @@ MAX_CLASS_LINES = 300
 # docs/architecture.md's layers, top first. A module imports its own group or any layer below; the groups of
 # one layer do not import each other (the four parts stand side by side). Every module is in one layer.
 LAYERS = [
-    [("hvd_partialfc.cli", "hvd_partialfc.cli_support", "hvd_partialfc.config_docs", "data_tools")],
+    [("hvd_partialfc.cli", "hvd_partialfc.cli_train", "hvd_partialfc.cli_support", "hvd_partialfc.config_docs",
+      "data_tools")],
     [("hvd_partialfc.tools",)],
     [("hvd_partialfc.run",)],
     [("hvd_partialfc.verification",)],
     [("hvd_partialfc.classifier",), ("hvd_partialfc.engine",), ("hvd_partialfc.data",), ("hvd_partialfc.models",)],
-    [("hvd_partialfc", "hvd_partialfc.config", "hvd_partialfc.seeds", "hvd_partialfc.atomic", "hvd_partialfc.digest",
-      "hvd_partialfc.run_files", "hvd_partialfc.sizes")],
+    [("hvd_partialfc", "hvd_partialfc.config", "hvd_partialfc.config_io", "hvd_partialfc.seeds",
+      "hvd_partialfc.atomic", "hvd_partialfc.digest", "hvd_partialfc.run_files", "hvd_partialfc.sizes")],
 ]
 
 
