@@ -25,6 +25,7 @@ import pytest
 from conftest import MR, ROOT, SMALL_RUN, launch_env
 from hvd_partialfc.run.memory import MemorySnapshots, run_token
 from hvd_partialfc.run.memory_plan import Plan
+from hvd_partialfc.engine.listener import HANDSHAKE_S
 from hvd_partialfc.run.memory_link import Link, LinkError, new_secret
 from hvd_partialfc.run.memory_store import NodeStore, StoreError, store_name
 from hvd_partialfc.run_files import classifier_file
@@ -215,7 +216,7 @@ def _garbage(address, n):
     return socks
 
 
-def test_a_flood_of_idle_and_garbage_connections_costs_a_put_under_a_second_and_no_traceback(tmp_path, capfd):
+def test_a_flood_of_idle_and_garbage_connections_costs_a_put_no_wait_and_no_traceback(tmp_path, capfd):
     store, link = _serving(tmp_path, rank=1)
     payload = tmp_path / "rows.pt"
     payload.write_bytes(b"r" * 100_000)
@@ -226,7 +227,7 @@ def test_a_flood_of_idle_and_garbage_connections_costs_a_put_under_a_second_and_
     took = time.monotonic() - t0
     for s in flood:
         s.close()
-    assert took < 1.0, took
+    assert took < HANDSHAKE_S, took        # measured 0.07 s; a put queued behind the flood's handshakes: 5 s
     assert store.listing() == {(SEG, 4): (False, [classifier_file(0, 2)])}
     assert "Traceback" not in capfd.readouterr().err
     peer.close()
