@@ -4,6 +4,7 @@ process). The multi-rank runs: test_memory_snapshots.py."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -122,6 +123,12 @@ def test_snapshots_that_do_not_fit_are_refused_at_start_up(tmp_path, small_run_s
     assert not (tmp_path / "run" / "metrics.jsonl").exists()      # not one step trained
 
 
+def _interruptible():
+    """SIGINT as a terminal gives it: a suite started in the background (make test's single-process half) has
+    it ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _train_one(run, shards, sets, env=None, timeout=120, wait=True):
     """``hvd-partialfc train`` of the small job as one process (no launcher)."""
     cmd = [sys.executable, "-m", "hvd_partialfc.cli", "train", "--shards", str(shards), "--out", str(run),
@@ -129,7 +136,8 @@ def _train_one(run, shards, sets, env=None, timeout=120, wait=True):
     e = dict(launch_env(), **(env or {}))
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e, cwd=ROOT)
-    return subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, cwd=ROOT, timeout=timeout,
+                          preexec_fn=_interruptible)
 
 
 def test_ctrl_c_keeps_the_snapshots_as_an_error_does(tmp_path, small_run_shards):
