@@ -67,7 +67,8 @@ def wait(procs, timeout=150):
 class Flood:
     """A stranger on the node: every port that the agents' workers listen on and that greets with the memory
     link's nonce (the link; Gloo's ports say nothing and are left alone) gets 200 connections, every other one
-    saying garbage, held open until ``stop``. ``ports``: the link ports flooded."""
+    saying garbage, held open until ``stop``. The ports are probed side by side, and flooded once every rank's
+    is found. ``ports``: the link ports flooded."""
 
     def __init__(self, procs, each=200):
         self.procs, self.each, self.ports, self.socks = procs, each, set(), []
@@ -85,32 +86,43 @@ class Flood:
                 pass
         return out
 
-    @staticmethod
-    def _greets(addr) -> bool:
+    def _probe(self, addr):
         try:
-            with socket.create_connection(addr, timeout=0.5) as s:
-                return len(s.recv(64).strip()) == 32
+            with socket.create_connection(addr, timeout=0.3) as s:
+                if len(s.recv(64).strip()) == 32:
+                    self.ports.add(addr)
         except OSError:
-            return False
+            pass
+
+    def _flood(self, addr):
+        for i in range(self.each):
+            try:
+                s = socket.create_connection(addr, timeout=2)
+                if i % 2:
+                    s.sendall([b"[]\n", b"\x00" * 64, b"GET / HTTP/1.0\r\n\r\n"][i % 3])
+                self.socks.append(s)
+            except OSError:
+                pass
+
+    def _side_by_side(self, fn, addrs):
+        threads = [threading.Thread(target=fn, args=(a,), daemon=True) for a in addrs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
 
     def _run(self):
+        probed = set()
         while not self._stop.is_set() and len(self.ports) < len(self.procs):
-            for addr in self._listening() - self.ports:
-                if self._greets(addr):
-                    self.ports.add(addr)
-                    for i in range(self.each):
-                        try:
-                            s = socket.create_connection(addr, timeout=2)
-                            if i % 2:
-                                s.sendall([b"[]\n", b"\x00" * 64, b"GET / HTTP/1.0\r\n\r\n"][i % 3])
-                            self.socks.append(s)
-                        except OSError:
-                            pass
+            fresh = self._listening() - probed
+            probed |= fresh
+            self._side_by_side(self._probe, fresh)
             time.sleep(0.05)
+        self._side_by_side(self._flood, list(self.ports))
 
     def stop(self):
         self._stop.set()
-        self.thread.join(10)
+        self.thread.join(30)
         for s in self.socks:
             s.close()
 
@@ -181,7 +193,7 @@ def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_pa
     stranger's flood of 200 idle or garbage connections to each rank's link port costs no snapshot (before: a
     garbage header's traceback, and an accept loop that a flood's EMFILE ended)."""
     run, roots = branch(crashed, tmp_path, [0, 2])
-    procs = start(roots, small_run_shards, run, fault="stall@20:0", env={"HVD_PARTIALFC_STALL_SECONDS": "2"})
+    procs = start(roots, small_run_shards, run, fault="stall@20:0", env={"HVD_PARTIALFC_STALL_SECONDS": "4"})
     flood = Flood(procs)           # a stranger floods both link ports while rank 0 stalls before step 21
     results = wait(procs)
     flood.stop()
