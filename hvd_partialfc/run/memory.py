@@ -352,7 +352,7 @@ class MemorySnapshots:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.link.close()
-        if self.is_writer and self.store.opened and (not keep or not self.store.listing()):
+        if self.is_writer and (not keep or not self.store.listing()):   # remove(): only a folder open() took
             self.store.remove()
         if self in _LIVE:
             _LIVE.remove(self)
