@@ -37,7 +37,7 @@ def trainer_user_errors() -> Tuple[Type[BaseException], ...]:
     from .data.shards import ShardError
     from .engine.base import RankFailure
     from .run_files import CheckpointError
-    from .run.step import NonFiniteError
+    from .run.skips import NonFiniteError
     from .verification.evaluator import EvaluationError
     return RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError
 

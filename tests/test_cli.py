@@ -144,7 +144,7 @@ def test_agreed_errors_are_reported_once_per_job(capsys, monkeypatch):
     import argparse
     from hvd_partialfc.cli_support import rank_error
     from hvd_partialfc.engine.base import RankFailure
-    from hvd_partialfc.run.step import NonFiniteError
+    from hvd_partialfc.run.skips import NonFiniteError
     monkeypatch.delenv("HVD_PARTIALFC_DEBUG", raising=False)
     args = argparse.Namespace(debug=False)
     alike = RankFailure("2 of 2 ranks failed at 'setup': ...", "setup",

@@ -12,7 +12,7 @@ from hvd_partialfc.digest import state_digest
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.run import speed
 from hvd_partialfc.run.startup import start_trainer
-from hvd_partialfc.run.step import NonFiniteError
+from hvd_partialfc.run.skips import NonFiniteError
 
 FUSED = ["optim.backbone_kernel=fused", "optim.classifier_kernel=fused"]
 DEVICE = ["train.skip_decision=device", *FUSED]

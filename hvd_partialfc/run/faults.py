@@ -84,6 +84,11 @@ def _entries() -> List[Tuple[str, int, Optional[int]]]:
     return _parse(text) if text else []
 
 
+def _configured() -> bool:
+    """Whether any fault is given (the normal case: none, and every check ends here)."""
+    return ENV in os.environ or FILE_ENV in os.environ
+
+
 def restart_count() -> int:
     """Which attempt of an elastic job this process belongs to: torchrun's ``TORCHELASTIC_RESTART_COUNT``,
     or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.py); 0 outside them."""
@@ -91,7 +96,7 @@ def restart_count() -> int:
 
 
 def active(kind: str, step: int, rank: int) -> bool:
-    if not (ENV in os.environ or FILE_ENV in os.environ) or restart_count() > 0:   # the first attempt only
+    if not _configured() or restart_count() > 0:   # the first attempt only
         return False
     return any(k == kind and s == step and (r is None or r == rank) for k, s, r in _entries())
 
@@ -115,7 +120,7 @@ def before_step(step: int, rank: int) -> None:
 def slow_work(step: int, rank: int, own_s: float) -> None:
     """``slow`` (see the module's docstring): after step ``step + 1``, whose own time was ``own_s`` seconds,
     work for F - 1 times that (this thread's CPU time) when the fault is on for this rank."""
-    if not (ENV in os.environ or FILE_ENV in os.environ) or not any(
+    if not _configured() or not any(
             k == "slow" and step >= s and (r is None or r == rank) for k, s, r in _entries()):
         return
     import torch

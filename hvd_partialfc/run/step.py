@@ -22,7 +22,7 @@ from ..data.loader import prepare_batch
 from .progress import RunLength
 from .speed import autocast_for
 from ..classifier.rowsparse import grad_values
-from .skips import NonFiniteError, SkippedStepsError, account  # noqa: F401 (the step's errors, named here too)
+from .skips import account
 
 
 def read_norms(norm: torch.Tensor, cls_norm: Optional[torch.Tensor]) -> Tuple[float, float]:

@@ -22,7 +22,7 @@ from hvd_partialfc.run_files import CheckpointError  # noqa: E402
 from hvd_partialfc.config_io import load_config  # noqa: E402
 from hvd_partialfc.digest import state_dict_digest  # noqa: E402
 from hvd_partialfc.run.startup import start_trainer  # noqa: E402
-from hvd_partialfc.run.step import NonFiniteError, SkippedStepsError  # noqa: E402
+from hvd_partialfc.run.skips import NonFiniteError, SkippedStepsError  # noqa: E402
 
 BASE = ["model.name=mlp", "data.batch_size=8", "optim.schedule=constant", "head.negatives_every=0",
         "train.log_every=1"]
