@@ -61,6 +61,7 @@ import argparse
 import functools
 import glob
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -121,6 +122,35 @@ def tried_reason() -> Optional[str]:
         return None
     finally:
         _sh("ip", "netns", "del", ns, check=False)
+
+
+def study_options(ap: argparse.ArgumentParser) -> None:
+    """The options every multi-node study shares: ``--json`` (its report), ``--work`` (keep the runs), ``--show``."""
+    ap.add_argument("--json")
+    ap.add_argument("--work", help="keep the runs and logs here (default: a temporary folder, removed)")
+    ap.add_argument("--show", metavar="JSON", help="print the table of a report written before, and run nothing")
+
+
+def study_preamble(a: argparse.Namespace, name: str, table) -> Optional[int]:
+    """Before a study runs: ``--show`` prints ``table`` of that report (exit 0); nodes that cannot be set up
+    here are one line (exit 2). None: go on."""
+    if a.show:
+        with open(a.show) as f:
+            print(table(json.load(f)))
+        return 0
+    reason = unavailable_reason()
+    if reason:
+        print(f"{name}: cannot run: {reason}", file=sys.stderr)
+        return 2
+    return None
+
+
+def study_report(a: argparse.Namespace, report: Dict, table) -> None:
+    """A study's end: its table printed, its report to ``--json``."""
+    print(table(report))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def owner_suffix() -> str:

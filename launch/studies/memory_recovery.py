@@ -228,18 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300, help="steps of each overhead run")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--only", choices=["recovery", "overhead"])
-    ap.add_argument("--json")
-    ap.add_argument("--work", help="keep the runs and logs here (default: a temporary folder, removed)")
-    ap.add_argument("--show", metavar="JSON")
+    twonode.study_options(ap)
     a = ap.parse_args(argv)
-    if a.show:
-        with open(a.show) as f:
-            print(table(json.load(f)))
-        return 0
-    reason = twonode.unavailable_reason()
-    if reason:
-        print(f"memory_recovery: cannot run: {reason}", file=sys.stderr)
-        return 2
+    done = twonode.study_preamble(a, "memory_recovery", table)
+    if done is not None:
+        return done
     work = a.work or tempfile.mkdtemp(prefix="hpfc-memory-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     a.shm = tempfile.mkdtemp(prefix="hpfc-memory-", dir="/dev/shm")     # the nodes' memory: a tmpfs, not the disk
     report = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "recovery": [], "overhead": []}
@@ -253,10 +246,7 @@ def main(argv=None) -> int:
         shutil.rmtree(a.shm, ignore_errors=True)
         if not a.work:
             shutil.rmtree(work, ignore_errors=True)
-    print(table(report))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    twonode.study_report(a, report, table)
     return 0
 
 

@@ -220,28 +220,18 @@ def main(argv=None) -> int:
     ap.add_argument("--factor", type=float, default=2.0, help="the slow node's ranks take this many times their work")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chaos", metavar="JSON", help="a chaos run's report (launch/chaos.py --json): its false alarms")
-    ap.add_argument("--json")
-    ap.add_argument("--work", help="keep the runs and logs here (default: a temporary folder, removed)")
-    ap.add_argument("--show", metavar="JSON")
+    twonode.study_options(ap)
     a = ap.parse_args(argv)
-    if a.show:
-        with open(a.show) as f:
-            print(table(json.load(f)))
-        return 0
-    reason = twonode.unavailable_reason()
-    if reason:
-        print(f"stragglers: cannot run: {reason}", file=sys.stderr)
-        return 2
+    done = twonode.study_preamble(a, "stragglers", table)
+    if done is not None:
+        return done
     work = a.work or tempfile.mkdtemp(prefix="hpfc-stragglers-")
     os.makedirs(work, exist_ok=True)
     report = study(a, work)
     report["command"] = " ".join(["python", "launch/studies/stragglers.py", *(argv or sys.argv[1:])])
     report["date"] = time.strftime("%Y-%m-%d")
     report = json.loads(json.dumps(report, default=str))
-    print(table(report))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
+    twonode.study_report(a, report, table)
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0
