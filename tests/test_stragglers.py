@@ -16,6 +16,7 @@ from hvd_partialfc.config import ConfigError
 from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.run import faults
+from hvd_partialfc.run.device_clock import DeviceClock
 from hvd_partialfc.run.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
 
 FAST, MID, SLOW = 0.010, 0.012, 0.024     # the lower median of (FAST, MID, SLOW) is MID: SLOW is 2.0x it
@@ -124,6 +125,115 @@ def test_own_time_is_work_not_waits(tmp_path):
     watch.cuda = True
     watch.timed(0, step)
     assert watch.own == pytest.approx(span[-1] - 0.07, abs=0.005)
+
+
+class Stream:
+    """A GPU stream on a simulated clock (seconds): the host queues work and events, the stream runs them in
+    order, no sooner than the host queued them; ``stall_until``: the stream waits for another stream (NCCL)."""
+
+    def __init__(self):
+        self.host = self.busy = 0.0
+        self.fail = False
+
+    def run(self, seconds):
+        self.busy = max(self.busy, self.host) + seconds
+
+    def stall_until(self, t):
+        self.busy = max(self.busy, self.host, t)
+
+    def event(self):
+        stream = self
+
+        class Event:
+            def record(self):
+                if stream.fail:
+                    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+                stream.busy = self.t = max(stream.busy, stream.host)
+
+            def query(self):
+                return self.t <= stream.host
+
+            def elapsed_time(self, later):
+                return 1e3 * (later.t - self.t)
+        return Event()
+
+
+def test_own_time_on_the_gpu_is_the_streams_work_not_its_stalls():
+    """Two ranks under NCCL: the fast one's stream stalls at the all-reduce for the slow one, and its host spans
+    are the slow one's; on the device clock each has its own work (forward, backward, optimizers), the loader's
+    idle left out where the stream idled and nothing left out where it still had work queued."""
+    ranks = {0: (Stream(), 0.020), 1: (Stream(), 0.040)}       # stream, forward + backward seconds
+    clocks = {r: DeviceClock(s.event) for r, (s, _) in ranks.items()}
+    spans, owns = {0: [], 1: []}, {0: [], 1: []}
+    for step in range(4):
+        for r, (s, work) in ranks.items():                     # up to the all-reduce's wait
+            spans[r].append(s.host)
+            clocks[r].begin()
+            clocks[r].mark("wanted")
+            s.host += 0.005 if step == 2 else 0.0               # the loader: the stream idles
+            clocks[r].mark("arrived")
+            s.run(work)
+            clocks[r].mark("sync0")
+        done = max(s.busy for s, _ in ranks.values()) + 0.001   # the all-reduce ends after the slow backward
+        for r, (s, _) in ranks.items():
+            s.stall_until(done)
+            clocks[r].mark("sync1")
+            s.host = s.busy                                      # read_norms: the step's host synchronisation
+            s.run(0.002)                                         # both optimizers
+            clocks[r].end()
+            s.host = s.busy + 0.0005                             # the host finishes the step after the stream
+            spans[r][-1] = s.host - spans[r][-1]
+            owns[r].append(clocks[r].own())
+    assert owns[0][1] == pytest.approx(0.022, abs=1e-9) and owns[1][1] == pytest.approx(0.042, abs=1e-9)
+    assert owns[0][2] == pytest.approx(0.022, abs=1e-9)          # the loader's 5 ms: idle, left out
+    assert spans[0][1] == pytest.approx(spans[1][1], abs=1e-9)   # the host's spans: alike
+    # the host ahead of the stream: nothing is read until a step's last event completed, then the newest
+    stream = Stream()
+    c = DeviceClock(stream.event)
+    for _ in range(3):
+        c.begin()
+        c.mark("wanted")
+        stream.host += 0.004                                   # a loader wait while the stream is busy
+        c.mark("arrived")
+        stream.run(0.030)
+        c.end()
+    assert c.own() is None                                     # nothing finished: no read, no block
+    stream.host = stream.busy
+    assert c.own() == pytest.approx(0.030, abs=1e-9) and c.own() is None and not c.pending
+
+
+def test_the_watch_on_a_gpu_uses_the_device_clock_and_falls_back_to_the_host(tmp_path):
+    stream = Stream()
+    watch, lines = _watch(tmp_path, ["n1", "n2"])
+    watch.cuda, watch.clock = True, DeviceClock(stream.event)
+    phases = []
+    on_phase = watch.phases(phases.append)
+
+    class Loader:                                   # each batch: a 10 ms wait on the host, the stream idle
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            stream.host += 0.010
+            return 0
+    batches = watch.batches(Loader())
+
+    def gpu_step(step_no):
+        next(batches)
+        stream.run(0.025)
+        on_phase("sync0")
+        stream.stall_until(stream.busy + 0.050)    # 50 ms stalled for the other ranks
+        on_phase("sync1")
+        stream.host = stream.busy
+        return {"data_time": 0.010}
+    watch.timed(0, gpu_step, 0)
+    stream.host = stream.busy + 0.001
+    watch.timed(1, gpu_step, 1)                     # step 0's events are done by now: its own time is read
+    assert watch.own == pytest.approx(0.025, abs=1e-9) and phases == ["sync0", "sync1"] * 2 and not lines
+    stream.fail = True                              # an error of the device's events: the host's reckoning
+    watch.timed(2, lambda n: {"data_time": 0.0}, 2)
+    assert watch.clock is None and len(lines) == 1 and "GPU's clock failed" in lines[0] and "illegal" in lines[0]
+    assert watch.phases(print) is print and 0 <= watch.own < 0.05
 
 
 def test_the_slow_fault_works_from_its_step_on_every_attempt_and_from_a_file(tmp_path, monkeypatch):

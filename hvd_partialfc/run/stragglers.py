@@ -6,8 +6,10 @@ throttled GPU, a degraded link, a noisy neighbour) costs the whole job while eve
 ranks' step times are all alike (the fast ones wait); what tells the slow one apart is its *own* time a step,
 its work and not its waits (``own_time``):
 
-* on a GPU, the step's span less its wait for data (``data_time``) and its wait in the collectives
-  (``Comm.wait_s``): the host waits there while the device computes;
+* on a GPU, the step's time on the GPU's own clock less the stream's stalls for the loader and for the
+  gradient averaging (device_clock.py, CUDA events, no host synchronisation). The host's clock cannot tell:
+  under NCCL the host blocks at the step's read of the norms on a stream stalled for the slowest rank, so
+  every rank's span is the slowest's (a host span less host waits named no one under the torch engine);
 * on the CPU, the CPU time of the rank's main thread over the step: a wait (for a collective, for the data
   workers) blocks and costs none, and the time the rank was not running does not count. The span less the
   waits was measured first and named healthy ranks: 2 ranks on 2 shared cores (a 200-step MLP run, no fault),
@@ -45,9 +47,10 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import faults
+from .device_clock import DeviceClock
 
 EXIT_EVICTED = 76      # the evicted node's ranks; its neighbours exit preempt.EXIT_PREEMPTED, restarted without it
 EVENTS = "stragglers.jsonl"
@@ -196,6 +199,7 @@ class Stragglers:
         self.active = bool(nodes)
         self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
         self.own = 0.0
+        self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
         self.evict_flag = 0.0        # rank 0: the node (index + 1) the next vote evicts
         self.detector = Detector(nodes, t.straggler_ratio, t.straggler_steps, start_step) \
             if self.active and comm.is_main else None
@@ -221,16 +225,66 @@ class Stragglers:
 
     def timed(self, step: int, fn, *args):
         """``fn(*args)`` (the step; its figures hold ``data_time``), keeping this rank's own time of it
-        (``own_time``); the ``slow`` fault's work (faults.py) is part of it."""
+        (``own_time``, or on a GPU the device clock's: the newest step the GPU has finished); the ``slow``
+        fault's work (faults.py) is part of it."""
         start = (time.perf_counter(), time.thread_time(), self.comm.wait_s)
+        self._on_clock(DeviceClock.begin)
         out = fn(*args)
-        faults.slow_work(step, self.comm.rank, self.own_time(start, out["data_time"]))
-        self.own = self.own_time(start, out["data_time"])
+        if self.clock is None:
+            faults.slow_work(step, self.comm.rank, self.own_time(start, out["data_time"]))
+            self.own = self.own_time(start, out["data_time"])
+            return out
+        faults.slow_work(step, self.comm.rank, self.own)
+        self._on_clock(DeviceClock.end)
+        own = self._on_clock(DeviceClock.own)
+        if own is not None:
+            self.own = own
         return out
 
+    def batches(self, it: Iterator) -> Iterator:
+        """The loader's batches, each wait for one marked on the device clock (``it`` itself without one)."""
+        if self.clock is None:
+            return it
+
+        def marked():
+            while True:
+                self._on_clock(DeviceClock.mark, "wanted")
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                self._on_clock(DeviceClock.mark, "arrived")
+                yield item
+        return marked()
+
+    def phases(self, then: Callable[[str], None]) -> Callable[[str], None]:
+        """A step's ``on_phase`` (step.py) that marks the gradient averaging on the device clock, then calls
+        ``then`` (``then`` itself without a clock)."""
+        if self.clock is None:
+            return then
+
+        def on_phase(name: str) -> None:
+            self._on_clock(DeviceClock.mark, name)
+            then(name)
+        return on_phase
+
+    def _on_clock(self, method, *args):
+        """``method(clock, *args)``; an error of the device's events turns the clock off for the run (one line):
+        the host's reckoning (``own_time``) takes over."""
+        if self.clock is None:
+            return None
+        try:
+            return method(self.clock, *args)
+        except RuntimeError as e:
+            self.clock = None
+            self.say(f"stragglers: the GPU's clock failed ({' '.join(str(e).split())[:200]}); own times are "
+                     "the host's from here")
+            return None
+
     def own_time(self, start: Tuple[float, float, float], data_time: float) -> float:
-        """Seconds of this rank's own work since ``start`` (wall clock, this thread's CPU time, ``wait_s``): on a
-        GPU the span less the data and collective waits, on the CPU the thread's CPU time (the module's docstring)."""
+        """Seconds of this rank's own work since ``start`` (wall clock, this thread's CPU time, ``wait_s``): on the
+        CPU the thread's CPU time (the module's docstring); on a GPU whose clock failed, the span less the data and
+        collective waits (right where the host blocks in the collectives: Horovod's ``synchronize``)."""
         if self.cuda:
             return time.perf_counter() - start[0] - data_time - (self.comm.wait_s - start[2])
         return time.thread_time() - start[1]

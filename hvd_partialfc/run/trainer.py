@@ -102,12 +102,14 @@ class Trainer:
         last_save = time.monotonic()
         every_s = 60.0 * cfg.checkpoint.every_minutes
         ckpt_dir, vote = None, None
+        on_phase = self.step.on_phase
         try:
             watch = self.stragglers = Stragglers.start(cfg, comm, self.start_step, bar.write if comm.is_main
                                                        else (lambda line: None), self.step.device.type == "cuda")
+            self.step.on_phase = watch.phases(on_phase)   # on a GPU: the averaging's stall on its clock
             with StopSignals() as signals:
                 # after the handlers: forked workers inherit them
-                batches = self.sample_watch.batches(iter(self.loader))
+                batches = watch.batches(self.sample_watch.batches(iter(self.loader)))
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
                     out = watch.timed(step, self.train_step, step, batches)   # its own time: stragglers.py
@@ -166,6 +168,7 @@ class Trainer:
                                                 self.memory.vote_flag() if self.memory else 0.0,
                                                 *watch.vote_part()], name="step")
         finally:
+            self.step.on_phase = on_phase
             bar.close()
             if metrics:
                 metrics.close()
