@@ -294,7 +294,8 @@ class Stragglers:
         if not self.active:
             return []
         times = [0.0] * self.comm.size
-        times[self.comm.rank] = max(self.own, 1e-9)
+        # the device clock's 0 until its first reading: unknown, a step the detector does not count
+        times[self.comm.rank] = self.own if self.clock is not None else max(self.own, 1e-9)
         return [self.evict_flag] + times
 
     def hold(self, step: int) -> None:
