@@ -226,8 +226,8 @@ def test_the_watch_on_a_gpu_uses_the_device_clock_and_falls_back_to_the_host(tmp
         on_phase("sync1")
         stream.host = stream.busy
         return {"data_time": 0.010}
-    watch.timed(0, gpu_step, 0)
     assert watch.vote_part()[1:] == [0.0, 0.0]      # no reading yet: unknown, a step the detector skips
+    watch.timed(0, gpu_step, 0)
     stream.host = stream.busy + 0.001
     watch.timed(1, gpu_step, 1)                     # step 0's events are done by now: its own time is read
     assert watch.own == pytest.approx(0.025, abs=1e-9) and phases == ["sync0", "sync1"] * 2 and not lines
