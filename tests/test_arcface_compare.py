@@ -85,3 +85,15 @@ def test_cuda_calls_are_the_identity_on_cpu_only_while_asked():
     if not torch.cuda.is_available():
         with pytest.raises((AssertionError, RuntimeError)):
             t.cuda()                                                          # torch's own again
+
+
+def test_our_step_sets_the_device_flags_as_the_trainer_does(monkeypatch):
+    """cuDNN's autotuner (train.cudnn_benchmark) set by our step itself, as start_trainer sets it: the speed
+    stage's switches and compile cells build ours outside run(), which alone set it before."""
+    from hvd_partialfc.run import speed
+    from hvd_partialfc.tools import arcface_compare as cmp
+    seen = []
+    monkeypatch.setattr(speed, "set_device_flags", lambda cfg, device: seen.append((cfg.train.cudnn_benchmark,
+                                                                                     device.type)))
+    cmp.our_step(cmp.parser().parse_args(TOY), "local", torch.device("cpu"), 2)
+    assert seen == [(True, "cpu")]
