@@ -86,6 +86,16 @@ def compare_args(s, arcface_dir, model, classes, batch, contenders="arcface,loca
                            set=s["ours"] + list(sets), out=None)
 
 
+def free_memory() -> None:
+    """The last contender's or cell's device memory back before the next one is built: a built step's parts
+    hold each other in reference cycles, so ``del`` leaves them to the cyclic collector (iresnet50 and a
+    125k-class head with their gradients and momentum: 1.3 GB by their sizes, which a largest-batch line or
+    the next contender alone would count); then the cached blocks go back to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def compare(a) -> Dict[str, Any]:
     r = cmp.run(a)
     if not a.arcface_dir:
@@ -99,7 +109,7 @@ def compare_alone(a) -> Dict[str, Any]:
     for name in a.contenders.split(","):
         r = cmp.run(SimpleNamespace(**dict(vars(a), contenders=name)))
         out = r if out is None else dict(out, contenders={**out["contenders"], **r["contenders"]})
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_memory()
     base = out["contenders"].get("arcface", {}).get("median_ms")
     for r in out["contenders"].values():
         if base and "median_ms" in r:
@@ -114,6 +124,8 @@ def switches(s, cells: Dict[str, List[str]], model: str) -> Dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not s["tiny"] \
         else torch.device("cpu")
     a = compare_args(s, None, model, s["k125"], s["batch"], contenders="local")
+    from torch._dynamo.utils import counters
+    graph_skips = counters["inductor"]["cudagraph_skips"]
     total = a.warmup + a.rounds * a.steps + 1
 
     def build(name, sets):
@@ -139,8 +151,16 @@ def switches(s, cells: Dict[str, List[str]], model: str) -> Dict[str, Any]:
     for r in out.values():
         if base and "median_ms" in r:
             r["speed_vs_defaults"] = base / r["median_ms"]
-    return {"model": model, "batch": a.batch, "classes": a.classes, "precision": a.precision, "cells": out,
-            "sets": cells}
+    result = {"model": model, "batch": a.batch, "classes": a.classes, "precision": a.precision, "cells": out,
+              "sets": cells}
+    if any("train.compile_mode=reduce-overhead" in sets for sets in cells.values()):
+        # inductor says why it ran a graph without CUDA graphs only in its "cudagraphs" log, which is off by
+        # default: its count of such skips here (0: the compiled cell's figure is CUDA graphs')
+        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - graph_skips
+        if result["cudagraph_skips"]:
+            print(f"speed: reduce-overhead ran without CUDA graphs {result['cudagraph_skips']} time(s) "
+                  "(TORCH_LOGS=cudagraphs says why)", flush=True)
+    return result
 
 
 def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, Any]:
@@ -179,6 +199,7 @@ def largest_batch(s, model: str) -> Dict[str, Any]:
     total_mem = torch.cuda.get_device_properties(device).total_memory
 
     def peak(batch: int) -> int:
+        free_memory()              # the previous try's parts (an out-of-memory one's too) are not counted here
         a = compare_args(s, None, model, s["k125"], batch, contenders="local")
         fn, data = cmp.our_step(a, "local", device, 4), cmp._batches(SimpleNamespace(**dict(vars(a), pool=1)),
                                                                    device, a.classes)
@@ -188,7 +209,7 @@ def largest_batch(s, model: str) -> Dict[str, Any]:
         torch.cuda.synchronize(device)
         used = torch.cuda.max_memory_allocated(device)
         del fn, data
-        torch.cuda.empty_cache()
+        free_memory()
         return used
     p1, p2 = peak(128), peak(256)
     per = (p2 - p1) / 128
@@ -201,8 +222,7 @@ def largest_batch(s, model: str) -> Dict[str, Any]:
             return {"batch": batch, "peak_128_gib": p1 / 2 ** 30, "peak_256_gib": p2 / 2 ** 30,
                     "gib_per_sample": per / 2 ** 30, "gpu_gib": total_mem / 2 ** 30, "tried": tried}
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            batch = int(batch * 0.85) // 32 * 32
+            batch = int(batch * 0.85) // 32 * 32      # its parts are freed by the next peak's free_memory
     raise RuntimeError(f"no batch of {tried} fits")
 
 
@@ -263,6 +283,13 @@ def main(argv=None) -> int:
         print(f"speed: arcface_torch skipped: {'no ARCFACE_DIR given' if not a.arcface_dir else a.arcface_dir + ' is not a folder'}"
               " (ours alone in the comparisons)", flush=True)
     only = set(filter(None, a.only.split(",")))
+    from speed_table import table   # launch/speed_table.py: the issue's table from speed.json
+
+    def save() -> None:
+        """speed.json and the table after every cell: a stage cut at its budget (gpu_check.sh's timeout) ends
+        this process inside a cell, and the device call then brings back what is written here."""
+        write_text(os.path.join(a.out, "speed.json"), json.dumps(result, indent=1, default=str))
+        write_text(os.path.join(a.out, "speed_table.md"), table(result, a.out))
     t0 = time.perf_counter()
     for name, cost, fn in plan(s, a.work, a.out, arcface):
         if only and name not in only:
@@ -273,6 +300,7 @@ def main(argv=None) -> int:
                       f"python launch/gpu_speed_check.py WORK OUT --only {name}")
             result["cells"].append({"name": name, "status": "skipped", "reason": reason})
             print(f"speed: {name} skipped ({reason})", flush=True)
+            save()
             continue
         c0 = time.perf_counter()
         try:
@@ -281,14 +309,11 @@ def main(argv=None) -> int:
             cell = {"name": name, "status": "failed", "error": f"{type(e).__name__}: {e}",
                     "traceback": traceback.format_exc()[-3000:]}
         cell["seconds"] = time.perf_counter() - c0
-        gc.collect()                       # the cell's models and heads go before the next cell's
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()                      # the cell's models and heads go before the next cell's
         result["cells"].append(cell)
         print(f"speed: {name} {cell['status']} in {cell['seconds']:.0f} s", flush=True)
-        write_text(os.path.join(a.out, "speed.json"), json.dumps(result, indent=1, default=str))
-    from speed_table import table   # launch/speed_table.py: the issue's table from speed.json
-    write_text(os.path.join(a.out, "speed_table.md"), table(result, a.out))
+        save()
+    save()
     print(table(result, a.out), flush=True)
     ran = [c["status"] for c in result["cells"] if c["status"] != "skipped"]
     return 1 if ran and all(st == "failed" for st in ran) else 0      # nothing measured: the stage failed

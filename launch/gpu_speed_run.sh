@@ -20,8 +20,12 @@ trap 'rm -rf "$WORKDIR"' EXIT
 R="$WORKDIR/gpu_check"
 ARCFACE_DIR="${ARCFACE_DIR:-$ROOT/.dev/insightface/recognition/arcface_torch}"
 [ -d "$ARCFACE_DIR" ] || echo "gpu_speed_run: $ARCFACE_DIR is not a folder: arcface_torch will not be measured"
-GPU_CHECK_SKIP="${GPU_CHECK_SKIP-build,horovod}" OUT="$R" ARCFACE_DIR="$ARCFACE_DIR" bash launch/gpu_check.sh 2>&1 \
-  | tee "$WORKDIR/gpu_check.log"
+# Everything is packed into $OUT below, after the check: a call cut at its 600 s would bring back nothing. The
+# check's budget ends it by about 580 s (its speed stage cut 70 s past a 505 s mark, then the report); the cap
+# holds whatever overruns that (the budget's 30 s floor after slow stages, a hung report) to leave the packing
+# its 10 s or so (580 s + 5 to its kill). Exit 124 when it cut.
+GPU_CHECK_SKIP="${GPU_CHECK_SKIP-build,horovod}" OUT="$R" ARCFACE_DIR="$ARCFACE_DIR" \
+  timeout -k 5 "${GPU_SPEED_RUN_CAP_S:-580}" bash launch/gpu_check.sh 2>&1 | tee "$WORKDIR/gpu_check.log"
 rc=${PIPESTATUS[0]}
 for f in speed_table.md speed.json face_check.json; do
   [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"

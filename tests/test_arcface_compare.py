@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,3 +86,45 @@ def test_cuda_calls_are_the_identity_on_cpu_only_while_asked():
     if not torch.cuda.is_available():
         with pytest.raises((AssertionError, RuntimeError)):
             t.cuda()                                                          # torch's own again
+
+
+def test_our_step_sets_the_device_flags_as_the_trainer_does(monkeypatch):
+    """cuDNN's autotuner (train.cudnn_benchmark) set by our step itself, as start_trainer sets it: the speed
+    stage's switches and compile cells build ours outside run(), which alone set it before."""
+    from hvd_partialfc.run import speed
+    from hvd_partialfc.tools import arcface_compare as cmp
+    seen = []
+    monkeypatch.setattr(speed, "set_device_flags", lambda cfg, device: seen.append((cfg.train.cudnn_benchmark,
+                                                                                     device.type)))
+    cmp.our_step(cmp.parser().parse_args(TOY), "local", torch.device("cpu"), 2)
+    assert seen == [(True, "cpu")]
+
+
+def test_arcface_step_gives_its_backbone_contiguous_images():
+    """train_v2's loader gives (B, C, H, W) contiguous batches; a permuted uint8 batch is NHWC in memory, and a
+    convolution given it runs channels_last (and so does every layer after), which is not arcface_torch's step.
+    Stand-ins of its modules, written here."""
+    seen = []
+
+    class Backbone(torch.nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 8)
+
+        def forward(self, x):
+            seen.append(x.is_contiguous())
+            return self.fc(x.mean((2, 3)))
+
+    class PFC(torch.nn.Module):
+        def __init__(self, margin, dim, classes, rate, fp16):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(classes, dim))
+
+        def forward(self, emb, labels):
+            return torch.nn.functional.cross_entropy(emb @ self.weight.t(), labels)
+    mods = {"backbones": SimpleNamespace(get_model=lambda name, **kw: Backbone(**kw)),
+            "losses": SimpleNamespace(CombinedMarginLoss=lambda *a: None), "pfc": SimpleNamespace(PartialFC_V2=PFC),
+            "lr": SimpleNamespace(PolynomialLRWarmup=lambda **kw: None)}
+    step = arcface_step.ArcfaceStep(mods, "r18", 5, 1.0, False, torch.device("cpu"), ddp=False, dim=8)
+    step(torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([1, 3]))
+    assert seen == [True]

@@ -41,3 +41,17 @@ def test_gpu_check_fails_loudly(tmp_path):
                        timeout=60)
     assert p.returncode != 0
     assert "FAILED in stage env" in p.stderr
+
+
+def test_the_speed_run_packs_what_it_has_when_the_check_overruns(tmp_path):
+    """launch/gpu_speed_run.sh packs $OUT only after the check: its cap ends a check that overruns (here at
+    3 s, in the prepare stage) and the packing still runs, so a device call is never cut with $OUT empty."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(launch_env(), OUT=str(out), GPU_CHECK_TINY="1", GPU_SPEED_RUN_CAP_S="3",
+               PYTHON=os.path.join(BIN, "python"))
+    p = subprocess.run(["bash", "launch/gpu_speed_run.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 124, p.stdout[-2000:] + p.stderr[-2000:]
+    listed = subprocess.run(["tar", "tzf", str(out / "gpu_check.tgz")], capture_output=True, text=True).stdout
+    assert "gpu_check/stages.tsv" in listed and "gpu_check.log" in listed

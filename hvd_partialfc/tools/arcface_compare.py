@@ -74,6 +74,7 @@ def our_step(a, mode: str, device: torch.device, total: int) -> Callable[[Any], 
     from ..config_io import load_config
     from ..data.layout import RankLayout
     from ..run.parts import build_parts
+    from ..run.speed import set_device_flags
     from ..run.step import Step
     sets = [f"model.name={a.model}", "model.embedding_dim=512", f"data.batch_size={a.batch}",
             f"train.precision={a.precision}", f"head.mode={mode}", "head.negatives_every=0",
@@ -83,6 +84,9 @@ def our_step(a, mode: str, device: torch.device, total: int) -> Callable[[Any], 
     if a.blocks:
         sets.append(f"model.kwargs={{blocks: [{a.blocks}]}}")
     cfg = load_config(overrides=sets + list(a.set or []))
+    # cuDNN's autotuner as the trainer's start-up sets it: torch's default is off, and a step built outside
+    # run() (gpu_speed_check's switches, compile cells and largest batch, alone with --only) ran without it
+    set_device_flags(cfg, device)
     gather = mode == "global" and a.gathered > 1
     comm = GatheredRows(a.gathered, *_peer_rows(a, a.classes, device)) if gather else LocalComm()
     parts = build_parts(cfg, comm, RankLayout.even(a.classes * comm.size, comm.size),

@@ -128,7 +128,9 @@ class ArcfaceStep:
         return torch.cat([emb, self.peers.to(emb.dtype)]), torch.cat([labels, self.peer_labels])
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> float:
-        img = images.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0)   # as the trainer's prepare_batch
+        # as the trainer's prepare_batch, contiguous (B, C, H, W) as train_v2's loader gives: the permuted
+        # tensor is NHWC in memory, and convolutions given one run channels_last through the whole backbone
+        img = images.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0).contiguous()
         with cpu_cuda_calls(self.device):
             emb = self.backbone(img)
             loss = self.pfc(*self._head_input(emb, labels))
