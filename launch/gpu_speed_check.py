@@ -18,7 +18,7 @@ Cells (one GPU, fp16, 112 px, batch 128 unless named):
   each contender alone on the GPU.
 * ``profile-*``: ``hvd-partialfc profile`` on the trainer itself (the shards, 8 loader workers at most,
   ``--torch-trace``): the phase split on the GPU's clock, idle time, top kernels, host syncs CUDA saw;
-  ``-nvjpeg``: with ``data.decode=gpu``.
+  ``-nvjpeg``: with ``data.decode=gpu``; ``-bf16``: bf16, its top kernels beside fp16's (why bf16 was the slower).
 * ``switches``: each fast-path key on against the defaults, one process, alternating rounds (iresnet50,
   125k-class ``local``): channels_last, fused kernels, the device decision, bf16, and all the winners'
   candidates together. ``compile-*``: train.compile's settings, each against the defaults again.
@@ -247,9 +247,11 @@ def plan(s, work: str, out: str, arcface: str) -> List[Any]:
              ("switches", 45, lambda: switches(s, {k: v for k, v in SWITCHES.items() if not s["tiny"] or k in
                                                    ("defaults", "channels_last", "device decision")}, r50)),
              ("compare-r50-1250k", 45, lambda: compare(compare_args(s, arcface, r50, kk, b))),
-             ("compile-cudagraphs", 90, compiled("compile-cudagraphs")),
              ("compare-r100-125k", 45, lambda: compare(compare_args(s, arcface, r100, k, b))),
+             ("compile-cudagraphs", 90, compiled("compile-cudagraphs")),
              ("compile-blocks", 60, compiled("compile-blocks")),
+             ("profile-r50-bf16", 30, lambda: profile(s, work, out, "profile-r50-bf16",
+                                                      ["--set", "train.precision=bf16"])),
              ("profile-r50-nvjpeg", 30, lambda: profile(s, work, out, "profile-r50-nvjpeg",
                                                         ["--set", f"data.decode={'cpu' if s['tiny'] else 'gpu'}"])),
              ("compare-r100-1250k", 55, lambda: compare(compare_args(s, arcface, r100, kk, b))),
