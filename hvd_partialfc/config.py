@@ -57,12 +57,12 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("resnet", "backbone registry name (mlp, resnet, resnet18, iresnet18..200, mobilefacenet)",
-                    see="docs/faces.md#backbones-arcface_torchs-weights-in-onnx-out")
+    name: str = opt("resnet", "backbone registry name (mlp, resnet, resnet18, iresnet18..200, mobilefacenet, "
+                              "vit_t..vit_h)", see="docs/faces.md#backbones-arcface_torchs-weights-in-onnx-out")
     embedding_dim: int = opt(128, "width of the embedding the classifier scores")
     kwargs: Dict[str, Any] = opt({}, "extra backbone arguments (width, blocks, ...)")
     checkpoint_activations: bool = opt(False, "recompute each block in backward: less memory, one more forward; "
-                                              "iresnet* and mobilefacenet only",
+                                              "iresnet*, mobilefacenet and vit_*",
                                        see="docs/faces.md#activation-checkpointing-modelcheckpoint_activationstrue")
     sync_batchnorm: bool = opt(False, "BatchNorm statistics over every rank's batch (two all-reduces per layer "
                                       "per step)", see="docs/gpu.md#sync-batchnorm")

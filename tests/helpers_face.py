@@ -63,6 +63,23 @@ def mbf_table(emb: int = 512, blocks=(1, 4, 6, 2), scale: int = 2) -> Table:
     return t + [("features.layers.2.weight", (emb, 512))] + bn("features.layers.3", emb)
 
 
+def vit_table(dim: int, depth: int, emb: int = 512, tokens: int = 144) -> Table:
+    """arcface_torch's VisionTransformer (norm "ln", no class token), in state_dict order (the module's own
+    parameters first): pos_embed, mask_token, patch_embed.proj (9x9 conv), blocks.K.{norm1, attn.qkv (no bias),
+    attn.proj, norm2, mlp.fc1 (4x), mlp.fc2}, norm, feature.0..3 (Linear(tokens*dim, dim) no bias, BN1d,
+    Linear(dim, emb) no bias, BN1d)."""
+    t: Table = [("pos_embed", (1, tokens, dim)), ("mask_token", (1, 1, dim)),
+                ("patch_embed.proj.weight", (dim, 3, 9, 9)), ("patch_embed.proj.bias", (dim,))]
+    for k in range(depth):
+        p = f"blocks.{k}"
+        t += [(f"{p}.norm1.weight", (dim,)), (f"{p}.norm1.bias", (dim,)), (f"{p}.attn.qkv.weight", (3 * dim, dim)),
+              (f"{p}.attn.proj.weight", (dim, dim)), (f"{p}.attn.proj.bias", (dim,)), (f"{p}.norm2.weight", (dim,)),
+              (f"{p}.norm2.bias", (dim,)), (f"{p}.mlp.fc1.weight", (4 * dim, dim)), (f"{p}.mlp.fc1.bias", (4 * dim,)),
+              (f"{p}.mlp.fc2.weight", (dim, 4 * dim)), (f"{p}.mlp.fc2.bias", (dim,))]
+    t += [("norm.weight", (dim,)), ("norm.bias", (dim,)), ("feature.0.weight", (dim, tokens * dim))]
+    return t + bn("feature.1", dim) + [("feature.2.weight", (emb, dim))] + bn("feature.3", emb)
+
+
 def param_count(table: Table) -> int:
     """Parameters (not buffers) of a table: BN running statistics and counters excluded."""
     n = 0

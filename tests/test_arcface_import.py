@@ -451,3 +451,36 @@ def test_the_config_parser_reads_every_plain_assignment_and_lists_the_rest(tmp_p
     assert main(["config", "--from-arcface", str(src)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"{src}:1" in err, err
+
+
+ARITHMETIC = """config = edict()
+config.network = "vit_b_dp005_mask_005"
+config.num_epoch = 40
+config.warmup_epoch = config.num_epoch // 10
+config["lr"] = -(-config.batch_size) * 1e-5
+config.a = config.network + "x"
+config.b = 1 // 0
+config.c = config.nowhere * 2
+config.d = config.num_epoch ** 2
+"""
+
+
+def test_the_parser_computes_arithmetic_of_literals_and_keys_set_before(tmp_path):
+    """arcface_torch's ViT recipes write ``config.warmup_epoch = config.num_epoch // 10``: + - * / // % and a
+    sign over numbers and keys set before (base.py's too: batch_size 128) are computed and said; strings,
+    a division by zero, a key set nowhere and any other operator are listed as not read. A ViT that
+    arcface_torch checkpoints gets model.checkpoint_activations."""
+    from hvd_partialfc.tools.arcface_config import read_config, translate
+    src = tmp_path / "vit.py"
+    src.write_text(ARITHMETIC)
+    computed = []
+    values, not_read = read_config(str(src), computed)
+    assert values["warmup_epoch"] == 4 and values["lr"] == 128 * 1e-5
+    assert computed == ["warmup_epoch = config.num_epoch // 10 = 4 (line 4)",
+                        "lr = --config.batch_size * 1e-05 = 0.00128 (line 5)"]
+    said = " | ".join(not_read)
+    assert all(f"{k} (line {n}: not a literal" in said for k, n in (("a", 6), ("b", 7), ("c", 8), ("d", 9))), said
+    assert not {"a", "b", "c", "d"} & set(values)
+    cfg, _ = translate(values, 8)
+    assert cfg["model"] == {"name": "vit_b_dp005_mask_005", "checkpoint_activations": True, "embedding_dim": 512}
+    assert translate(dict(values, network="vit_t"), 8)[0]["model"] == {"name": "vit_t", "embedding_dim": 512}

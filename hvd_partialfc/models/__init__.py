@@ -6,4 +6,4 @@ explicit constructor arguments: it never reads rank state and never moves itself
 from __future__ import annotations
 
 from .model_registry import create_model, list_models, model_input_shape, register_model  # noqa: F401
-from . import iresnet, mlp, mobilefacenet, resnet  # noqa: E402,F401  (registers the backbones)
+from . import iresnet, mlp, mobilefacenet, resnet, vit  # noqa: E402,F401  (registers the backbones)

@@ -54,6 +54,6 @@ def set_activation_checkpointing(model: nn.Module, enabled: bool) -> nn.Module:
     """Turn checkpointing on or off for a backbone that supports it (``checkpoint_activations``)."""
     if not hasattr(model, "checkpoint_activations"):
         raise ValueError(f"{type(model).__name__} does not support model.checkpoint_activations "
-                         "(the iresnet* and mobilefacenet backbones do)")
+                         "(the iresnet*, mobilefacenet and vit_* backbones do)")
     model.checkpoint_activations = bool(enabled)
     return model

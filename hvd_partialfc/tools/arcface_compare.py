@@ -240,7 +240,8 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--arcface-dir", help="an InsightFace checkout (or its recognition/arcface_torch)")
     p.add_argument("--contenders", default="arcface,local,global")
-    p.add_argument("--model", default="iresnet50", help="iresnet18 | iresnet50 | iresnet100 (ours: any backbone)")
+    p.add_argument("--model", default="iresnet50", help="iresnet18 | iresnet50 | iresnet100 | vit_t | vit_s | vit_b "
+                                                        "(ours alone: any backbone)")
     p.add_argument("--blocks", default="", help="blocks per stage for both iresnets, e.g. 1,1,1,1 (CPU-sized runs)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--image-size", type=int, default=112)
@@ -267,6 +268,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if "arcface" in a.contenders.split(",") and not a.arcface_dir:
         p.error("the arcface contender needs --arcface-dir (an InsightFace checkout), or drop it from --contenders")
+    if a.blocks and not a.model.startswith("iresnet"):
+        p.error(f"--blocks is for the iresnets; {a.model} takes its own (--set model.kwargs=...) for ours alone")
     try:
         if a.arcface_dir:          # before any work: a folder without arcface_torch is one line
             find_arcface(a.arcface_dir)

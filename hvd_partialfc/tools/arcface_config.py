@@ -8,8 +8,8 @@ its line, as the run's value could be another. arcface_torch
 starts every config from ``configs/base.py`` (its ``get_config``): that file is read first when it lies
 beside CONFIG.py, else its published defaults below stand in for it.
 
-Carried (arcface_torch -> here): network -> model.name; embedding_size -> model.embedding_dim; margin_list
-(m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
+Carried (arcface_torch -> here): network -> model.name (vit_b, vit_l and vit_h with model.checkpoint_activations,
+as its get_model checkpoints them); embedding_size -> model.embedding_dim; margin_list (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
 sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
 the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
 warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its batches of batch_size x W, which
@@ -22,9 +22,12 @@ train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_gra
 from __future__ import annotations
 
 import ast
+import operator
 import os
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..models.vit import VARIANTS as VIT_VARIANTS
 
 # configs/base.py's values (arcface_torch), when base.py is not beside the file
 BASE = {"margin_list": (1.0, 0.5, 0.0), "network": "r50", "resume": False, "save_all_states": False,
@@ -32,7 +35,7 @@ BASE = {"margin_list": (1.0, 0.5, 0.0), "network": "r50", "resume": False, "save
         "fp16": False, "batch_size": 128, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
         "verbose": 2000, "frequent": 10, "dali": False, "gradient_acc": 1, "seed": 2048, "num_workers": 2}
 NETWORKS = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100", "r200": "iresnet200",
-            "mbf": "mobilefacenet"}
+            "mbf": "mobilefacenet", **{name: name for name in VIT_VARIANTS}}
 # keys with no counterpart here, and why
 DROPPED = {
     "dali": "DALI's loader: this package reads HDF5 shards with its own loader",
@@ -48,18 +51,46 @@ DROPPED = {
 }
 
 
-def read_config(path: str) -> Tuple[Dict[str, Any], List[str]]:
-    """The literal ``config.KEY = VALUE`` assignments of ``path`` over base.py's (beside it, else ``BASE``);
-    and the keys whose value is not a literal (not read)."""
+def read_config(path: str, computed: Optional[List[str]] = None) -> Tuple[Dict[str, Any], List[str]]:
+    """The ``config.KEY = VALUE`` assignments of ``path`` over base.py's (beside it, else ``BASE``) whose value
+    is a literal or arithmetic of literals and keys set before (``_evaluate``); and the keys read otherwise
+    (not read). ``computed``: gets a line for each arithmetic value, with its result."""
     base = os.path.join(os.path.dirname(os.path.abspath(path)), "base.py")
+    computed = [] if computed is None else computed
     values, skipped = (dict(BASE), []) if not os.path.isfile(base) or os.path.samefile(base, path) else \
-        _assignments(base)
-    mine, not_read = _assignments(path)
+        _assignments(base, {}, computed)
+    mine, not_read = _assignments(path, values, computed)
     values.update(mine)
     return values, skipped + not_read
 
 
-def _assignments(path: str) -> Tuple[Dict[str, Any], List[str]]:
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _evaluate(node: ast.AST, known: Dict[str, Any]):
+    """A literal, or + - * / // % and unary minus over numbers: literals and keys set before (``config.KEY``,
+    base.py's included). arcface_torch's recipes write ``config.warmup_epoch = config.num_epoch // 10``.
+    Anything else raises ValueError: nothing is run."""
+    key = _key(node)
+    if key is not None:
+        if key not in known:
+            raise ValueError(f"config.{key} is not set before")
+        return known[key]
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        a, b = _evaluate(node.left, known), _evaluate(node.right, known)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+            raise ValueError("arithmetic of other than numbers")
+        return _ARITHMETIC[type(node.op)](a, b)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _evaluate(node.operand, known)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ValueError("a sign on other than a number")
+        return -v if isinstance(node.op, ast.USub) else v
+    return ast.literal_eval(node)
+
+
+def _assignments(path: str, before: Dict[str, Any], computed: List[str]) -> Tuple[Dict[str, Any], List[str]]:
     with open(path) as f:
         text = f.read()
     try:
@@ -71,14 +102,15 @@ def _assignments(path: str) -> Tuple[Dict[str, Any], List[str]]:
     not_read: List[str] = []
     lines = text.splitlines()
     for node in tree.body:
-        _read_statement(node, values, not_read, lines)
+        _read_statement(node, values, not_read, lines, before, computed)
     return values, not_read
 
 
-def _read_statement(node: ast.stmt, values: Dict[str, Any], not_read: List[str], lines: List[str]) -> None:
-    """A top-level statement: the keys it sets to literals into ``values``; the keys it sets otherwise into
-    ``not_read`` with their line; those of a compound statement (``if``, ``for``, ``def``, ``with``, ...)
-    all, as they may be set or not."""
+def _read_statement(node: ast.stmt, values: Dict[str, Any], not_read: List[str], lines: List[str],
+                    before: Dict[str, Any], computed: List[str]) -> None:
+    """A top-level statement: the keys it sets to values (``_evaluate``) into ``values``; the keys it sets
+    otherwise into ``not_read`` with their line; those of a compound statement (``if``, ``for``, ``def``,
+    ``with``, ...) all, as they may be set or not."""
     targets, value = [], None
     if isinstance(node, ast.Assign):
         targets, value = node.targets, node.value
@@ -96,9 +128,13 @@ def _read_statement(node: ast.stmt, values: Dict[str, Any], not_read: List[str],
             continue
         for key, v in pairs:
             try:
-                values[key] = ast.literal_eval(v)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                values[key] = _evaluate(v, {**before, **values})
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, ArithmeticError):
+                values.pop(key, None)      # a key set again, otherwise: its earlier value is not the run's
                 not_read.append(f"{key} (line {node.lineno}: not a literal: {ast.unparse(v)[:60]})")
+                continue
+            if not isinstance(v, ast.Constant) and (isinstance(v, (ast.BinOp, ast.UnaryOp)) or _key(v)):
+                computed.append(f"{key} = {ast.unparse(v)[:60]} = {values[key]!r} (line {node.lineno})")
 
 
 def _key(target: ast.AST):
@@ -173,6 +209,8 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     net = v.get("network")
     if net in NETWORKS:
         cfg["model"]["name"] = NETWORKS[net]
+        if net in VIT_VARIANTS and VIT_VARIANTS[net][5]:      # its get_model checkpoints these blocks always
+            cfg["model"]["checkpoint_activations"] = True
     else:
         why.append(f"network {net!r}: no such backbone here (known: {', '.join(NETWORKS)})")
     cfg["model"]["embedding_dim"] = int(v.get("embedding_size", 512))
@@ -218,11 +256,13 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     return cfg, why
 
 
-def to_yaml(cfg: Dict[str, Any], why: List[str], source: str, not_read: List[str]) -> str:
+def to_yaml(cfg: Dict[str, Any], why: List[str], source: str, not_read: List[str],
+            computed: Sequence[str] = ()) -> str:
     import yaml
     dropped = why + [f"{k}: not read" for k in not_read]
-    lines = [f"# From arcface_torch's {os.path.basename(source)} (hvd-partialfc config --from-arcface): read, not run.",
-             "# Not carried:"] + [f"#   {w}" for w in dropped or ["nothing"]]
+    lines = [f"# From arcface_torch's {os.path.basename(source)} (hvd-partialfc config --from-arcface): read, not run."]
+    lines += ["# Computed:"] + [f"#   {c}" for c in computed] if computed else []
+    lines += ["# Not carried:"] + [f"#   {w}" for w in dropped or ["nothing"]]
     lines.append("# head.mode local is this package's method; --mode global is Partial FC v2's exact softmax.")
     return "\n".join(lines) + "\n" + yaml.safe_dump({k: v for k, v in cfg.items() if v}, sort_keys=False)
 
@@ -238,9 +278,10 @@ def add_arguments(c, group) -> None:
 
 def run(args) -> int:
     from ..config_io import load_config
-    values, not_read = read_config(args.from_arcface)
+    computed: List[str] = []
+    values, not_read = read_config(args.from_arcface, computed)
     cfg, why = translate(values, args.world_size, args.mode)
-    text = to_yaml(cfg, why, args.from_arcface, not_read)
+    text = to_yaml(cfg, why, args.from_arcface, not_read, computed)
     import yaml
     load_config(None, [], dict(yaml.safe_load(text), data=dict(cfg["data"], shards="-")))   # it loads here
     if args.out:

@@ -25,7 +25,8 @@ from typing import Any, Dict, Iterator
 
 import torch
 
-ARCFACE_NAMES = {"r18": "iresnet18", "r50": "iresnet50", "r100": "iresnet100"}   # theirs -> ours
+ARCFACE_NAMES = {"r18": "iresnet18", "r50": "iresnet50", "r100": "iresnet100",     # theirs -> ours
+                 **{name: name for name in ("vit_t", "vit_s", "vit_b")}}             # (their ViTs need timm)
 
 
 class ArcfaceDirError(ValueError):
@@ -99,7 +100,10 @@ class ArcfaceStep:
             backbone = ir.IResNet(ir.IBasicBlock, [int(b) for b in blocks.split(",")], dropout=0.0, num_features=dim,
                                   fp16=fp16)
         else:
-            backbone = mods["backbones"].get_model(network, dropout=0.0, fp16=fp16, num_features=dim)
+            try:
+                backbone = mods["backbones"].get_model(network, dropout=0.0, fp16=fp16, num_features=dim)
+            except ModuleNotFoundError as e:       # its vit.py imports timm's layers
+                raise ValueError(f"arcface_torch's {network} needs {e.name} (pip install {e.name})") from None
         backbone = backbone.to(device)
         self.backbone = arcface_data_parallel(backbone, device) if ddp else backbone
         self.backbone.train()
