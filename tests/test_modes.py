@@ -323,3 +323,26 @@ def test_sampled_local_warns_at_start_when_it_scores_few_rows(classes, rate, war
                                     "model.embedding_dim=16", f"head.sample_rate={rate}", "head.mode=global"])
     # PartialFC's sampling of the global softmax: not measured
     assert _local_parts_and_step(global_cfg, classes)[0].head.sampling_warning() is None
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.2])
+def test_adamw_takes_the_momentum_keys_as_beta1(rate):
+    """``optim.*_momentum`` is AdamW's beta1 (the keys' documented meaning), for the backbone and for the
+    classifier, dense or sampled rows: a step at beta1 0.5 equals torch's AdamW at betas (0.5, 0.999) from
+    the same gradients, and differs from the default 0.9's."""
+    cfg = load_config(None, ["data.shards=synthetic", "train.device=cpu", "model.name=mlp", "data.batch_size=4",
+                             "model.embedding_dim=16", f"head.sample_rate={rate}", "optim.name=adamw",
+                             "optim.backbone_momentum=0.5", "optim.classifier_momentum=0.6", "head.negatives_every=0"])
+    parts, _ = _local_parts_and_step(cfg, 50)
+    assert {g["betas"] for g in parts.backbone_opt.param_groups} == {(0.5, 0.999)}
+    assert {g["betas"] for g in parts.head_opt.param_groups} == {(0.6, 0.999)}
+    p = next(parts.backbone.parameters())
+    ref = p.detach().clone().requires_grad_()
+    theirs = torch.optim.AdamW([ref], lr=cfg.optim.backbone_lr, weight_decay=cfg.optim.backbone_weight_decay,
+                               betas=(0.5, 0.999))
+    for _ in range(3):
+        g = torch.randn_like(p)
+        p.grad, ref.grad = g.clone(), g.clone()
+        parts.backbone_opt.step()
+        theirs.step()
+    assert torch.equal(p.detach(), ref.detach())

@@ -22,17 +22,24 @@ def kernel_flags(kernel: str) -> Dict[str, bool]:
     return dict(KERNELS[kernel])
 
 
+def adamw_betas(momentum: float):
+    """AdamW's (beta1, beta2): ``optim.*_momentum`` is beta1 (0.9 by default: torch's own), beta2 torch's 0.999."""
+    return (float(momentum), 0.999)
+
+
 def make_optimizer(params, name: str, lr: float, momentum: float, weight_decay: float,
                    sampled_rows: str = "", kernel: str = "torch") -> torch.optim.Optimizer:
     """torch's SGD / AdamW with ``kernel``'s flags (``KERNELS``); ``sampled_rows`` ("exact" / "lazy"): the
     step over the rows of a row-sparse gradient only, with that rule (`rowsparse.SampledRowsOptimizer`, the
     classifier of sampled ``local``), whose kernels are its own."""
     if sampled_rows:
-        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay, rule=sampled_rows)
+        return SampledRowsOptimizer(params, name, lr, momentum=momentum, weight_decay=weight_decay, rule=sampled_rows,
+                                    betas=adamw_betas(momentum))
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **kernel_flags(kernel))
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **kernel_flags(kernel))
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=adamw_betas(momentum),
+                                 **kernel_flags(kernel))
     raise ValueError(f"unknown optimizer {name!r}; known: sgd, adamw")
 
 
@@ -49,6 +56,8 @@ def classifier_group(classifier, opt_cfg) -> Dict[str, Any]:
              "lr_from": "classifier_lr", "weight_decay": opt_cfg.classifier_weight_decay}
     if opt_cfg.name == "sgd":
         group["momentum"] = opt_cfg.classifier_momentum
+    elif opt_cfg.name == "adamw":
+        group["betas"] = adamw_betas(opt_cfg.classifier_momentum)
     return group
 
 
