@@ -26,26 +26,39 @@ def write_run(out: str, backbone: Dict[str, torch.Tensor], param_names: List[str
               rows_momentum: Optional[torch.Tensor], backbone_momentum: Dict[str, torch.Tensor], world: int,
               step: int, epoch: int = 1, lr: float = 0.1, weight_decay: float = 5e-4,
               rank_buffers: Optional[List[Dict[str, torch.Tensor]]] = None, total: Optional[int] = None,
-              warmup: float = 0, power: float = 2, scheduler: str = "poly_warmup") -> List[str]:
+              warmup: float = 0, power: float = 2, scheduler: str = "poly_warmup", optimizer: str = "sgd") -> List[str]:
     """``checkpoint_gpu_{r}.pt`` for r < ``world``: every rank the backbone (its own BatchNorm buffers from
     ``rank_buffers``), its rows of ``rows`` and their momentum, the optimizer's state and groups, the
     scheduler's state (``scheduler``: ``poly_warmup``, today's, or ``poly``, the older one; ``total``
     batches, 10 x ``step`` unless given, ``warmup`` of them, ``power``) after ``step`` batches (arcface's
-    ``global_step``). Returns the paths."""
+    ``global_step``). ``optimizer="adamw"`` (its ViT recipes): torch's AdamW groups, and each "momentum" is
+    then a dict of AdamW's state (``exp_avg``, ``exp_avg_sq``, ``step``; the rows' moments (C, D), cut per
+    rank, their ``step`` one scalar). Returns the paths."""
     os.makedirs(out, exist_ok=True)
     k = len(param_names)
     group = {"lr": lr, "momentum": 0.9, "dampening": 0, "weight_decay": weight_decay, "nesterov": False,
              "maximize": False, "foreach": None, "differentiable": False, "fused": None, "initial_lr": lr}
+    if optimizer == "adamw":
+        group = {"lr": lr, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": weight_decay, "amsgrad": False,
+                 "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                 "initial_lr": lr}
     paths = []
     for r, (start, n) in enumerate(pfc_slices(rows.shape[0], world)):
         sd = OrderedDict((name, t.clone()) for name, t in backbone.items())
         if rank_buffers:
             sd.update({name: t.clone() for name, t in rank_buffers[r].items()})
-        state = {i: {"momentum_buffer": backbone_momentum[name].clone()} for i, name in enumerate(param_names)
-                 if name in backbone_momentum}
-        if rows_momentum is not None:
-            state[k] = {"momentum_buffer": rows_momentum[start:start + n].clone()}
-        optimizer = {"state": state, "param_groups": [dict(group, params=list(range(k))), dict(group, params=[k])]}
+        if optimizer == "adamw":
+            state = {i: {key: t.clone() for key, t in backbone_momentum[name].items()}
+                     for i, name in enumerate(param_names) if name in backbone_momentum}
+            if rows_momentum is not None:
+                state[k] = {key: t.clone() if key == "step" else t[start:start + n].clone()
+                            for key, t in rows_momentum.items()}
+        else:
+            state = {i: {"momentum_buffer": backbone_momentum[name].clone()} for i, name in enumerate(param_names)
+                     if name in backbone_momentum}
+            if rows_momentum is not None:
+                state[k] = {"momentum_buffer": rows_momentum[start:start + n].clone()}
+        opt_state = {"state": state, "param_groups": [dict(group, params=list(range(k))), dict(group, params=[k])]}
         total = 10 * step if total is None else total
         if scheduler == "poly_warmup":
             sched = {"base_lrs": [lr, lr], "last_epoch": step, "_step_count": step + 1, "_last_lr": [lr, lr],
@@ -57,6 +70,6 @@ def write_run(out: str, backbone: Dict[str, torch.Tensor], param_names: List[str
         path = os.path.join(out, f"checkpoint_gpu_{r}.pt")
         torch.save({"epoch": epoch, "global_step": step, "state_dict_backbone": sd,
                     "state_dict_softmax_fc": OrderedDict(weight=rows[start:start + n].clone()),
-                    "state_optimizer": optimizer, "state_lr_scheduler": sched}, path)
+                    "state_optimizer": opt_state, "state_lr_scheduler": sched}, path)
         paths.append(path)
     return paths

@@ -484,3 +484,54 @@ def test_the_parser_computes_arithmetic_of_literals_and_keys_set_before(tmp_path
     cfg, _ = translate(values, 8)
     assert cfg["model"] == {"name": "vit_b_dp005_mask_005", "checkpoint_activations": True, "embedding_dim": 512}
     assert translate(dict(values, network="vit_t"), 8)[0]["model"] == {"name": "vit_t", "embedding_dim": 512}
+
+
+ADAMW = ["optim.name=adamw", "optim.backbone_lr=0.01", "optim.classifier_lr=0.01"]
+
+
+def test_an_adamw_run_imports_bitwise_and_resumes_as_the_original(tmp_path):
+    """arcface_torch's ViT recipes train with AdamW: its moments and step count of every backbone parameter
+    and of the rows come over bitwise, and the import resumes at 1 rank exactly as the original run's own
+    checkpoint does (without the moments, the first steps differ). Into a sampled ``local`` head, every row's
+    count is the run's. A config of another optimizer or beta1 is refused with the key to set."""
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.tools.arcface_import import import_arcface
+    shards = build_shards(make_feature_npz(tmp_path / "f.npz", [24] * CLASSES), tmp_path / "shards", 8)
+    original = simulate_here(_cfg(shards, tmp_path / "original", f"train.steps={STEP}", *ADAMW), WORLD).checkpoint
+    meta = _json(os.path.join(original, "meta.json"))
+    bb = torch.load(os.path.join(original, "backbone.pt"), weights_only=True)
+    m = meta["model"]
+    from hvd_partialfc.models import create_model
+    names = [n for n, _ in create_model(m["name"], in_shape=m["in_shape"], embedding_dim=m["embedding_dim"],
+                                        **m["kwargs"]).named_parameters()]
+    states = {names[i]: s for i, s in bb["optimizer"]["state"].items()}
+    assert set(states[names[0]]) == {"step", "exp_avg", "exp_avg_sq"} and float(states[names[0]]["step"]) == STEP
+    files = [torch.load(os.path.join(original, f), weights_only=True) for f in meta["classifier_files"]]
+    rows = torch.cat([f["weight"] for f in files])
+    row_state = {k: torch.cat([f["optimizer"]["state"][0][k] for f in files]) for k in ("exp_avg", "exp_avg_sq")}
+    row_state["step"] = files[0]["optimizer"]["state"][0]["step"]
+    run = tmp_path / "arcface_run"
+    write_run(str(run), bb["state_dict"], names, rows, row_state, states, WORLD, STEP, lr=0.01, optimizer="adamw",
+              **SCHEDULE)
+    summary = import_arcface(str(run), _cfg(shards, tmp_path / "imported", f"train.steps={STEP}", *ADAMW),
+                             log=lambda m: None)
+    got = torch.load(os.path.join(summary["checkpoint"], "backbone.pt"), weights_only=True)["optimizer"]["state"]
+    assert all(torch.equal(got[names.index(n)][k], s[k]) for n, s in states.items() for k in s)
+    mine = [torch.load(os.path.join(summary["checkpoint"], f), weights_only=True) for f in meta["classifier_files"]]
+    assert all(torch.equal(torch.cat([f["optimizer"]["state"][0][k] for f in mine]), row_state[k])
+               for k in ("exp_avg", "exp_avg_sq"))
+    resumed = [simulate_here(_cfg(shards, tmp_path / name, f"train.steps={STEP + 2}", *ADAMW,
+                                  f"checkpoint.resume={ckpt}"), 1).checkpoint
+               for name, ckpt in (("again", original), ("from_import", summary["checkpoint"]))]
+    assert pins.checkpoint_digests(resumed[0]) == pins.checkpoint_digests(resumed[1])
+    sampled = import_arcface(str(run), _cfg(shards, tmp_path / "sampled", f"train.steps={STEP}", *ADAMW,
+                                            "head.sample_rate=0.5"), log=lambda m: None)
+    f = torch.load(os.path.join(sampled["checkpoint"], meta["classifier_files"][1]), weights_only=True)
+    assert torch.equal(f["optimizer"]["state"][0]["step"], torch.full((21,), float(STEP)))
+    for extra, said in ((["optim.name=sgd"], "its optimizer is adamw, the config's optim.name sgd: set optim.name=adamw"),
+                        (ADAMW + ["optim.classifier_momentum=0.8"],
+                         "its AdamW's beta1 is 0.9, the config's optim.classifier_momentum 0.8: set "
+                         "optim.classifier_momentum=0.9")):
+        sets = sum((["--set", x] for x in SETS + [f"train.steps={STEP}"] + extra), [])
+        assert main(["import-arcface", str(run), "--shards", str(shards), "--out", str(tmp_path / "no"), *sets]) == 2
+        assert not (tmp_path / "no").exists()

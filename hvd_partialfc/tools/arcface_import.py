@@ -23,11 +23,16 @@ The labels: a shard set built from the run's ``.rec`` (``hvd-partialfc-shards bu
 classes by the original integer labels, in numeric order: a ``.rec`` of labels 0 ... C-1 keeps every label
 as it is, and row l of the run is class l here. The import checks that from the manifest's class names.
 
-Memory: one rank file at a time (its backbone copy, its rows and their momentum) beside the first rank's
+The optimizer: SGD's momentum, or AdamW's moments and step count (arcface_torch's ViT recipes), of every
+backbone parameter and of the rows; the config's ``optim.name`` and, for AdamW, beta1 (``optim.*_momentum``)
+must be the run's, beta2 and eps torch's defaults. PartialFC v2 steps every row each step (zero gradients for
+the unsampled ones), so every row has the run's step count; a sampled ``local`` head's per-row count starts there.
+
+Memory: one rank file at a time (its backbone copy, its rows and their optimizer state) beside the first rank's
 backbone and one slice being written, so a 2M-class run imports in the memory of a few slices.
 
 Not carried (said in the summary): the GradScaler's loss scale (not in the files: an fp16 run starts its
-scale afresh), the random streams (the resume re-seeds them), AdamW runs (refused: only SGD's momentum maps).
+scale afresh), the random streams (the resume re-seeds them).
 """
 from __future__ import annotations
 
@@ -106,31 +111,52 @@ def check_labels(class_names: List[str]) -> None:
                                  "whose labels it keeps")
 
 
-def _momenta(path: str, obj: Dict[str, Any], backbone_names: List[str]) -> Dict[str, Any]:
-    """The SGD momentum of each backbone parameter (by name) and of the rows, from the one optimizer's two
-    parameter groups (backbone parameters in registration order, then the classifier weight)."""
+# each optimizer's per-parameter state that maps: SGD's momentum, AdamW's moments and its count of steps
+STATE_KEYS = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
+
+
+def _optimizer_state(path: str, obj: Dict[str, Any], backbone_names: List[str], cfg) -> Dict[str, Any]:
+    """The optimizer state of each backbone parameter (by name) and of the rows (``STATE_KEYS``' tensors; AdamW's
+    ``step`` as a float32 tensor), from the one optimizer's two parameter groups (backbone parameters in
+    registration order, then the classifier weight). Its kind and AdamW's betas and eps must be the config's."""
     opt, rows = obj["state_optimizer"], obj["state_dict_softmax_fc"]["weight"]
     groups = opt.get("param_groups", [])
     if len(groups) != 2 or len(groups[1].get("params", [])) != 1:
         raise ArcfaceImportError(f"{path}: the optimizer has {len(groups)} parameter groups; arcface_torch's has "
                                  "2 (the backbone's parameters, then the classifier's weight)")
-    if "momentum" not in groups[0] or "betas" in groups[0]:
-        raise ArcfaceImportError(f"{path}: not an SGD optimizer (only SGD's momentum maps; an AdamW run's "
-                                 "moments do not)")
+    kind = "adamw" if "betas" in groups[0] else "sgd" if "momentum" in groups[0] else None
+    if kind is None:
+        raise ArcfaceImportError(f"{path}: not arcface_torch's SGD or AdamW (its parameter groups have neither "
+                                 "momentum nor betas)")
+    if kind != cfg.optim.name:
+        _refuse(path, f"its optimizer is {kind}, the config's optim.name {cfg.optim.name}: set optim.name={kind}")
+    if kind == "adamw":
+        for g, key in zip(groups, ("backbone_momentum", "classifier_momentum")):
+            b1, b2 = (float(b) for b in g["betas"])
+            if b1 != getattr(cfg.optim, key):
+                _refuse(path, f"its AdamW's beta1 is {b1:g}, the config's optim.{key} {getattr(cfg.optim, key):g}: "
+                              f"set optim.{key}={b1:g}")
+            if b2 != 0.999 or float(g.get("eps", 1e-8)) != 1e-8 or g.get("amsgrad"):
+                raise ArcfaceImportError(f"{path}: its AdamW has beta2 {b2:g}, eps {g.get('eps')}, amsgrad "
+                                         f"{g.get('amsgrad')}; this package's is torch's 0.999, 1e-8, no amsgrad")
     ids = list(groups[0]["params"])
     if len(ids) != len(backbone_names):
         raise ArcfaceImportError(f"{path}: the optimizer's backbone group holds {len(ids)} parameters, the "
                                  f"backbone {len(backbone_names)}")
-    state, out = opt.get("state", {}), {}
-    for i, name in zip(ids, backbone_names):
-        m = state.get(i, {}).get("momentum_buffer")
-        if m is not None:
-            out[name] = m
-    row_m = state.get(groups[1]["params"][0], {}).get("momentum_buffer")
-    if row_m is not None and tuple(row_m.shape) != tuple(rows.shape):
-        raise ArcfaceImportError(f"{path}: the classifier's momentum is {tuple(row_m.shape)}, its weight "
-                                 f"{tuple(rows.shape)}")
-    return {"backbone": out, "rows": row_m}
+    state = opt.get("state", {})
+
+    def entry(i):
+        got = {k: v for k, v in state.get(i, {}).items() if k in STATE_KEYS[kind]}
+        if "step" in got:          # a tensor since torch 1.12, a number before
+            got["step"] = torch.as_tensor(got["step"], dtype=torch.float32).reshape(())
+        return got
+    out = {name: e for i, name in zip(ids, backbone_names) if (e := entry(i))}
+    row_state = entry(groups[1]["params"][0]) or None
+    for key, t in (row_state or {}).items():
+        if key != "step" and tuple(t.shape) != tuple(rows.shape):
+            raise ArcfaceImportError(f"{path}: the classifier's {key} is {tuple(t.shape)}, its weight "
+                                     f"{tuple(rows.shape)}")
+    return {"backbone": out, "rows": row_state}
 
 
 def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dict[str, Any]:
@@ -144,8 +170,6 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     if cfg.head.mode not in ("local", "global"):
         raise ArcfaceImportError(f"head.mode={cfg.head.mode}: import into local or global (a slice of the "
                                  "classifier a rank, as Partial FC's)")
-    if cfg.optim.name != "sgd":
-        raise ArcfaceImportError(f"optim.name={cfg.optim.name}: arcface_torch's SGD momentum maps to sgd only")
     layout = RankLayout.even(classes, world)
     out_base = os.path.join(cfg.out, CHECKPOINTS)
     if os.path.isdir(out_base) and os.listdir(out_base):
@@ -166,14 +190,14 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     parts.backbone.load_state_dict(first["state_dict_backbone"], strict=True)
     digest = state_dict_digest(parts.backbone.state_dict())      # backbone.pt's: rank 0's parameters and buffers
     same_run = _params_digest(first, names)
-    bb_momenta = _momenta(files[0], first, names)["backbone"]
     params = dict(parts.backbone.named_parameters())
     opt = parts.backbone_opt
-    for name, m in bb_momenta.items():
-        if tuple(m.shape) != tuple(params[name].shape):
-            raise ArcfaceImportError(f"{files[0]}: momentum of {name} is {tuple(m.shape)}, the parameter "
-                                     f"{tuple(params[name].shape)}")
-        opt.state[params[name]]["momentum_buffer"] = m.clone()
+    for name, entry in _optimizer_state(files[0], first, names, cfg)["backbone"].items():
+        for key, t in entry.items():
+            if key != "step" and tuple(t.shape) != tuple(params[name].shape):
+                raise ArcfaceImportError(f"{files[0]}: the optimizer's {key} of {name} is {tuple(t.shape)}, the "
+                                         f"parameter {tuple(params[name].shape)}")
+        opt.state[params[name]].update({k: t.clone() for k, t in entry.items()})
     base = parts.training_state(layout, 0)
     run_info = run_info_of(cfg, manifest)
     partial = os.path.join(out_base, step_dir_name(step) + ".partial")
@@ -234,7 +258,7 @@ def _check_same_run(path: str, obj: Dict[str, Any], step: int, digest: str, name
 
 
 def _rank_state(cfg, parts, base, layout, r: int, world: int, obj, path: str, names):
-    """Rank r's TrainingState: a head of rank r's slice holding arcface rank r's rows and their momentum."""
+    """Rank r's TrainingState: a head of rank r's slice holding arcface rank r's rows and their optimizer state."""
     sl = layout.slices[r]
     head = parts.mode.create_head(cfg, layout, r, LocalComm(r, world))
     head_opt = parts.mode.classifier_optimizer(head, cfg)
@@ -244,11 +268,14 @@ def _rank_state(cfg, parts, base, layout, r: int, world: int, obj, path: str, na
                                  f"over the shard set's {layout.num_classes:,} classes holds ({sl.width}, "
                                  f"{cfg.model.embedding_dim}): the run's class count or embedding size differs "
                                  "from this one's, or its rows do not tile the classes")
-    momentum = _momenta(path, obj, names)["rows"]
+    row_state = _optimizer_state(path, obj, names, cfg)["rows"]
     with torch.no_grad():
         head.weight.copy_(rows)
-    if momentum is not None:
-        head_opt.state[head.weight]["momentum_buffer"] = momentum.clone()
+    if row_state is not None:
+        row_state = {k: t.clone() for k, t in row_state.items()}
+        if "step" in row_state and not isinstance(head_opt, torch.optim.AdamW):   # sampled rows: a count a row
+            row_state["step"] = row_state["step"].expand(rows.shape[0]).clone()  # (each had every dense step)
+        head_opt.state[head.weight].update(row_state)
     return replace(base, head=head, head_opt=head_opt, label_slice=(sl.start, sl.end), rank=r)
 
 
