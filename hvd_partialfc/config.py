@@ -57,7 +57,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("resnet", "backbone registry name (mlp, resnet, resnet18, iresnet18..200, mobilefacenet, "
+    name: str = opt("resnet", "backbone registry name (mlp, resnet, resnet18, iresnet18..2060, mobilefacenet, "
                               "vit_t..vit_h)", see="docs/faces.md#backbones-arcface_torchs-weights-in-onnx-out")
     embedding_dim: int = opt(128, "width of the embedding the classifier scores")
     kwargs: Dict[str, Any] = opt({}, "extra backbone arguments (width, blocks, ...)")

@@ -12,11 +12,11 @@ from helpers_face import one_thread  # noqa: F401  (autouse fixture)
 from helpers_face import iresnet_table, mbf_table, param_count, random_state
 
 LAYOUTS = {"iresnet18": (2, 2, 2, 2), "iresnet34": (3, 4, 6, 3), "iresnet50": (3, 4, 14, 3),
-           "iresnet100": (3, 13, 30, 3), "iresnet200": (6, 26, 60, 6)}
+           "iresnet100": (3, 13, 30, 3), "iresnet200": (6, 26, 60, 6), "iresnet2060": (3, 128, 896, 3)}
 # Exact parameter counts at embedding 512 (features.weight, frozen at 1, included): arcface_torch's
 # ~43.6 M (r50) and ~65.2 M (r100).
 PARAMS = {"iresnet18": 24_025_600, "iresnet34": 34_139_328, "iresnet50": 43_590_848, "iresnet100": 65_156_160,
-          "iresnet200": 118_833_920, "mobilefacenet": 2_059_520}
+          "iresnet200": 118_833_920, "iresnet2060": 1_122_301_120, "mobilefacenet": 2_059_520}
 FACE = [112, 112, 3]
 
 

@@ -1,4 +1,4 @@
-"""IResNet-18/34/50/100/200: InsightFace arcface_torch's face backbones, weight-compatible with its files.
+"""IResNet-18/34/50/100/200/2060: InsightFace arcface_torch's face backbones, weight-compatible with its files.
 
 The architecture (Deng et al., ArcFace; the "improved" residual unit BN-Conv-BN-PReLU-Conv-BN) and every
 ``state_dict`` key and shape are those of arcface_torch's ``backbones/iresnet.py``, so its published
@@ -29,7 +29,7 @@ from .model_registry import register_model
 from .recompute import run_segment
 
 LAYOUTS = {"iresnet18": (2, 2, 2, 2), "iresnet34": (3, 4, 6, 3), "iresnet50": (3, 4, 14, 3),
-           "iresnet100": (3, 13, 30, 3), "iresnet200": (6, 26, 60, 6)}
+           "iresnet100": (3, 13, 30, 3), "iresnet200": (6, 26, 60, 6), "iresnet2060": (3, 128, 896, 3)}
 WIDTHS = (64, 128, 256, 512)
 INPUT_SIZE = 112
 FINAL_SIZE = 7          # 112 / 2**4

@@ -8,8 +8,9 @@ its line, as the run's value could be another. arcface_torch
 starts every config from ``configs/base.py`` (its ``get_config``): that file is read first when it lies
 beside CONFIG.py, else its published defaults below stand in for it.
 
-Carried (arcface_torch -> here): network -> model.name (vit_b, vit_l and vit_h with model.checkpoint_activations,
-as its get_model checkpoints them); embedding_size -> model.embedding_dim; margin_list (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
+Carried (arcface_torch -> here): network -> model.name (r2060, vit_b, vit_l and vit_h with
+model.checkpoint_activations, as its get_model checkpoints them); embedding_size -> model.embedding_dim;
+margin_list (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
 sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
 the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
 warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its batches of batch_size x W, which
@@ -35,7 +36,8 @@ BASE = {"margin_list": (1.0, 0.5, 0.0), "network": "r50", "resume": False, "save
         "fp16": False, "batch_size": 128, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4,
         "verbose": 2000, "frequent": 10, "dali": False, "gradient_acc": 1, "seed": 2048, "num_workers": 2}
 NETWORKS = {"r18": "iresnet18", "r34": "iresnet34", "r50": "iresnet50", "r100": "iresnet100", "r200": "iresnet200",
-            "mbf": "mobilefacenet", **{name: name for name in VIT_VARIANTS}}
+            "r2060": "iresnet2060", "mbf": "mobilefacenet", **{name: name for name in VIT_VARIANTS}}
+CHECKPOINTED = {"r2060"} | {name for name, v in VIT_VARIANTS.items() if v[5]}   # its get_model's always
 # keys with no counterpart here, and why
 DROPPED = {
     "dali": "DALI's loader: this package reads HDF5 shards with its own loader",
@@ -209,7 +211,7 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     net = v.get("network")
     if net in NETWORKS:
         cfg["model"]["name"] = NETWORKS[net]
-        if net in VIT_VARIANTS and VIT_VARIANTS[net][5]:      # its get_model checkpoints these blocks always
+        if net in CHECKPOINTED:
             cfg["model"]["checkpoint_activations"] = True
     else:
         why.append(f"network {net!r}: no such backbone here (known: {', '.join(NETWORKS)})")
