@@ -484,6 +484,8 @@ def test_the_parser_computes_arithmetic_of_literals_and_keys_set_before(tmp_path
     cfg, _ = translate(values, 8)
     assert cfg["model"] == {"name": "vit_b_dp005_mask_005", "checkpoint_activations": True, "embedding_dim": 512}
     assert translate(dict(values, network="vit_t"), 8)[0]["model"] == {"name": "vit_t", "embedding_dim": 512}
+    assert translate(dict(values, network="mbf_large"), 8)[0]["model"] == {    # its get_mbf_large's arguments
+        "name": "mobilefacenet", "kwargs": {"blocks": [2, 8, 12, 4], "scale": 4}, "embedding_dim": 512}
 
 
 ADAMW = ["optim.name=adamw", "optim.backbone_lr=0.01", "optim.classifier_lr=0.01"]

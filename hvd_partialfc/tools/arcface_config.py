@@ -209,12 +209,14 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
                            "optim": {"schedule": "poly", "poly_power": 1.0, "clip_grad_norm": 5.0},
                            "train": {}, "eval": {}}
     net = v.get("network")
-    if net in NETWORKS:
+    if net == "mbf_large":                 # its get_mbf_large: mobilefacenet with more blocks, 4x wide
+        cfg["model"].update(name="mobilefacenet", kwargs={"blocks": [2, 8, 12, 4], "scale": 4})
+    elif net in NETWORKS:
         cfg["model"]["name"] = NETWORKS[net]
         if net in CHECKPOINTED:
             cfg["model"]["checkpoint_activations"] = True
     else:
-        why.append(f"network {net!r}: no such backbone here (known: {', '.join(NETWORKS)})")
+        why.append(f"network {net!r}: no such backbone here (known: {', '.join(NETWORKS)}, mbf_large)")
     cfg["model"]["embedding_dim"] = int(v.get("embedding_size", 512))
     m1, m2, m3 = (list(v.get("margin_list", (1.0, 0.5, 0.0))) + [0.0, 0.0, 0.0])[:3]
     if m1 == 1.0 and m3 == 0.0 and m2 > 0:
