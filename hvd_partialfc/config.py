@@ -76,6 +76,9 @@ class HeadConfig:
                     see="docs/faces.md#arcface_torchs-config-keys-here")
     scale: float = opt(64.0, "s, the logits' scale")
     margin: float = opt(0.5, "m: radians for arcface, cosine for cosface")
+    interclass_filter: float = opt(0.0, "a non-target class whose cosine passes this is scored 0 and gets no "
+                                        "gradient (arcface_torch's interclass_filtering_threshold: identities "
+                                        "that may be one person); 0: off", see="docs/faces.md#inter-class-filtering")
     mode: str = opt("local", "classifier mode: local (the method) | global (exact model-parallel softmax) | "
                              "replicated (data parallel)", see="docs/accuracy.md#results")
     sample_rate: float = opt(1.0, "global, local: fraction of the slice's centres scored per step (PartialFC); "
@@ -250,6 +253,9 @@ class Config:
                               "`hvd-partialfc-shards build`")
         if not 0.0 < self.head.sample_rate <= 1.0:
             raise ConfigError(f"head.sample_rate={self.head.sample_rate}: expected 0 < rate <= 1")
+        if not 0.0 <= self.head.interclass_filter < 1.0 or (self.head.interclass_filter and self.head.loss == "softmax"):
+            raise ConfigError(f"head.interclass_filter={self.head.interclass_filter}: expected a cosine in [0, 1) with "
+                              "head.loss arcface or cosface (0: off)")
         if min(self.head.negatives_every, self.head.negatives_share, self.head.negatives_pool) < 0:
             raise ConfigError("head.negatives_every, head.negatives_share and head.negatives_pool must be >= 0")
         if self.model.sync_batchnorm and self.model.checkpoint_activations:

@@ -4,6 +4,7 @@ Multi-rank claims run under real horovodrun (Gloo); the sampling and config chec
 one-rank fake of ``Comm`` (identity collectives).
 """
 import json
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -110,6 +111,65 @@ def test_fused_margin_cross_entropy_equals_unfused(loss, comm):
     assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
     for a, b in zip(g_ours, g_ref):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss", ["cosface", "arcface"])
+def test_interclass_filter_is_arcface_torchs_rule(loss):
+    """head.interclass_filter: against an independent computation of arcface_torch's rule (a non-target cosine
+    above the threshold times 0, by a mask without gradient; every column of a row whose class is elsewhere),
+    the fused loss and the gradients of features and rows, with frozen columns (cross-shard negatives) and a
+    row of another rank; the reference path (``logits``) too."""
+    torch.manual_seed(1)
+    head = LocalClassifier(30, 8, loss, scale=16.0, margin=0.4, interclass=0.3)
+    x = torch.randn(6, 8, requires_grad=True)
+    frozen = torch.randn(5, 8)
+    labels = torch.tensor([0, 3, 29, -1, 1, 5])
+    ours = margin_cross_entropy(x, head.weight, labels, head.margin, OneRank(), frozen=frozen)
+    g_ours = torch.autograd.grad(ours, [x, head.weight])
+
+    cos = F.normalize(x) @ F.normalize(torch.cat([head.weight, frozen])).t()
+    with torch.no_grad():
+        dirty = cos > 0.3
+        for r, y in enumerate(labels.tolist()):
+            if y >= 0:
+                dirty[r, y] = False
+    assert 4 < int(dirty.sum()) < dirty.numel() // 2          # the threshold filters some, not most
+    cos_f = cos * (~dirty).float()
+    rows = []
+    for r, y in enumerate(labels.tolist()):
+        logits = 16.0 * cos_f[r]
+        if y < 0:
+            rows.append(torch.logsumexp(logits, 0))
+            continue
+        c = cos_f[r, y]
+        if loss == "cosface":
+            t = c - 0.4
+        else:
+            t = torch.where(c > math.cos(math.pi - 0.4), torch.cos(torch.acos(c.clamp(-1 + 1e-7, 1 - 1e-7)) + 0.4),
+                            c - math.sin(math.pi - 0.4) * 0.4)
+        logits = torch.cat([logits[:y], (16.0 * t).view(1), logits[y + 1:]])
+        rows.append(torch.logsumexp(logits, 0) - 16.0 * t)
+    ref = torch.stack(rows).mean()
+    g_ref = torch.autograd.grad(ref, [x, head.weight])
+    assert float(ours.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
+    for a, b in zip(g_ours, g_ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    unfiltered = LocalClassifier(30, 8, loss, scale=16.0, margin=0.4)
+    unfiltered.weight.data.copy_(head.weight.data)
+    plain = margin_cross_entropy(x, unfiltered.weight, labels, unfiltered.margin, OneRank(), frozen=frozen)
+    assert abs(float(plain.detach()) - float(ours.detach())) > 1e-3     # the filter changes the loss
+    # the unfused reference (LocalClassifier.logits: MarginLoss.forward filters too), local labels
+    local = labels.clamp_min(0)
+    fused = margin_cross_entropy(x, head.weight, local, head.margin)
+    unfused = F.cross_entropy(head.logits(x, local), local)
+    assert float(fused.detach()) == pytest.approx(float(unfused.detach()), rel=1e-5)
+    for a, b in zip(torch.autograd.grad(fused, [x, head.weight]), torch.autograd.grad(unfused, [x, head.weight])):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="reads cosines"):
+        LocalClassifier(30, 8, "softmax", interclass=0.3)
+    for bad in (["head.loss=softmax", "head.interclass_filter=0.3"], ["head.interclass_filter=1.5"]):
+        with pytest.raises(ConfigError, match="head.interclass_filter"):
+            load_config(None, ["data.shards=x", *bad])
 
 
 def test_fused_rows_of_other_ranks_get_no_target():

@@ -11,6 +11,11 @@ Losses (s = scale, m = margin, cos = normalised feature . normalised class centr
 * ``arcface`` (Deng et al. 2019): target logit ``s cos(theta + m)``, others ``s cos``; where
   ``theta + m > pi`` the curve is continued by ``cos - m sin(m)`` (InsightFace's CombinedMarginLoss), so
   the target logit stays monotone in theta.
+
+Inter-class filtering (``interclass`` > 0, arcface_torch's ``interclass_filtering_threshold``): in each row, a
+column other than the row's target whose cosine exceeds the threshold is scored as cosine 0 (logit 0) and
+passes no gradient: a class that close to the sample is taken for the same person under another label (web
+sets such as WebFace hold many), and not pushed away. Margin losses only (``softmax`` has no cosines).
 """
 from __future__ import annotations
 
@@ -38,16 +43,31 @@ def list_losses():
     return sorted(_MARGINS)
 
 
-def create_margin(name: str, scale: float = 64.0, margin: float = 0.5) -> "MarginLoss":
+def create_margin(name: str, scale: float = 64.0, margin: float = 0.5, interclass: float = 0.0) -> "MarginLoss":
     if name not in _MARGINS:
         raise ValueError(f"unknown loss {name!r}; known: {', '.join(list_losses())}{did_you_mean(name, list_losses())}")
-    return _MARGINS[name](scale=scale, margin=margin)
+    loss = _MARGINS[name](scale=scale, margin=margin)
+    if interclass > 0 and not loss.normalized:
+        raise ValueError(f"head.interclass_filter={interclass:g} with head.loss={name}: the filter reads cosines; "
+                         "use arcface or cosface")
+    loss.interclass = float(interclass)
+    return loss
+
+
+def interclass_dirty(cos: torch.Tensor, has: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                     threshold: float) -> torch.Tensor:
+    """(M, W) bool: the non-target cosines above ``threshold`` (``has``: the row's target is a column here,
+    at ``cols``; a row without one has every column filtered alike)."""
+    dirty = cos > threshold
+    dirty[rows, cols] &= ~has
+    return dirty
 
 
 class MarginLoss(nn.Module):
     """Turns (cosines or raw logits, local labels) into the logits fed to cross entropy."""
 
     normalized = True
+    interclass = 0.0          # inter-class filtering's threshold (module docstring); create_margin sets it
 
     def __init__(self, scale: float, margin: float):
         super().__init__()
@@ -59,6 +79,11 @@ class MarginLoss(nn.Module):
     def forward(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # cos: (B, W) cosines; labels: (B,) local, -1 = class not in this slice
         has = labels >= 0
+        if self.interclass > 0:     # the filtered columns: cosine 0, no gradient
+            with torch.no_grad():
+                keep = ~interclass_dirty(cos, has, torch.arange(cos.shape[0], device=cos.device),
+                                         labels.clamp_min(0), self.interclass)
+            cos = cos * keep
         rows = torch.nonzero(has, as_tuple=True)[0]
         cols = labels[rows]
         target = self.target_logit(cos[rows, cols])
@@ -101,11 +126,12 @@ class LocalClassifier(nn.Module):
     N(0, 0.01) as in InsightFace's PartialFC; they are seeded per rank by the caller.
     """
 
-    def __init__(self, width: int, dim: int, loss: str = "arcface", scale: float = 64.0, margin: float = 0.5):
+    def __init__(self, width: int, dim: int, loss: str = "arcface", scale: float = 64.0, margin: float = 0.5,
+                 interclass: float = 0.0):
         super().__init__()
         self.width, self.dim = width, dim
         self.weight = nn.Parameter(torch.empty(width, dim).normal_(0, 0.01))
-        self.margin = create_margin(loss, scale, margin)
+        self.margin = create_margin(loss, scale, margin, interclass)
         self.matmul = "fp32"      # the precision of the head's matrix products (``MATMUL``; the run sets it)
 
     def logits(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -238,7 +264,14 @@ class _MarginSoftmaxCE(torch.autograd.Function):
         rows = torch.arange(m, device=labels.device)
         cols = labels.clamp_min(0)                                                # -1: column 0, left as it is
         scale = margin.scale if normalized else 1.0
-        t_cos, target, row_max = _PASSES["logits"](out, norm, has, rows, cols, margin, scale, normalized)
+        dirty = None
+        if normalized and margin.interclass > 0:     # (eager: the filter's passes are not compiled)
+            out.div_(norm).clamp_(-1.0, 1.0)
+            dirty = interclass_dirty(out, has, rows, cols, margin.interclass)
+            out.masked_fill_(dirty, 0.0)
+            t_cos, target, row_max = _logits_pass(out, None, has, rows, cols, margin, scale, normalized)
+        else:
+            t_cos, target, row_max = _PASSES["logits"](out, norm, has, rows, cols, margin, scale, normalized)
         if comm is not None:
             row_max = comm.allreduce_tensor(row_max, "max", f"{name}.max")
         sums = _PASSES["exp_sums"](out, row_max, target)                          # (2, M)
@@ -246,13 +279,14 @@ class _MarginSoftmaxCE(torch.autograd.Function):
             sums = comm.allreduce_tensor(sums, "sum", f"{name}.sum")
         out.div_(sums[0][:, None])                                                # softmax (this rank's columns)
         ctx.save_for_backward(out, xn, weight, xn.new_empty(0) if frozen is None else frozen,
-                              norm if normalized else xn.new_empty(0), has, cols, t_cos)
+                              norm if normalized else xn.new_empty(0), has, cols, t_cos,
+                              has.new_empty(0) if dirty is None else dirty)
         ctx.margin, ctx.normalized, ctx.scale, ctx.m, ctx.precision = margin, normalized, scale, m, precision
         return (sums[0].log() + row_max - sums[1]).mean()
 
     @staticmethod
     def backward(ctx, grad_out):
-        prob, xn, weight, frozen, norm, has, cols, t_cos = ctx.saved_tensors
+        prob, xn, weight, frozen, norm, has, cols, t_cos, dirty = ctx.saved_tensors
         w, precision = weight.shape[0], ctx.precision
         rows = torch.arange(ctx.m, device=cols.device)
         g = prob.clone() if torch.is_grad_enabled() else prob   # reuse the buffer unless double backward
@@ -262,6 +296,8 @@ class _MarginSoftmaxCE(torch.autograd.Function):
                 t = t_cos.detach().requires_grad_(True)
                 slope, = torch.autograd.grad(ctx.margin.target_logit(t).sum(), t)
         _PASSES["logit_grads"](g, has, rows, cols, grad_out * ctx.scale / ctx.m, slope)
+        if dirty.numel():
+            g.masked_fill_(dirty, 0.0)                           # a filtered logit is 0 x cos: no gradient
         with _products_in(precision):
             return _MarginSoftmaxCE._grads(g, xn, weight, frozen, norm, w, ctx.normalized, precision)
 
@@ -288,7 +324,8 @@ def _logits_pass(out, norm, has, rows, cols, margin, scale: float, normalized: b
     """In place: ``out``'s products -> cosines -> margin logits (x s); returns (the targets' cosines, the
     targets' logits (0 where none), each row's max)."""
     if normalized:
-        out.div_(norm).clamp_(-1.0, 1.0)                                          # cosines
+        if norm is not None:                                                      # (None: cosines already)
+            out.div_(norm).clamp_(-1.0, 1.0)                                      # cosines
         t_cos = out[rows, cols]
         out[rows, cols] = torch.where(has, margin.target_logit(t_cos), t_cos)
     else:

@@ -53,7 +53,8 @@ def get_mode(name: str) -> "ClassifierMode":
 
 
 def margin_args(head_cfg) -> Dict[str, Any]:
-    return dict(loss=head_cfg.loss, scale=head_cfg.scale, margin=head_cfg.margin)
+    return dict(loss=head_cfg.loss, scale=head_cfg.scale, margin=head_cfg.margin,
+                interclass=head_cfg.interclass_filter)
 
 
 class ClassifierMode:

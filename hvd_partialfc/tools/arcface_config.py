@@ -11,10 +11,11 @@ beside CONFIG.py, else its published defaults below stand in for it.
 Carried (arcface_torch -> here): network -> model.name (r2060, vit_b, vit_l and vit_h with
 model.checkpoint_activations, as its get_model checkpoints them); embedding_size -> model.embedding_dim;
 margin_list (m1, m2, m3) -> head.loss arcface with m2 or cosface with m3, head.scale 64 (CombinedMarginLoss's s);
-sample_rate -> head.sample_rate; fp16 -> train.precision; optimizer, lr, momentum, weight_decay -> optim.*,
-the backbone and the classifier alike; batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs;
-warmup_epoch -> optim.warmup_steps (with num_image and --world-size: its batches of batch_size x W, which
-its scheduler counts, in optimizer steps of gradient_acc batches); the poly schedule; gradient_acc ->
+sample_rate -> head.sample_rate; interclass_filtering_threshold -> head.interclass_filter; fp16 ->
+train.precision; optimizer, lr, momentum, weight_decay -> optim.*, the backbone and the classifier alike;
+batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs; warmup_epoch -> optim.warmup_steps (with
+num_image and --world-size: its batches of batch_size x W, which its scheduler counts, in optimizer steps of
+gradient_acc batches); the poly schedule; gradient_acc ->
 optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
 data.workers, train.log_every, eval.every; rec + val_targets -> eval.pairs (its .bin files), eval.flip;
 train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_grad_norm 5, data.augment.
@@ -48,7 +49,6 @@ DROPPED = {
     "num_image": "read from the shard set's manifest (it sized warmup_epoch's steps)",
     "rec": "the .rec becomes shards once (hvd-partialfc-shards build recordio); its .bin files are eval.pairs",
     "val_targets": "carried as eval.pairs when rec is known",
-    "interclass_filtering_threshold": "inter-class filtering is not implemented here (0 carries: the default)",
     "wandb_key": "no Weights & Biases logger: metrics.jsonl, and TensorBoard with train.tensorboard",
 }
 
@@ -226,6 +226,8 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     else:
         why.append(f"margin_list {(m1, m2, m3)}: a combined margin; here arcface (1, m, 0) or cosface (1, 0, m)")
     cfg["head"]["sample_rate"] = float(v.get("sample_rate", 1.0))
+    if v.get("interclass_filtering_threshold"):
+        cfg["head"]["interclass_filter"] = float(v["interclass_filtering_threshold"])
     cfg["train"]["precision"] = "fp16" if v.get("fp16") else "fp32"
     name = v.get("optimizer", "sgd")
     o = cfg["optim"]
@@ -252,8 +254,7 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
     if v.get("rec") and v.get("val_targets"):
         cfg["eval"]["pairs"] = [os.path.join(v["rec"], f"{t}.bin") for t in v["val_targets"]]
     for key in sorted(v):
-        if key in DROPPED and not (key == "interclass_filtering_threshold" and not v[key]) \
-                and not (key == "val_targets" and "pairs" in cfg["eval"]):
+        if key in DROPPED and not (key == "val_targets" and "pairs" in cfg["eval"]):
             why.append(f"{key}: {DROPPED[key]}")
         elif key.startswith("wandb") or key in ("using_wandb", "suffix_run_name", "save_artifacts"):
             why.append(f"{key}: {DROPPED['wandb_key']}")
