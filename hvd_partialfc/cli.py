@@ -82,7 +82,8 @@ def _eval(args) -> int:
     plain = PlainStateDict(args.model, tuple(args.in_shape), args.embedding_dim) if args.model else None
     result = evaluate_files(args.backbone, args.pairs or [], flip=args.flip, baselines=args.baselines,
                             batch_size=args.batch_size, out_dir=args.out, all_pairs_dirs=args.all_pairs or [],
-                            ijb=ijb, identification_dirs=args.identification or [], plain=plain)
+                            ijb=ijb, identification_dirs=args.identification or [], plain=plain,
+                            onnx_input=args.onnx_input)
     print(f"backbone {result['backbone']}  flip {'on' if args.flip else 'off'}")
     for table in result["tables"]:
         print()
@@ -232,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
     v = sub.add_parser("eval", help="open-set evaluation: pair sets, all pairs, IJB-B/C, 1:N identification")
-    v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder or run folder")
+    v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder, run folder or "
+                                                     ".onnx model")
     v.add_argument("--pairs", action="append", help=".h5 pair set or LFW-style .bin (repeatable)")
     v.add_argument("--all-pairs", action="append", metavar="SHARDS",
                    help="a held-out shard set, verified over every pair of its samples (repeatable)")
@@ -251,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--in-shape", type=lambda x: [int(n) for n in x.split(",")], default=[112, 112, 3],
                    help="with --model: the input shape H,W[,C] (default 112,112,3)")
     v.add_argument("--embedding-dim", type=int, default=512, help="with --model: the embedding width")
+    v.add_argument("--onnx-input", choices=("auto", "normalized", "pixels"), default="auto",
+                   help="an .onnx backbone's input: (pixel - 127.5) / 127.5 or raw pixels (auto: raw where the "
+                        "graph normalises itself, as MXNet-converted InsightFace models do)")
     v.add_argument("--batch-size", type=int, default=256)
     v.add_argument("--workers", type=int, default=0, help="IJB: image-reading processes (0: in this process)")
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -439,3 +439,50 @@ def test_demo_report_from_a_run_and_its_evaluation(tiny_run, tmp_path):
                  "TAR@FAR=1e-3", "digests agree on all ranks: True", "* machine: test", "![pairs](pairs.png)"):
         assert part in text, part
     assert (tiny_run / "run" / "pairs.png").is_file() and (tiny_run / "run" / "curves.png").is_file()
+
+
+class _RawPixels(torch.nn.Module):
+    """A backbone that normalises inside, as MXNet-converted InsightFace models do (Sub, then Mul)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner((x - 127.5) * (1.0 / 127.5))
+
+
+def test_eval_of_an_onnx_model_scores_as_its_backbone(tiny_run, tmp_path, capsys):
+    """``eval --backbone model.onnx``: the tiny run's backbone exported, then evaluated on the same pairs as the
+    run itself: the same metrics; a graph that normalises its input itself is fed raw pixels (found from its
+    first nodes, or forced), and gives the backbone's embeddings; --baselines is refused with the reason."""
+    pytest.importorskip("onnxruntime")
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.models.pretrained import load_backbone
+    from hvd_partialfc.tools.onnx_export import onnx_bytes
+    from hvd_partialfc.verification.onnx_backbone import OnnxBackbone
+    model, args = load_backbone(str(tiny_run / "run"))
+    (tmp_path / "m.onnx").write_bytes(onnx_bytes(model, args["in_shape"]))
+    (tmp_path / "raw.onnx").write_bytes(onnx_bytes(_RawPixels(model), args["in_shape"]))
+    h5 = _write_h5_set(tmp_path / "held.h5", seed=8)
+    reports = {}
+    for name, backbone in (("pt", str(tiny_run / "run")), ("onnx", str(tmp_path / "m.onnx")),
+                           ("raw", str(tmp_path / "raw.onnx"))):
+        assert main(["eval", "--backbone", backbone, "--pairs", h5, "--batch-size", "16",
+                     "--out", str(tmp_path / name)]) == 0
+        reports[name] = json.loads((tmp_path / name / "eval.json").read_text())
+    want = reports["pt"]["sets"]["held"]["backbone"]
+    for name in ("onnx", "raw"):
+        got = reports[name]["sets"]["held"]["backbone"]
+        assert got["auc"] == pytest.approx(want["auc"], abs=1e-6) and got["acc"] == pytest.approx(want["acc"], abs=1e-6)
+    assert reports["onnx"]["model"]["input"] == "(pixel - 127.5) / 127.5"
+    assert reports["raw"]["model"]["input"] == "pixels 0..255" and reports["raw"]["model"]["in_shape"] == [32, 32]
+    x = torch.rand(5, 1, 32, 32) * 2 - 1
+    with torch.no_grad():
+        ref = model(x)
+    assert torch.allclose(OnnxBackbone(str(tmp_path / "raw.onnx"))(x), ref, atol=1e-4)
+    forced = OnnxBackbone(str(tmp_path / "raw.onnx"), pixels="normalized")(x)
+    assert not torch.allclose(forced, ref, atol=1e-2)                 # fed the wrong pixels: other embeddings
+    capsys.readouterr()
+    assert main(["eval", "--backbone", str(tmp_path / "m.onnx"), "--pairs", h5, "--baselines"]) == 2
+    assert "an ONNX file has none here" in capsys.readouterr().err

@@ -7,10 +7,10 @@ metrics), ``ijb`` (``IJBB``/``IJBC`` -> `metrics.template_metrics` keys, the opt
 counts and times) and ``identification`` (shard dir -> rank-k and ``tpir@fpir=...``). Every protocol's
 TAR keys are the same ``tar@far=...``. PNGs: ``roc.png`` (pair sets), ``roc-ijbc.png`` / ``roc-ijbb.png``.
 
-The backbone is a file or folder written by this package (`hvd_partialfc.models.pretrained.load_backbone`), or a
+The backbone is a file or folder written by this package (`hvd_partialfc.models.pretrained.load_backbone`), a
 plain ``state_dict`` file such as arcface_torch's ``backbone.pth`` together with the registered backbone
 ``model`` name it loads into (its keys must match exactly; ``in_shape`` and ``embedding_dim`` give the
-architecture's input and width).
+architecture's input and width), or an ONNX model (``.onnx``: onnx_backbone.py).
 """
 from __future__ import annotations
 
@@ -55,9 +55,14 @@ class PlainStateDict:
     embedding_dim: int = 512
 
 
-def load_any_backbone(path: str, plain: Optional[PlainStateDict] = None) -> Tuple[nn.Module, Dict[str, Any]]:
-    """(eval-mode backbone, model args) from this package's files, or from a plain ``state_dict`` file
-    when ``plain`` names the architecture. Every file loads with ``weights_only=True``."""
+def load_any_backbone(path: str, plain: Optional[PlainStateDict] = None,
+                      onnx_input: str = "auto") -> Tuple[nn.Module, Dict[str, Any]]:
+    """(eval-mode backbone, model args) from this package's files, from a plain ``state_dict`` file when
+    ``plain`` names the architecture, or from an ``.onnx`` file (onnx_backbone.py; ``onnx_input``: how its
+    pixels are fed). Every torch file loads with ``weights_only=True``."""
+    if path.lower().endswith(".onnx") and os.path.isfile(path):
+        from .onnx_backbone import load_onnx_backbone
+        return load_onnx_backbone(path, onnx_input)
     if plain is None or os.path.isdir(path):
         return load_backbone(path)
     state, own_args = read_backbone_file(path)          # the one reader of backbone files (pretrained.py)
@@ -77,11 +82,16 @@ def load_any_backbone(path: str, plain: Optional[PlainStateDict] = None) -> Tupl
 def evaluate_files(backbone: str, pairs_paths: Sequence[str], flip: bool = False, baselines: bool = False,
                    batch_size: int = 256, out_dir: Optional[str] = None, seed: int = 0,
                    all_pairs_dirs: Sequence[str] = (), ijb: Optional[IJBRequest] = None,
-                   identification_dirs: Sequence[str] = (), plain: Optional[PlainStateDict] = None) -> Dict[str, Any]:
-    """Evaluate a backbone (file, checkpoint or run) on every protocol given, write ``eval.json`` and the
-    ROC PNGs into ``out_dir``; returns the JSON dict with ``tables`` (text, one per result) and ``files``.
-    ``flip`` applies to the pair, all-pairs and identification protocols; IJB has its own (``ijb.flip``)."""
-    model, args = load_any_backbone(backbone, plain)
+                   identification_dirs: Sequence[str] = (), plain: Optional[PlainStateDict] = None,
+                   onnx_input: str = "auto") -> Dict[str, Any]:
+    """Evaluate a backbone (file, checkpoint, run or ONNX model) on every protocol given, write ``eval.json``
+    and the ROC PNGs into ``out_dir``; returns the JSON dict with ``tables`` (text, one per result) and
+    ``files``. ``flip`` applies to the pair, all-pairs and identification protocols; IJB has its own
+    (``ijb.flip``)."""
+    model, args = load_any_backbone(backbone, plain, onnx_input)
+    if baselines and args["name"] == "onnx":
+        raise ValueError(f"{backbone}: --baselines builds the backbone's architecture at random; an ONNX file has "
+                         "none here (evaluate the run's backbone for them)")
     if not pairs_paths and not all_pairs_dirs and ijb is None and not identification_dirs:
         raise ValueError("nothing to evaluate: give pair sets, shard sets (all-pairs, identification) or an IJB folder")
     sets = [read_pairs(p) for p in pairs_paths]
