@@ -462,6 +462,7 @@ config.a = config.network + "x"
 config.b = 1 // 0
 config.c = config.nowhere * 2
 config.d = config.num_epoch ** 2
+config.seed = -7
 """
 
 
@@ -475,7 +476,7 @@ def test_the_parser_computes_arithmetic_of_literals_and_keys_set_before(tmp_path
     src.write_text(ARITHMETIC)
     computed = []
     values, not_read = read_config(str(src), computed)
-    assert values["warmup_epoch"] == 4 and values["lr"] == 128 * 1e-5
+    assert values["warmup_epoch"] == 4 and values["lr"] == 128 * 1e-5 and values["seed"] == -7   # (a literal)
     assert computed == ["warmup_epoch = config.num_epoch // 10 = 4 (line 4)",
                         "lr = --config.batch_size * 1e-05 = 0.00128 (line 5)"]
     said = " | ".join(not_read)

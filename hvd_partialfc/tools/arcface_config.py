@@ -66,6 +66,11 @@ def read_config(path: str, computed: Optional[List[str]] = None) -> Tuple[Dict[s
     return values, skipped + not_read
 
 
+def is_number(x) -> bool:
+    """An int or a float, not a bool (a config's True is not 1 here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
                ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 
@@ -81,12 +86,12 @@ def _evaluate(node: ast.AST, known: Dict[str, Any]):
         return known[key]
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
         a, b = _evaluate(node.left, known), _evaluate(node.right, known)
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+        if not (is_number(a) and is_number(b)):
             raise ValueError("arithmetic of other than numbers")
         return _ARITHMETIC[type(node.op)](a, b)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         v = _evaluate(node.operand, known)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
+        if not is_number(v):
             raise ValueError("a sign on other than a number")
         return -v if isinstance(node.op, ast.USub) else v
     return ast.literal_eval(node)
@@ -130,13 +135,17 @@ def _read_statement(node: ast.stmt, values: Dict[str, Any], not_read: List[str],
             continue
         for key, v in pairs:
             try:
+                values[key] = ast.literal_eval(v)          # a literal (-1 too): read as it is
+                continue
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                pass
+            try:
                 values[key] = _evaluate(v, {**before, **values})
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError, ArithmeticError):
                 values.pop(key, None)      # a key set again, otherwise: its earlier value is not the run's
                 not_read.append(f"{key} (line {node.lineno}: not a literal: {ast.unparse(v)[:60]})")
                 continue
-            if not isinstance(v, ast.Constant) and (isinstance(v, (ast.BinOp, ast.UnaryOp)) or _key(v)):
-                computed.append(f"{key} = {ast.unparse(v)[:60]} = {values[key]!r} (line {node.lineno})")
+            computed.append(f"{key} = {ast.unparse(v)[:60]} = {values[key]!r} (line {node.lineno})")
 
 
 def _key(target: ast.AST):

@@ -58,7 +58,7 @@ from ..run import progress
 from ..run.parts import build_parts
 from ..run.startup import run_info_of
 from ..run_files import CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, classifier_file, load_file, step_dir_name
-from .arcface_config import optimizer_steps
+from .arcface_config import is_number, optimizer_steps
 
 RANK_FILE = re.compile(r"^checkpoint_gpu_(\d+)\.pt$")
 KEYS = ("epoch", "global_step", "state_dict_backbone", "state_dict_softmax_fc", "state_optimizer",
@@ -285,18 +285,14 @@ def _scheduler(path: str, obj: Dict[str, Any]) -> Dict[str, Any]:
     G, the older one at G - 1)."""
     s = obj["state_lr_scheduler"]
     for total, warmup in SCHEDULER_KEYS:
-        if isinstance(s, dict) and all(_number(s.get(k)) for k in (total, warmup, "power", "last_epoch")):
+        if isinstance(s, dict) and all(is_number(s.get(k)) for k in (total, warmup, "power", "last_epoch")):
             lrs = s.get("base_lrs") or [s.get("base_lr")] * 2
-            if len(lrs) != 2 or not all(_number(x) for x in lrs):
+            if len(lrs) != 2 or not all(is_number(x) for x in lrs):
                 break
             return {"total": s[total], "warmup": s[warmup], "power": float(s["power"]),
                     "lrs": [float(x) for x in lrs], "last_epoch": int(s["last_epoch"])}
     raise ArcfaceImportError(f"{path}: state_lr_scheduler is not arcface_torch's poly schedule (total_iters, "
                              "warmup_iters, power and base_lrs, or the older max_steps, warmup_steps, power)")
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _length(cfg, world: int, obj: Dict[str, Any], path: str, step: int) -> progress.RunLength:

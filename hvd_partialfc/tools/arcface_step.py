@@ -25,8 +25,10 @@ from typing import Any, Dict, Iterator
 
 import torch
 
-ARCFACE_NAMES = {"r18": "iresnet18", "r50": "iresnet50", "r100": "iresnet100",     # theirs -> ours
-                 **{name: name for name in ("vit_t", "vit_s", "vit_b")}}             # (their ViTs need timm)
+from .arcface_config import NETWORKS
+
+# the backbones the side-by-side times, theirs -> ours (config --from-arcface's names; their ViTs need timm)
+ARCFACE_NAMES = {name: NETWORKS[name] for name in ("r18", "r50", "r100", "vit_t", "vit_s", "vit_b")}
 
 
 class ArcfaceDirError(ValueError):
