@@ -242,16 +242,18 @@ for n in map(int, sys.argv[2:]):
 
 
 def test_streaming_memory_does_not_grow_with_images(tmp_path):
-    """Peak RSS at 200 and at 1,000 images of 160x160 RGB: holding the decoded images would cost
-    800 x 77 KB = 61 MB more (the aligned crops 30 MB); the features cost 800 x 12 x 4 bytes. Measured
-    without a leak: 1-6 MB apart (the 200-image child lands on one of two baselines 4.5 MB apart)."""
+    """Peak RSS at 200 and at 2,000 images of 160x160 RGB. Holding the aligned uint8 crops would cost
+    1,800 x 37.6 KB = 68 MB more (measured with such a leak planted: 75 MB), the decoded images 139 MB; the
+    features cost 1,800 x 12 x 4 bytes. Without a leak the peak lands on one of a few baselines up to 15 MB
+    apart whatever the count (measured: 194-210 MB at 200, 1,000 and 3,000 images; a CI run once saw 12 MB
+    between 200 and 1,000, over the 12 MB this test allowed then), so the gap is wide and the bound 36 MB."""
     rng = np.random.default_rng(0)
     os.makedirs(tmp_path / "loose_crop")
     os.makedirs(tmp_path / "meta")
     for k in range(8):
         Image.fromarray(rng.integers(0, 256, (160, 160, 3), dtype=np.uint8)).save(tmp_path / f"loose_crop/{k}.jpg")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    counts = (200, 1000)
+    counts = (200, 2000)
     p = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path), *map(str, counts)], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -259,7 +261,7 @@ def test_streaming_memory_does_not_grow_with_images(tmp_path):
     assert [(int(n), int(images)) for n, _, images in rows] == [(n, n) for n in counts]
     peaks = [int(kb) for _, kb, _ in rows]
     print("peak RSS KiB", peaks)
-    assert peaks[1] - peaks[0] < 12 * 1024, peaks      # KiB
+    assert peaks[1] - peaks[0] < 36 * 1024, peaks      # KiB
 
 
 def test_eval_takes_a_plain_state_dict_with_model(pattern_set, tmp_path):
