@@ -73,6 +73,7 @@ def test_peak_rss_does_not_grow_with_the_sample_count(tmp_path):
         peaks[n] = peak_rss_mb("build", "recordio", tmp_path / f"r{n}", "--out", tmp_path / f"o{n}",
                                "--num-shards", 8, "--workers", 2, "--store", "raw")
         assert read_manifest(str(tmp_path / f"o{n}")).num_samples == n
+    print("peaks MB", peaks)
     assert peaks[100_000] - peaks[10_000] < 12, peaks
 
 
