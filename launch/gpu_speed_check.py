@@ -131,7 +131,7 @@ def switches(s, cells: Dict[str, List[str]], model: str) -> Dict[str, Any]:
     def build(name, sets):
         try:
             fn = cmp.our_step(SimpleNamespace(**dict(vars(a), set=a.set + sets)), "local", device, total)
-            data = cmp._batches(a, device, a.classes)
+            data = cmp.device_batches(a, device, a.classes)
             return {"run": lambda d=data, f=fn: f(d), "compiled": fn.compiled}
         except Exception as e:    # a key that fails here is a result: recorded, the others go on
             return {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
@@ -201,8 +201,8 @@ def largest_batch(s, model: str) -> Dict[str, Any]:
     def peak(batch: int) -> int:
         free_memory()              # the previous try's parts (an out-of-memory one's too) are not counted here
         a = compare_args(s, None, model, s["k125"], batch, contenders="local")
-        fn, data = cmp.our_step(a, "local", device, 4), cmp._batches(SimpleNamespace(**dict(vars(a), pool=1)),
-                                                                   device, a.classes)
+        fn = cmp.our_step(a, "local", device, 4)
+        data = cmp.device_batches(SimpleNamespace(**dict(vars(a), pool=1)), device, a.classes)
         torch.cuda.reset_peak_memory_stats(device)
         for _ in range(2):
             fn(data)

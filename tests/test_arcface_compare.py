@@ -128,3 +128,60 @@ def test_arcface_step_gives_its_backbone_contiguous_images():
     step = arcface_step.ArcfaceStep(mods, "r18", 5, 1.0, False, torch.device("cpu"), ddp=False, dim=8)
     step(torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([1, 3]))
     assert seen == [True]
+
+
+class _Counters:
+    """A device's allocator counters that the contenders below move by hand (bytes)."""
+
+    def __init__(self):
+        self.now = self.top = 0
+
+    def allocated(self):
+        return self.now
+
+    def reset_peak(self):
+        self.top = self.now
+
+    def peak(self):
+        return self.top
+
+    def alloc(self, n):
+        self.now += n
+        self.top = max(self.top, self.now)
+
+
+def test_each_contenders_own_memory_apart_from_the_others():
+    """Two contenders on one device: A builds 100, its first step keeps 50 (moments), each step rises 30 and
+    frees it; B builds 200, keeps 10, rises 70. Own: A 180, B 280; the device's peak in B's steps holds A's 150
+    too (430), in A's 390. The old figure was the device's peak alone: B's weights counted in A's."""
+    from hvd_partialfc.tools.arcface_compare import build, measure
+    mem = _Counters()
+    sizes = {"local": (100, 50, 30), "global": (200, 10, 70)}
+
+    def contender(name):
+        kept, rise = sizes[name][1:]
+        calls = []
+
+        def run(batches):
+            if not calls:
+                mem.alloc(kept)
+            calls.append(1)
+            mem.alloc(rise)
+            mem.alloc(-rise)
+        return run
+
+    import hvd_partialfc.tools.arcface_compare as cmp
+    a = SimpleNamespace(contenders="local,global", warmup=2, rounds=3, steps=2, batch=4, classes=5, gathered=1)
+    real = cmp.our_step, cmp.device_batches
+    try:
+        cmp.our_step = lambda a, name, device, total: (mem.alloc(sizes[name][0]), contender(name))[1]
+        cmp.device_batches = lambda *args: iter(())
+        built = build(a, torch.device("cpu"), memory=mem)
+    finally:
+        cmp.our_step, cmp.device_batches = real
+    assert [built[n]["built_bytes"] for n in ("local", "global")] == [100, 200]
+    r = measure(a, torch.device("cpu"), built, memory=mem)
+    gib = 2 ** 30
+    assert {n: round(r[n]["own_gib"] * gib) for n in r} == {"local": 180, "global": 280}
+    assert {n: round(r[n]["device_gib"] * gib) for n in r} == {"local": 390, "global": 430}
+    assert r["local"]["memory_bytes"] == {"built": 100, "warm_up": 50, "step_rise": 30}

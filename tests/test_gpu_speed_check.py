@@ -70,7 +70,7 @@ def test_reduce_overhead_says_when_it_ran_without_cuda_graphs(monkeypatch):
             counters["inductor"]["cudagraph_skips"] += 2       # as inductor counts a skip
         return {name: {"median_ms": 1.0, "samples_per_s": 2.0} for name in contenders}
     monkeypatch.setattr(gsc.cmp, "our_step", step)
-    monkeypatch.setattr(gsc.cmp, "_batches", lambda a, device, classes: iter(()))
+    monkeypatch.setattr(gsc.cmp, "device_batches", lambda a, device, classes: iter(()))
     monkeypatch.setattr(gsc.cmp, "measure", measure)
     s = gsc.sizes(tiny=True, arcface="")
     graphs = gsc.switches(s, {"defaults": [], "compiled": gsc.COMPILES["compile-cudagraphs"]}, "resnet")

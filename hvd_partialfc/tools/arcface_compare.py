@@ -22,6 +22,11 @@ contender gets them in the same order and turns them into [-1, 1] floats as the 
 ``--warmup`` steps each, then ``--rounds`` rounds, each contender ``--steps`` steps a round in a rotating
 order (so drift in the machine's speed falls on all), the device synchronised around each contender's
 steps; medians over rounds. A contender that runs out of memory is recorded as such. JSON to ``--out``.
+
+Memory (CUDA): all contenders live on the device together, so the device's peak during one's steps holds the
+others' weights too (``device GiB``). Each one's own (``own GiB``) is what its building allocated (model,
+head, optimizer, its batches), what its warm-up added (gradients, moments, workspaces) and the most its steps
+rose above that (activations, logits): the three measured apart, built and warmed one contender at a time.
 """
 from __future__ import annotations
 
@@ -100,7 +105,7 @@ def our_step(a, mode: str, device: torch.device, total: int) -> Callable[[Any], 
     return run
 
 
-def _batches(a, device: torch.device, label_range: int):
+def device_batches(a, device: torch.device, label_range: int):
     g = torch.Generator().manual_seed(0)
     pool = [(torch.randint(0, 256, (a.batch, a.image_size, a.image_size, 3), dtype=torch.uint8, generator=g).to(device),
              torch.randint(0, label_range, (a.batch,), generator=g).to(device)) for _ in range(a.pool)]
@@ -115,11 +120,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build(a, device: torch.device) -> Dict[str, Dict[str, Any]]:
-    """Every contender's step and batches, or the error that stopped it (out of memory, a missing checkout)."""
+def build(a, device: torch.device, memory=None) -> Dict[str, Dict[str, Any]]:
+    """Every contender's step and batches, or the error that stopped it (out of memory, a missing checkout);
+    with the device's counters (``device_memory``), the bytes its building allocated (``built_bytes``)."""
     total = a.warmup + a.rounds * a.steps + 1
     out: Dict[str, Dict[str, Any]] = {}
+    mem = memory or device_memory(device)
     for name in a.contenders.split(","):
+        held = mem.allocated() if mem else 0
         try:
             if name == "arcface":
                 mods = load_arcface(a.arcface_dir)
@@ -129,24 +137,50 @@ def build(a, device: torch.device) -> Dict[str, Dict[str, Any]]:
                     raise ValueError(f"--model {a.model}: arcface_torch has {', '.join(ARCFACE_NAMES.values())}")
                 step = ArcfaceStep(mods, net, a.classes, a.sample_rate, a.precision == "fp16", device, a.gathered,
                                    ddp=not a.no_ddp, steps=total, blocks=a.blocks)
-                data = _batches(a, device, a.classes * a.gathered)
+                data = device_batches(a, device, a.classes * a.gathered)
                 out[name] = {"run": lambda d=data, s=step: s(*next(d)), "root": mods["root"]}
             elif name in ("local", "global"):
                 fn = our_step(a, name, device, total)
-                data = _batches(a, device, a.classes * (a.gathered if name == "global" else 1))
+                data = device_batches(a, device, a.classes * (a.gathered if name == "global" else 1))
                 out[name] = {"run": lambda d=data, f=fn: f(d)}
             else:
                 raise ValueError(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
         except torch.cuda.OutOfMemoryError as e:
             out[name] = {"error": f"out of memory: {' '.join(str(e).split())[:160]}"}
             torch.cuda.empty_cache()
+        if mem and "error" not in out[name]:
+            out[name]["built_bytes"] = mem.allocated() - held
     return out
 
 
-def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """Warm-up, then alternating rounds; per contender its ms a step in each round, the median, samples/s."""
+class DeviceMemory:
+    """One CUDA device's allocator counters, in bytes (``measure``'s accounting; a test gives its own)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def device_memory(device: torch.device):
+    return DeviceMemory(device) if device.type == "cuda" else None
+
+
+def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memory=None) -> Dict[str, Dict[str, Any]]:
+    """Warm-up, then alternating rounds; per contender its ms a step in each round, the median, samples/s;
+    with the device's counters, its own memory and the device's peak (the module's "Memory")."""
+    mem = memory or device_memory(device)
     live = [n for n, c in contenders.items() if "error" not in c]
+    warmed: Dict[str, int] = {}
     for name in list(live):
+        held = mem.allocated() if mem else 0
         try:
             for _ in range(a.warmup):
                 contenders[name]["run"]()
@@ -154,29 +188,41 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]]) -> D
             contenders[name] = {"error": f"out of memory in its first {a.warmup} steps at batch {a.batch}"}
             live.remove(name)
             torch.cuda.empty_cache()
+            continue
+        if mem:
+            _sync(device)
+            warmed[name] = mem.allocated() - held
     rounds: Dict[str, List[float]] = {n: [] for n in live}
-    peaks: Dict[str, float] = {}
+    peaks: Dict[str, int] = {}
+    rises: Dict[str, int] = {}
     for r in range(a.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for name in order:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
+            if mem:
+                mem.reset_peak()
+                held = mem.allocated()
             t0 = time.perf_counter()
             for _ in range(a.steps):
                 contenders[name]["run"]()
             _sync(device)
             rounds[name].append(1e3 * (time.perf_counter() - t0) / a.steps)
-            if device.type == "cuda":
-                peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated(device) / 2 ** 30)
+            if mem:
+                peaks[name] = max(peaks.get(name, 0), mem.peak())
+                rises[name] = max(rises.get(name, 0), mem.peak() - held)
     result = {}
     for name, c in contenders.items():
         if "error" in c:
             result[name] = {"error": c["error"]}
             continue
         med = statistics.median(rounds[name])
-        result[name] = {"ms_per_step_rounds": rounds[name], "median_ms": med, "samples_per_s": 1e3 * a.batch / med,
-                        "peak_gib": peaks.get(name)}
+        result[name] = {"ms_per_step_rounds": rounds[name], "median_ms": med, "samples_per_s": 1e3 * a.batch / med}
+        if mem:                 # own: only where build() counted what the building allocated
+            built = c.get("built_bytes")
+            result[name].update(device_gib=peaks[name] / 2 ** 30,
+                                memory_bytes={"built": built, "warm_up": warmed[name], "step_rise": rises[name]})
+            if built is not None:
+                result[name]["own_gib"] = (built + warmed[name] + rises[name]) / 2 ** 30
     base = result.get("arcface", {}).get("median_ms")
     for name, r in result.items():
         if base and "median_ms" in r:
@@ -223,15 +269,17 @@ def format_table(result: Dict[str, Any]) -> str:
     s = result["sizes"]
     lines = [f"{s['model']}{' blocks ' + s['blocks'] if s['blocks'] else ''}, batch {s['batch']}, {s['classes']:,} "
              f"classes, gathered {s['gathered']}, {s['precision']}, {result['device']}",
-             f"{'contender':10} {'ms/step':>9} {'rounds (ms)':>28} {'samples/s':>10} {'x arcface':>9} {'peak GiB':>8}"]
+             f"{'contender':10} {'ms/step':>9} {'rounds (ms)':>28} {'samples/s':>10} {'x arcface':>9} {'own GiB':>8} "
+             f"{'device GiB':>10}"]
     for name, r in result["contenders"].items():
         if "error" in r:
             lines.append(f"{name:10} {r['error']}")
             continue
         rounds = " ".join(f"{v:.1f}" for v in r["ms_per_step_rounds"])
         vs = f"{r['speed_vs_arcface']:.2f}" if "speed_vs_arcface" in r else ""
-        peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else ""
-        lines.append(f"{name:10} {r['median_ms']:9.1f} {rounds:>28} {r['samples_per_s']:10,.0f} {vs:>9} {peak:>8}")
+        own, dev = (f"{r[k]:.2f}" if r.get(k) is not None else "" for k in ("own_gib", "device_gib"))
+        lines.append(f"{name:10} {r['median_ms']:9.1f} {rounds:>28} {r['samples_per_s']:10,.0f} {vs:>9} {own:>8} "
+                     f"{dev:>10}")
     return "\n".join(lines)
 
 
