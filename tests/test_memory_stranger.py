@@ -7,6 +7,7 @@ process each (no training but the one start refused); the flood during a real ru
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -26,7 +27,8 @@ from conftest import MR, ROOT, SMALL_RUN, launch_env
 from hvd_partialfc.run.memory import MemorySnapshots, run_token
 from hvd_partialfc.run.memory_plan import Plan
 from hvd_partialfc.engine.listener import HANDSHAKE_S
-from hvd_partialfc.run.memory_link import Link, LinkError, new_secret
+from hvd_partialfc.run import memory_link
+from hvd_partialfc.run.memory_link import Link, LinkError, answer_mac, new_secret
 from hvd_partialfc.run.memory_store import NodeStore, StoreError, store_name
 from hvd_partialfc.run_files import classifier_file
 
@@ -198,6 +200,67 @@ def test_a_rank_of_the_job_is_refused_what_is_not_its_own_to_send(tmp_path):
     for peer in (rank0, rank2):
         peer.close()
     snaps.close(keep=True)
+
+
+def _impostor(secret=None, data=b"forged rows", claimed=None):
+    """A process that took a rank's port: it greets, reads a request and answers "yes" with ``data``; with the
+    start's ``secret`` (which a stranger never has) its answer is signed, claiming the SHA-256 of ``claimed``."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    served = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                nonce = os.urandom(16)
+                conn.sendall(nonce.hex().encode() + b"\n")
+                conn.makefile("rb").readline()
+                body = {"ok": True, "size": len(data), "sha256": hashlib.sha256(claimed or data).hexdigest()}
+                mac = answer_mac(secret, nonce, 0, body) if secret else "00" * 32
+                conn.sendall(json.dumps({"body": body, "mac": mac}).encode() + b"\n" + data)
+                served.append(1)
+    threading.Thread(target=serve, daemon=True).start()
+    return server, served
+
+
+def test_a_process_on_a_dead_ranks_port_can_serve_nothing(tmp_path):
+    """A rank died and another process took its port; a rank that asks the address (it retries) gets an answer
+    that says yes and bytes. Unsigned: refused at once, nothing written, not tried again (before: the forged
+    bytes were taken as the snapshot). Signed but the bytes not the ones signed for (a key holder's bug, or a
+    path rewritten): refused, as a put's whose bytes differ, which leaves no file."""
+    peer = _client(tmp_path, new_secret(), rank=1)
+    server, served = _impostor()
+    got = io.BytesIO()
+    with pytest.raises(LinkError, match="not signed by this start of the job"):
+        peer.get(server.getsockname(), (SEG, 8), classifier_file(0, 2), got)
+    assert got.getvalue() == b"" and served == [1]
+    server.close()
+    server, _ = _impostor(peer.secret, data=b"other bytes", claimed=b"rank 0's rows")
+    with pytest.raises(LinkError, match="not the ones signed for"):
+        peer.get(server.getsockname(), (SEG, 8), classifier_file(0, 2), io.BytesIO())
+    server.close()
+    store, link = _serving(tmp_path / "buddy")
+    rank1 = _client(tmp_path, link.secret, rank=1)
+    payload = tmp_path / "rows.pt"
+    payload.write_bytes(b"rank 1's rows")
+    real = memory_link.file_sha256
+    try:       # the header signs another file's digest than the bytes that follow it
+        memory_link.file_sha256 = lambda path: hashlib.sha256(b"rank 1's other rows").hexdigest()
+        with pytest.raises(LinkError, match="not the ones signed for"):
+            rank1.put(link.address, 12, classifier_file(1, 2), str(payload))
+    finally:
+        memory_link.file_sha256 = real
+    assert all(files == [] for _, files in store.listing().values())      # its landing folder, nothing in it
+    assert [f for _, _, fs in os.walk(store.path) for f in fs] == ["owner.json"]
+    rank1.put(link.address, 12, classifier_file(1, 2), str(payload))
+    assert store.listing() == {(SEG, 12): (False, [classifier_file(1, 2)])}
+    for x in (peer, rank1, link):
+        x.close()
 
 
 def _garbage(address, n):

@@ -18,6 +18,12 @@ so every request proves that it comes from a rank of this start of the job, and 
 * **Authorization** (``authorize``, memory.py): a put only from the rank whose buddy this rank is, into this
   start's segment, for a snapshot step that can be due, under that rank's own file name, at most the size of
   its slice; a commit note only from rank 0; a get from any rank of the job.
+* **The answers and the bytes**: each answer carries an HMAC of the nonce, its place in the connection and its
+  body under the same secret, and a requester trusts no "yes" without it: a process that took the port of a
+  rank that died (the requester retries the address) can refuse but never serve. A file's SHA-256 travels in
+  what is signed, the put's header or the get's answer, and the receiver hashes the bytes as they arrive: a
+  put whose bytes differ leaves no file, a get's is an error (the next holder is asked). 128 MB hash in 0.1 s
+  on one core (1.3 GB/s measured), once by the sender and once as they arrive.
 
 Operations, one a connection (the header, the answer, and a put's payload and final answer):
 
@@ -26,9 +32,8 @@ Operations, one a connection (the header, the answer, and a put's payload and fi
 * ``get`` (segment, step, name): the file's bytes from the node's snapshot, committed or landing;
 * ``note``: a small message for the rank's ``on_note`` (a landing told to rank 0, its commit told to a node).
 
-A put's payload is not authenticated byte by byte: changing it would take injecting into an established TCP
-connection (root on the path), and a snapshot is read as any checkpoint is (``weights_only``). Forked children
-(DataLoader workers) close their copy of the listening socket, so a dead rank's port closes with it.
+Forked children (DataLoader workers) close their copy of the listening socket, so a dead rank's port closes
+with it.
 """
 from __future__ import annotations
 
@@ -68,6 +73,10 @@ class LinkError(RuntimeError):
     pass
 
 
+class _Impostor(LinkError):
+    """An answer without this start's signature that says more than no: not tried again."""
+
+
 def new_secret() -> str:
     """A start's key for the link (rank 0 draws it; the collectives carry it to the other ranks)."""
     return secrets.token_hex(32)
@@ -76,6 +85,24 @@ def new_secret() -> str:
 def _mac(secret: str, nonce: bytes, body: dict) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(bytes.fromhex(secret), nonce + canonical, hashlib.sha256).hexdigest()
+
+
+def answer_mac(secret: str, nonce: bytes, i: int, body: dict) -> str:
+    """The MAC of the ``i``-th answer on the connection greeted with ``nonce`` (a request's MAC can never
+    pass for an answer's, nor the first answer of a put for its last)."""
+    return _mac(secret, b"answer %d:" % i + nonce, body)
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(4 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_digest(v) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 def _plain_name(name) -> bool:
@@ -92,24 +119,29 @@ def malformed(h: dict) -> Optional[str]:
         return f"unknown request {op!r}"
     if op in ("put", "get") and not (count("step") and isinstance(h.get("segment"), str) and _plain_name(h.get("name"))):
         return f"a {op} needs a segment, a step and a plain file name"
-    if op == "put" and not count("size"):
-        return "a put needs its size"
+    if op == "put" and not (count("size") and _is_digest(h.get("sha256"))):
+        return "a put needs its size and its SHA-256"
     if op == "note" and not (h.get("what") in ("landed", "commit") and count("step")):
         return f"unknown note {h.get('what')!r}"
     return None
 
 
-def _recv_into(conn: socket.socket, n: int, f, head: bytes = b"") -> None:
+def _recv_into(conn: socket.socket, n: int, f, digest: str, head: bytes = b"") -> None:
+    """``n`` bytes into ``f``, hashed as they arrive: an error unless their SHA-256 is ``digest``."""
     if len(head) > n:
         raise LinkError(f"{len(head)} bytes sent for a file of {n}")
     f.write(head)
+    h = hashlib.sha256(head)
     got = len(head)
     while got < n:
         chunk = conn.recv(min(4 << 20, n - got))
         if not chunk:
             raise LinkError(f"connection closed after {got} of {n} bytes")
         f.write(chunk)
+        h.update(chunk)
         got += len(chunk)
+    if not hmac.compare_digest(h.hexdigest(), digest):
+        raise LinkError(f"the {n} bytes received are not the ones signed for (SHA-256 differs)")
 
 
 def _recv_line(conn: socket.socket, limit: int = 4096) -> bytes:
@@ -170,56 +202,79 @@ class Link:
         return nonce.hex().encode() + b"\n", nonce
 
     def _check(self, nonce: bytes, hello: bytes) -> Optional[dict]:
-        """The request's header if its MAC is this start's for this nonce; a refusal to say for a request of
-        the right shape under another key (a stale job of the run, which then stops trying); None, closed
-        without a word, for anything else."""
+        """The request's header (and the nonce, which signs the answers) if its MAC is this start's for this
+        nonce; a refusal to say for a request of the right shape under another key (a stale job of the run,
+        which then stops trying); None, closed without a word, for anything else."""
         msg = json.loads(hello)
         body, mac = msg.get("body"), msg.get("mac")
         if not isinstance(body, dict) or not isinstance(mac, str):
             return None
         if not hmac.compare_digest(_mac(self.secret, nonce, body), mac):
-            return {"refused": "not a request of this start of the job (another key)"}
-        return body
+            return {"refused": "not a request of this start of the job (another key)", "nonce": nonce}
+        return {"body": body, "nonce": nonce}
 
     def _ready(self, conn: socket.socket, h: dict, rest: bytes) -> bool:
         threading.Thread(target=self._serve, args=(conn, h, rest), daemon=True, name="memory-link-conn").start()
         return False
 
-    def _serve(self, conn: socket.socket, h: dict, rest: bytes) -> None:
+    def _serve(self, conn: socket.socket, accepted: dict, rest: bytes) -> None:
+        sent = []
+
+        def answer(body: dict) -> None:         # signed: the requester trusts no answer without it
+            _send_json(conn, {"body": body, "mac": answer_mac(self.secret, accepted["nonce"], len(sent), body)})
+            sent.append(body)
         with conn:
             try:
                 conn.settimeout(TIMEOUT_S)
-                why = h.get("refused") or malformed(h) or self.authorize(h)
+                h = accepted.get("body", {})
+                why = accepted.get("refused") or malformed(h) or self.authorize(h)
                 if why:
-                    _send_json(conn, {"ok": False, "error": f"refused: {why}"})
+                    answer({"ok": False, "error": f"refused: {why}"})
                     return
                 if h["op"] == "put":     # streamed into the file: a copy never sits whole in this process
-                    _send_json(conn, {"ok": True})      # the sender waits for this before its payload
-                    self.store.write(h["step"], h["name"], lambda f: _recv_into(conn, h["size"], f, rest))
-                    _send_json(conn, {"ok": True})
+                    answer({"ok": True})      # the sender waits for this before its payload
+                    self.store.write(h["step"], h["name"],
+                                     lambda f: _recv_into(conn, h["size"], f, h["sha256"], rest))
+                    answer({"ok": True})
                 elif h["op"] == "note":      # handled, then answered: a commit's sender knows it is done
                     if self.on_note is not None:
                         self.on_note(h)
-                    _send_json(conn, {"ok": True})
+                    answer({"ok": True})
                 else:
                     path = self.store.find((h["segment"], h["step"]), h["name"])
                     if path is None:
-                        _send_json(conn, {"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
+                        answer({"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
                         return
                     with open(path, "rb") as f:
-                        _send_json(conn, {"ok": True, "size": os.fstat(f.fileno()).st_size})
+                        size, digest = os.fstat(f.fileno()).st_size, file_sha256(path)
+                        answer({"ok": True, "size": size, "sha256": digest})
                         conn.sendfile(f)
             except Exception as e:  # noqa: BLE001 (a rank's request that failed here: said to it, never raised)
                 try:
-                    _send_json(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    answer({"ok": False, "error": f"{type(e).__name__}: {e}"})
                 except OSError:
                     pass
 
     # --- requests ----------------------------------------------------------------------------------------
 
-    def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket]:
+    def _answer(self, conn: socket.socket, nonce: bytes, i: int) -> dict:
+        """The ``i``-th answer on ``conn``: trusted when signed under this start's key; unsigned, only a refusal
+        (what a stale job hears from the current one, which holds another key), never a "yes"."""
+        msg = json.loads(_recv_line(conn))
+        body = msg.get("body") if isinstance(msg, dict) else None
+        if not isinstance(body, dict):
+            raise _Impostor("not an answer of this link (another process on the rank's port?)")
+        mac = msg.get("mac")
+        if isinstance(mac, str) and hmac.compare_digest(answer_mac(self.secret, nonce, i, body), mac):
+            return body
+        if body.get("ok") is False and isinstance(body.get("error"), str):
+            return body
+        raise _Impostor("an answer not signed by this start of the job (another process on the rank's port?)")
+
+    def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket, bytes]:
         """One request, signed; ``payload``: a file sent after the header (sendfile: no copy in this process).
-        A connection closed before the answer is tried again (a flood evicted it); a refusal is not."""
+        A connection closed before the answer is tried again (a flood evicted it); a refusal is not, nor an
+        answer that is not this start's. Returns the answer, the connection and its nonce."""
         body, last = dict(header, rank=self.rank), None
         for attempt in range(ATTEMPTS):
             conn = None
@@ -228,11 +283,14 @@ class Link:
                 nonce = bytes.fromhex(_recv_line(conn, 64).decode().strip())
                 _send_json(conn, {"body": body, "mac": _mac(self.secret, nonce, body)})
                 conn.settimeout(TIMEOUT_S)
-                answer = json.loads(_recv_line(conn))
+                answer = self._answer(conn, nonce, 0)
                 if payload and answer.get("ok"):       # a put: the payload once the buddy agreed to take it
                     with open(payload, "rb") as f:
                         conn.sendfile(f)
-                    answer = json.loads(_recv_line(conn))
+                    answer = self._answer(conn, nonce, 1)
+            except _Impostor as e:
+                conn.close()
+                raise LinkError(f"{peer[0]}:{peer[1]}: {e}") from None
             except (OSError, LinkError, ValueError) as e:
                 last = e
                 if conn is not None:
@@ -242,23 +300,26 @@ class Link:
             if not answer.get("ok"):
                 conn.close()
                 raise LinkError(f"{peer[0]}:{peer[1]}: {answer.get('error')}")
-            return answer, conn
+            return answer, conn, nonce
         raise LinkError(f"{peer[0]}:{peer[1]}: no answer in {ATTEMPTS} tries ({last})")
 
     def put(self, peer: Tuple[str, int], step: int, name: str, path: str) -> None:
         """File ``path`` into ``peer``'s node as ``name`` of this segment's snapshot of ``step``; returns once it
         is written there."""
-        _, conn = self._request(peer, {"op": "put", "segment": self.store.segment, "step": step, "name": name,
-                                       "size": os.path.getsize(path)}, path)
+        _, conn, _ = self._request(peer, {"op": "put", "segment": self.store.segment, "step": step, "name": name,
+                                          "size": os.path.getsize(path), "sha256": file_sha256(path)}, path)
         conn.close()
 
     def note(self, peer: Tuple[str, int], **what) -> None:
         """A small message for ``peer``'s ``on_note`` (no payload)."""
-        _, conn = self._request(peer, dict(what, op="note"))
+        _, conn, _ = self._request(peer, dict(what, op="note"))
         conn.close()
 
     def get(self, peer: Tuple[str, int], key: Tuple[str, int], name: str, f) -> None:
         """File ``name`` of ``peer``'s node's snapshot ``key`` (segment, step), written into the open file ``f``."""
-        answer, conn = self._request(peer, {"op": "get", "segment": key[0], "step": key[1], "name": name})
+        answer, conn, _ = self._request(peer, {"op": "get", "segment": key[0], "step": key[1], "name": name})
         with conn:
-            _recv_into(conn, int(answer["size"]), f)
+            size, digest = answer.get("size"), answer.get("sha256")
+            if not isinstance(size, int) or size < 0 or not _is_digest(digest):
+                raise LinkError(f"{peer[0]}:{peer[1]}: a get's answer without its size and SHA-256")
+            _recv_into(conn, size, f, digest)
