@@ -3,6 +3,8 @@ decisions, the batch is decoded and flipped where it is used. Against the CPU pa
 the same seed and batch index: the same samples, the same mirrors, the same normalisation; PNG and resized
 sets through PIL; what falls back, what is an error; data.workers=-1; the GPU check's decode benchmark."""
 import io
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from hvd_partialfc.data.augment import BatchAugment
 from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch, resolve_workers
 from hvd_partialfc.data.partition import even_slices
 from hvd_partialfc.data.shards import ShardError, decode_image
+from conftest import launch_env
 from helpers_face import one_thread  # noqa: F401  (autouse: one intra-op thread on the shared cores)
 
 CPU = torch.device("cpu")
@@ -90,6 +93,49 @@ def test_encoded_batches_cross_worker_processes(sets):
     """2 workers send EncodedBatch objects through the DataLoader's queues: the same inputs as 0 workers."""
     a, b = _inputs(sets["jpeg"], "gpu", n=4), _inputs(sets["jpeg"], "gpu", n=4, workers=2)
     assert all(torch.equal(x0, x1) and torch.equal(y0, y1) for (x0, y0), (x1, y1) in zip(a, b))
+
+
+_INHERITED = r"""
+import gc, os, sys
+from hvd_partialfc.data.loader import RankShardDataset, make_loader
+marks = sys.argv[2]
+
+
+class Garbage:                   # the parent's unreachable cycle, with a finalizer (onnxruntime's joins threads)
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+gc.disable()
+Garbage()
+loader, _ = make_loader(RankShardDataset(sys.argv[1], 1, 2), 8, seed=3, workers=1)
+next(iter(loader))               # a worker forked with the cycle uncollected
+pid = os.fork()                  # and a fork of our own, whose collector runs at once
+if pid == 0:
+    gc.collect()
+    os._exit(0)
+os.waitpid(pid, 0)
+gc.collect()                     # the parent collects its own
+print(os.getpid(), pid)
+"""
+
+
+def test_a_loader_worker_never_collects_what_it_inherited(sets, tmp_path):
+    """A forked worker that collected the parent's garbage ran its finalizers in the child: in the suite, an
+    onnxruntime session left in a cycle by an earlier test was freed in a DataLoader worker, whose join of the
+    session's threads (not copied by the fork) hung the worker and the test forever. After make_loader, a
+    fork's collector leaves inherited cycles alone; the parent's collects them (finalized once, in it)."""
+    marks = tmp_path / "finalized"
+    marks.write_text("")
+    p = subprocess.run([sys.executable, "-c", _INHERITED, sets["jpeg"], str(marks)], capture_output=True,
+                       text=True, env=launch_env(), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    parent, child = map(int, p.stdout.split())
+    assert marks.read_text().split() == [str(parent)], (marks.read_text(), parent, child)
 
 
 def test_flip_coins_are_the_cpu_flips():

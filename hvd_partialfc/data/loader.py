@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Sampler
 from .augment import BatchAugment
 from .bad_samples import MAX_TRIES, BadSample, Batch, Replacements, decode_failure_hint, describe
 from .device_decode import EncodedBatch, EncodedBatches, decode_batch
+from ..forking import workers_keep_inherited_objects
 from ..seeds import LOADER_WORKERS, derive_seed
 from .shards import (Manifest, ShardError, decode_image, open_shard, rank_layout, read_manifest, read_shard_labels,
                      unreadable_shard)
@@ -234,6 +235,8 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
     # Its own generator: ``iter(loader)`` draws the workers' base seed from it, not from torch's global
     # one, which then stays exactly where a checkpoint restored it (dropout, sampled heads resume bitwise).
     generator = torch.Generator().manual_seed(derive_seed(seed, dataset.rank, start, LOADER_WORKERS))
+    if workers > 0:
+        workers_keep_inherited_objects()
     loader = DataLoader(source, sampler=sampler, batch_size=None, num_workers=workers,
                         pin_memory=pin_memory, persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None, generator=generator)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from ..forking import workers_keep_inherited_objects
 from .align import align
 from .embedding import embed_batch, frozen
 from .metrics import IJB_FARS, template_metrics
@@ -147,6 +148,8 @@ def embed_images(model: nn.Module, dataset: AlignedImages, batch_size: int = 256
                  workers: int = 0, progress: Optional[Callable[[int, int, float], None]] = None) -> np.ndarray:
     """Raw (not normalised) float32 features (N, D) of every image, batch by batch: the matrix is
     allocated once at the first batch and filled in place, nothing else grows with N."""
+    if workers > 0:
+        workers_keep_inherited_objects()
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers)
     feats: Optional[np.ndarray] = None
     done, t0 = 0, time.perf_counter()
