@@ -32,14 +32,15 @@ def offline_user_errors() -> Tuple[Type[BaseException], ...]:
 def trainer_user_errors() -> Tuple[Type[BaseException], ...]:
     """The errors the trainer raises on purpose, which carry their explanation (anything else also gets
     its traceback): a rank's agreed failure, the config, shard, checkpoint, non-finite and evaluation
-    (eval.on_error=stop) errors."""
+    (eval.on_error=stop) errors, and a loader that sent no batch in data.batch_timeout."""
     from .config import ConfigError
+    from .data.loader import LoaderStalled
     from .data.shards import ShardError
     from .engine.base import RankFailure
     from .run_files import CheckpointError
     from .run.skips import NonFiniteError
     from .verification.evaluator import EvaluationError
-    return RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError
+    return RankFailure, ConfigError, ShardError, CheckpointError, NonFiniteError, EvaluationError, LoaderStalled
 
 
 def debug_requested(args: Optional[argparse.Namespace] = None) -> bool:

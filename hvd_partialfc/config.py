@@ -40,6 +40,9 @@ class DataConfig:
     batch_size: int = opt(128, "samples per rank per backward pass")
     workers: int = opt(0, "DataLoader worker processes per rank; -1: the rank's cores minus one, at most 8",
                        see="docs/gpu.md#workers-per-gpu")
+    batch_timeout: float = opt(600.0, "with workers: seconds a rank waits for one batch before it stops naming its "
+                                      "workers (one stuck on a stalled file system); 0: no limit",
+                               see="docs/reliability.md#a-stuck-loader-worker")
     verify_sha256: bool = opt(False, "hash every shard file against the manifest before training (slow on big sets)",
                               see="docs/reliability.md#failures-every-rank-exits-fast-and-says-why")
     augment: List[str] = opt([], "training-time augmentations in order: flip, lowres, blur, jitter, gray "
@@ -243,6 +246,8 @@ class Config:
         for sec, key in positive:
             if getattr(getattr(self, sec), key) < 1:
                 raise ConfigError(f"{sec}.{key} must be >= 1")
+        if self.data.batch_timeout < 0:
+            raise ConfigError(f"data.batch_timeout={self.data.batch_timeout}: expected seconds > 0, or 0 (no limit)")
         if self.data.workers < -1:
             raise ConfigError(f"data.workers={self.data.workers}: expected >= 0, or -1 (the rank's cores minus one)")
         if self.data.max_bad_samples < 0:

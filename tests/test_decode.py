@@ -218,6 +218,9 @@ def test_config_keys():
         load_config(None, ["data.shards=/x", "data.decode=nvjpeg"])
     with pytest.raises(ConfigError, match="data.workers=-2"):
         load_config(None, ["data.shards=/x", "data.workers=-2"])
+    assert load_config(None, ["data.shards=/x"]).data.batch_timeout == 600
+    with pytest.raises(ConfigError, match="data.batch_timeout=-1.0: expected seconds > 0, or 0"):
+        load_config(None, ["data.shards=/x", "data.batch_timeout=-1"])
 
 
 def test_auto_workers(monkeypatch):

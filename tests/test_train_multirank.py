@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -345,3 +346,36 @@ def test_evaluation_during_training_np2(runs):
     assert r0["code"] != 0 and "[rank 0] error" in r0["log"] and "missing.h5" in r0["log"], r0["log"]
     assert r1["code"] != 0 and "[rank 1] error" not in r1["log"], r1["log"]
     assert not os.path.exists(os.path.join(runs.folder("eval-missing"), "checkpoints"))
+
+
+def test_a_stuck_loader_worker_ends_the_job_naming_it(small_run_shards, tmp_path):
+    """Rank 0's loader worker is stopped (SIGSTOP: alive, sending nothing, as on a stalled file system) before
+    step 4 under horovodrun, which bounds no late rank: before, both ranks waited for ever. Now rank 0 stops
+    after data.batch_timeout (2 s, once its 4 prefetched batches are used), naming the worker and its state,
+    kills it, and exits; rank 1 hears it gone (the heartbeat, 5 s) and ends too."""
+    from conftest import small_run_argv
+    args = small_run_argv(small_run_shards, tmp_path / "run", 40, ["data.workers=1", "data.batch_timeout=2"])
+    t0 = time.monotonic()
+    proc = run_hvd(2, args, check=False, timeout=120, env={"HVD_PARTIALFC_FAULT": "hang-worker@3:0"})
+    took = time.monotonic() - t0
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "injected hang-worker before step 4" in text, text[-4000:]
+    assert "LoaderStalled: rank 0: no batch from its loader workers in 2 s (data.batch_timeout)" in text, text[-4000:]
+    assert "stopped (T) (killed)" in text and "Traceback" not in text, text[-4000:]
+    assert "lost peer rank 0" in text, text[-4000:]
+    assert took < 60, took
+    assert not any("hvd_partialfc" in " ".join(p) for p in _stopped_processes())
+
+
+def _stopped_processes():
+    """The command lines of this machine's stopped processes (a worker left behind would be one)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except (OSError, IndexError):
+            continue
+        if state == "T":
+            out.append(cmd)
+    return out

@@ -223,11 +223,12 @@ class AugmentedBatches:
 
 def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: int = 0,
                 start: int = 0, pin_memory: bool = False, augment: Sequence[str] = (),
-                decode: str = "cpu") -> Tuple[DataLoader, int]:
+                decode: str = "cpu", timeout: float = 0.0) -> Tuple[DataLoader, int]:
     """(endless DataLoader over the rank's samples, steps per epoch on this rank). ``augment``: the
     ``data.augment`` list (augment.py), seeded by (``seed``, rank, batch index). ``decode``: ``cpu`` (the
     workers decode and augment) or ``gpu`` (they send the encoded bytes and the flip decisions, decoded by
-    ``prepare_batch`` on the device: device_decode.py; ``device_decode.choose_decode`` says when it applies)."""
+    ``prepare_batch`` on the device: device_decode.py; ``device_decode.choose_decode`` says when it applies).
+    ``timeout``: with workers, the most seconds one batch may take (0: no limit); ``named_stalls`` says it."""
     batches = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
     sampler = NumberedBatches(batches)
     batch_augment = BatchAugment(augment, seed, dataset.rank, dataset.kind)
@@ -239,8 +240,59 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
         workers_keep_inherited_objects()
     loader = DataLoader(source, sampler=sampler, batch_size=None, num_workers=workers,
                         pin_memory=pin_memory, persistent_workers=workers > 0,
-                        prefetch_factor=4 if workers > 0 else None, generator=generator)
+                        prefetch_factor=4 if workers > 0 else None, generator=generator,
+                        timeout=timeout if workers > 0 else 0)
     return loader, batches.steps_per_epoch
+
+
+class LoaderStalled(RuntimeError):
+    """No batch from the rank's loader workers within ``data.batch_timeout``."""
+
+
+_STATES = {"D": "in uninterruptible I/O (D: a stalled disk or network file system)", "T": "stopped (T)",
+           "t": "stopped by a debugger (t)", "S": "sleeping (S)", "R": "running (R)", "Z": "a zombie (Z)"}
+
+
+def _end_workers() -> str:
+    """This process's multiprocessing children (while it trains: the loader's workers), their kernel states,
+    then SIGKILL to each: the rank is ending, and at exit Python joins its children, which a stuck one
+    (stopped, or in a file system's wait) would make wait for ever; SIGKILL ends a stopped process at once
+    and one in a killable wait (NFS's) when the wait returns."""
+    import multiprocessing
+    import signal
+    out = []
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        out.append(f"pid {child.pid} {_STATES.get(state, state)}")
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return "; ".join(out) or "none alive"
+
+
+def named_stalls(batches: Iterator, rank: int, timeout: float) -> Iterator:
+    """``batches`` (a DataLoader's iterator), with its timeout said as what it means: a worker that is alive
+    but sends nothing (a read stuck on a stalled file system, a lock held across the fork) would otherwise hold
+    the job until a collective's timeout, or for ever under Horovod, which bounds none (docs/engines.md)."""
+    while True:
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):
+                raise
+            raise LoaderStalled(
+                f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); workers: "
+                f"{_end_workers()} (killed). A worker is stuck (a stalled file system, a deadlock): this rank "
+                "stops, so the job ends or restarts from its last checkpoint instead of waiting; if one batch "
+                "can really take this long, raise data.batch_timeout") from None
+        yield item
 
 
 def resolve_workers(workers: int, local_size: int) -> int:

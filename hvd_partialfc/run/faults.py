@@ -18,6 +18,8 @@ ranks). STEP counts completed optimizer steps. Kinds:
                        previous checkpoint valid;
 * ``kill-in-memory``   SIGKILL the rank in the middle of the memory snapshot of step STEP (its own copy
                        written, its buddy's not sent): the previous snapshot must be the one recovered;
+* ``hang-worker``      SIGSTOP to the rank's loader workers before step STEP+1 (a worker alive but stuck, as on
+                       a stalled file system: ``data.batch_timeout`` must end the rank, naming them);
 * ``slow``             from step STEP+1 on, each step takes ``HVD_PARTIALFC_SLOW_FACTOR`` (F, default 2) times
                        the rank's own work: after its step the rank works (small matrix products on its own
                        thread) for F - 1 times that step's own time (run/stragglers.py measures it; on the CPU,
@@ -43,7 +45,8 @@ from typing import List, Optional, Tuple
 
 ENV = "HVD_PARTIALFC_FAULT"
 FILE_ENV = "HVD_PARTIALFC_FAULT_FILE"
-KINDS = ("raise", "kill", "sigterm", "sigint", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory", "slow")
+KINDS = ("raise", "kill", "sigterm", "sigint", "stall", "pause-after-ckpt", "pause-in-ckpt", "kill-in-memory", "slow",
+         "hang-worker")
 SLOW_FACTOR = "HVD_PARTIALFC_SLOW_FACTOR"
 
 
@@ -115,6 +118,12 @@ def before_step(step: int, rank: int) -> None:
             os.kill(os.getpid(), sig)
     if active("stall", step, rank):
         time.sleep(float(os.environ.get("HVD_PARTIALFC_STALL_SECONDS", "30")))
+    if active("hang-worker", step, rank):
+        import multiprocessing
+        pids = [c.pid for c in multiprocessing.active_children()]
+        print(f"[rank {rank}] injected hang-worker before step {step + 1}: SIGSTOP to {pids}", flush=True)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
 
 
 def slow_work(step: int, rank: int, own_s: float) -> None:

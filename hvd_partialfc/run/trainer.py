@@ -27,6 +27,7 @@ from .metrics_log import LoaderWatch, MetricsLog
 from .preempt import StopSignals
 from .sample_watch import SampleWatch
 from .stragglers import Stragglers
+from ..data.loader import named_stalls
 from ..data.shards import ShardError
 from ..verification.evaluator import EvaluationError
 
@@ -109,7 +110,8 @@ class Trainer:
             self.step.on_phase = watch.phases(on_phase)   # on a GPU: the averaging's stall on its clock
             with StopSignals() as signals:
                 # after the handlers: forked workers inherit them
-                batches = watch.batches(self.sample_watch.batches(iter(self.loader)))
+                batches = watch.batches(self.sample_watch.batches(
+                    named_stalls(iter(self.loader), comm.rank, cfg.data.batch_timeout)))
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
                     out = watch.timed(step, self.train_step, step, batches)   # its own time: stragglers.py
