@@ -5,8 +5,8 @@ finalizer can need what a fork does not copy: onnxruntime's session joins its th
 child those threads do not exist. Seen in this project's suite: a DataLoader worker collected a session left
 in a cycle by an earlier ONNX check in the same process and waited for the join forever, and the trainer for
 its batch. ``gc.freeze()`` right after the fork, in the child, moves every inherited object out of the
-collector's reach (the parent still collects its own; the child frees them at its exit, as a worker's ``os._exit``
-does anyway); objects the child makes are collected as usual. Python's documentation gives ``gc.freeze`` for
+collector's reach (the parent still collects its own; the child never frees them, as a worker that ends in
+``os._exit`` would not anyway); objects the child makes are collected as usual. Python's documentation gives ``gc.freeze`` for
 the pages it keeps shared after a fork too (the collector no longer writes to inherited objects' headers).
 """
 from __future__ import annotations
