@@ -352,7 +352,8 @@ def test_a_stuck_loader_worker_ends_the_job_naming_it(small_run_shards, tmp_path
     """Rank 0's loader worker is stopped (SIGSTOP: alive, sending nothing, as on a stalled file system) before
     step 4 under horovodrun, which bounds no late rank: before, both ranks waited for ever. Now rank 0 stops
     after data.batch_timeout (2 s, once its 4 prefetched batches are used), naming the worker and its state,
-    kills it, and exits; rank 1 hears it gone (the heartbeat, 5 s) and ends too."""
+    kills it, and exits; rank 1 hears it gone (the heartbeat, 5 s) and ends too. DataLoader's own timeout did
+    not do it: it bounds the queue's poll, and the batch's tensors are then fetched from the stopped worker."""
     from conftest import small_run_argv
     args = small_run_argv(small_run_shards, tmp_path / "run", 40, ["data.workers=1", "data.batch_timeout=2"])
     t0 = time.monotonic()
@@ -361,7 +362,7 @@ def test_a_stuck_loader_worker_ends_the_job_naming_it(small_run_shards, tmp_path
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "injected hang-worker before step 4" in text, text[-4000:]
     assert "LoaderStalled: rank 0: no batch from its loader workers in 2 s (data.batch_timeout)" in text, text[-4000:]
-    assert "stopped (T) (killed)" in text and "Traceback" not in text, text[-4000:]
+    assert "stopped (T) (killed)" in text and "<stderr>:Traceback" not in text, text[-4000:]   # horovodrun's own may
     assert "lost peer rank 0" in text, text[-4000:]
     assert took < 60, took
     assert not any("hvd_partialfc" in " ".join(p) for p in _stopped_processes())

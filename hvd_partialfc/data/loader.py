@@ -22,6 +22,8 @@ Contract:
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import h5py
@@ -223,12 +225,11 @@ class AugmentedBatches:
 
 def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: int = 0,
                 start: int = 0, pin_memory: bool = False, augment: Sequence[str] = (),
-                decode: str = "cpu", timeout: float = 0.0) -> Tuple[DataLoader, int]:
+                decode: str = "cpu") -> Tuple[DataLoader, int]:
     """(endless DataLoader over the rank's samples, steps per epoch on this rank). ``augment``: the
     ``data.augment`` list (augment.py), seeded by (``seed``, rank, batch index). ``decode``: ``cpu`` (the
     workers decode and augment) or ``gpu`` (they send the encoded bytes and the flip decisions, decoded by
-    ``prepare_batch`` on the device: device_decode.py; ``device_decode.choose_decode`` says when it applies).
-    ``timeout``: with workers, the most seconds one batch may take (0: no limit); ``named_stalls`` says it."""
+    ``prepare_batch`` on the device: device_decode.py; ``device_decode.choose_decode`` says when it applies)."""
     batches = EpochBatchSampler(len(dataset), batch_size, seed, dataset.rank, start)
     sampler = NumberedBatches(batches)
     batch_augment = BatchAugment(augment, seed, dataset.rank, dataset.kind)
@@ -240,8 +241,7 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
         workers_keep_inherited_objects()
     loader = DataLoader(source, sampler=sampler, batch_size=None, num_workers=workers,
                         pin_memory=pin_memory, persistent_workers=workers > 0,
-                        prefetch_factor=4 if workers > 0 else None, generator=generator,
-                        timeout=timeout if workers > 0 else 0)
+                        prefetch_factor=4 if workers > 0 else None, generator=generator)
     return loader, batches.steps_per_epoch
 
 
@@ -276,23 +276,45 @@ def _end_workers() -> str:
 
 
 def named_stalls(batches: Iterator, rank: int, timeout: float) -> Iterator:
-    """``batches`` (a DataLoader's iterator), with its timeout said as what it means: a worker that is alive
-    but sends nothing (a read stuck on a stalled file system, a lock held across the fork) would otherwise hold
-    the job until a collective's timeout, or for ever under Horovod, which bounds none (docs/engines.md)."""
-    while True:
-        try:
-            item = next(batches)
-        except StopIteration:
-            return
-        except RuntimeError as e:
-            if not str(e).startswith("DataLoader timed out"):
-                raise
-            raise LoaderStalled(
-                f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); workers: "
-                f"{_end_workers()} (killed). A worker is stuck (a stalled file system, a deadlock): this rank "
-                "stops, so the job ends or restarts from its last checkpoint instead of waiting; if one batch "
-                "can really take this long, raise data.batch_timeout") from None
-        yield item
+    """``batches`` (a DataLoader's iterator), each wait for one bounded by ``timeout`` seconds (0: none). A
+    worker that is alive but sends nothing (a read stuck on a stalled file system, a lock held across the
+    fork) would otherwise hold the job until a collective's timeout, or for ever under Horovod, which bounds
+    none (docs/engines.md). A watcher thread (it looks once a second) ends the workers of a wait that runs
+    over, which ends the wait wherever it is: DataLoader's own ``timeout`` bounds only the queue's poll, and
+    a batch's tensors are then fetched from the worker that made them (their file descriptors), which in the
+    test of this hung for ever with the worker stopped. The wait's error is then this rank's LoaderStalled."""
+    if timeout <= 0:
+        yield from batches
+        return
+    waiting, ended, stop = [None], [], threading.Event()
+
+    def watch():
+        while not stop.wait(min(1.0, timeout / 4)):
+            since = waiting[0]
+            if since is not None and not ended and time.monotonic() - since > timeout:
+                ended.append(_end_workers())
+    threading.Thread(target=watch, daemon=True, name="loader-stall-watch").start()
+    try:
+        while True:
+            waiting[0] = time.monotonic()
+            try:
+                item = next(batches)
+            except StopIteration:
+                return
+            except Exception:   # noqa: BLE001 (the ended workers' error: said as the stall it is)
+                if not ended:
+                    raise
+            finally:
+                waiting[0] = None
+            if ended:
+                raise LoaderStalled(
+                    f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); "
+                    f"workers: {ended[0]} (killed). A worker is stuck (a stalled file system, a deadlock): this "
+                    "rank stops, so the job ends or restarts from its last checkpoint instead of waiting; if "
+                    "one batch can really take this long, raise data.batch_timeout")
+            yield item
+    finally:
+        stop.set()
 
 
 def resolve_workers(workers: int, local_size: int) -> int:

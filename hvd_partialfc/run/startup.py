@@ -181,8 +181,7 @@ def start_trainer(cfg, comm) -> Trainer:
     loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed,
                             resolve_workers(cfg.data.workers, comm.local_size),
                             start=length.loader_start(start_step, data.local_batches, passes),
-                            pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode,
-                            timeout=cfg.data.batch_timeout)
+                            pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode)
     checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm,
                                      run_info_of(cfg, m, data.identity))
     # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).

@@ -111,7 +111,8 @@ class Trainer:
             with StopSignals() as signals:
                 # after the handlers: forked workers inherit them
                 batches = watch.batches(self.sample_watch.batches(
-                    named_stalls(iter(self.loader), comm.rank, cfg.data.batch_timeout)))
+                    named_stalls(iter(self.loader), comm.rank,
+                                 cfg.data.batch_timeout if self.loader.num_workers > 0 else 0)))
                 for step in range(self.start_step, self.total_steps):
                     faults.before_step(step, comm.rank)
                     out = watch.timed(step, self.train_step, step, batches)   # its own time: stragglers.py
