@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import h5py
@@ -253,13 +252,9 @@ _STATES = {"D": "in uninterruptible I/O (D: a stalled disk or network file syste
            "t": "stopped by a debugger (t)", "S": "sleeping (S)", "R": "running (R)", "Z": "a zombie (Z)"}
 
 
-def _end_workers() -> str:
-    """This process's multiprocessing children (while it trains: the loader's workers), their kernel states,
-    then SIGKILL to each: the rank is ending, and at exit Python joins its children, which a stuck one
-    (stopped, or in a file system's wait) would make wait for ever; SIGKILL ends a stopped process at once
-    and one in a killable wait (NFS's) when the wait returns."""
+def _workers() -> List[Tuple[int, str]]:
+    """This process's multiprocessing children (while it trains: the loader's workers) and their kernel states."""
     import multiprocessing
-    import signal
     out = []
     for child in multiprocessing.active_children():
         try:
@@ -267,54 +262,66 @@ def _end_workers() -> str:
                 state = f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             state = "?"
-        out.append(f"pid {child.pid} {_STATES.get(state, state)}")
+        out.append((child.pid, f"pid {child.pid} {_STATES.get(state, state)}"))
+    return out
+
+
+class _Expired(BaseException):
+    """SIGALRM's: a batch's wait ran over (a BaseException: no ``except Exception`` on the way swallows it)."""
+
+
+def _end_workers(rank: int, timeout: float) -> str:
+    """The stall's line, after SIGKILL to every worker: Python joins its children at exit, which a stopped worker
+    would hold for ever (SIGKILL ends a stopped process at once, one in a killable wait, NFS's, when the wait
+    returns). torch's SIGCHLD handler is set aside first: it would raise its own error for each killed worker
+    wherever this rank then is, its error report included (seen in the test of this)."""
+    import signal
+    workers = _workers()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for pid, _ in workers:
         try:
-            os.kill(child.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    return "; ".join(out) or "none alive"
+    return (f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); workers: "
+            f"{'; '.join(w for _, w in workers) or 'none alive'} (killed). A worker is stuck (a stalled file "
+            "system, a deadlock): this rank stops, so the job ends or restarts from its last checkpoint instead "
+            "of waiting; if one batch can really take this long, raise data.batch_timeout")
 
 
 def named_stalls(batches: Iterator, rank: int, timeout: float) -> Iterator:
     """``batches`` (a DataLoader's iterator), each wait for one bounded by ``timeout`` seconds (0: none). A
     worker that is alive but sends nothing (a read stuck on a stalled file system, a lock held across the
     fork) would otherwise hold the job until a collective's timeout, or for ever under Horovod, which bounds
-    none (docs/engines.md). A watcher thread (it looks once a second) ends the workers of a wait that runs
-    over, which ends the wait wherever it is: DataLoader's own ``timeout`` bounds only the queue's poll, and
-    a batch's tensors are then fetched from the worker that made them (their file descriptors), which in the
-    test of this hung for ever with the worker stopped. The wait's error is then this rank's LoaderStalled."""
-    if timeout <= 0:
+    none (docs/engines.md). The bound is SIGALRM's (``setitimer``, armed around each wait): its handler's
+    exception ends the wait wherever it is. DataLoader's own ``timeout`` bounds only its queue's poll, and a
+    batch's tensors are then fetched from the worker that made them (their file descriptors): with that worker
+    stopped, the test of this hung for ever. A thread that killed the workers instead ended the wait, but each
+    killed worker's SIGCHLD then raised torch's error wherever the rank was. The main thread only (signals);
+    elsewhere (``simulate``'s ranks, which have no workers) the wait is not bounded."""
+    import signal
+    if timeout <= 0 or threading.current_thread() is not threading.main_thread():
         yield from batches
         return
-    waiting, ended, stop = [None], [], threading.Event()
 
-    def watch():
-        while not stop.wait(min(1.0, timeout / 4)):
-            since = waiting[0]
-            if since is not None and not ended and time.monotonic() - since > timeout:
-                ended.append(_end_workers())
-    threading.Thread(target=watch, daemon=True, name="loader-stall-watch").start()
+    def expired(signum, frame):
+        raise _Expired()
+    previous = signal.signal(signal.SIGALRM, expired)
     try:
         while True:
-            waiting[0] = time.monotonic()
             try:
-                item = next(batches)
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                try:
+                    item = next(batches)
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
             except StopIteration:
                 return
-            except Exception:   # noqa: BLE001 (the ended workers' error: said as the stall it is)
-                if not ended:
-                    raise
-            finally:
-                waiting[0] = None
-            if ended:
-                raise LoaderStalled(
-                    f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); "
-                    f"workers: {ended[0]} (killed). A worker is stuck (a stalled file system, a deadlock): this "
-                    "rank stops, so the job ends or restarts from its last checkpoint instead of waiting; if "
-                    "one batch can really take this long, raise data.batch_timeout")
+            except _Expired:
+                raise LoaderStalled(_end_workers(rank, timeout)) from None
             yield item
     finally:
-        stop.set()
+        signal.signal(signal.SIGALRM, previous)
 
 
 def resolve_workers(workers: int, local_size: int) -> int:
