@@ -271,10 +271,10 @@ class Link:
             return body
         raise _Impostor("an answer not signed by this start of the job (another process on the rank's port?)")
 
-    def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket, bytes]:
+    def _request(self, peer: Tuple[str, int], header: dict, payload: str = "") -> Tuple[dict, socket.socket]:
         """One request, signed; ``payload``: a file sent after the header (sendfile: no copy in this process).
         A connection closed before the answer is tried again (a flood evicted it); a refusal is not, nor an
-        answer that is not this start's. Returns the answer, the connection and its nonce."""
+        answer that is not this start's."""
         body, last = dict(header, rank=self.rank), None
         for attempt in range(ATTEMPTS):
             conn = None
@@ -300,24 +300,24 @@ class Link:
             if not answer.get("ok"):
                 conn.close()
                 raise LinkError(f"{peer[0]}:{peer[1]}: {answer.get('error')}")
-            return answer, conn, nonce
+            return answer, conn
         raise LinkError(f"{peer[0]}:{peer[1]}: no answer in {ATTEMPTS} tries ({last})")
 
     def put(self, peer: Tuple[str, int], step: int, name: str, path: str) -> None:
         """File ``path`` into ``peer``'s node as ``name`` of this segment's snapshot of ``step``; returns once it
         is written there."""
-        _, conn, _ = self._request(peer, {"op": "put", "segment": self.store.segment, "step": step, "name": name,
-                                          "size": os.path.getsize(path), "sha256": file_sha256(path)}, path)
+        _, conn = self._request(peer, {"op": "put", "segment": self.store.segment, "step": step, "name": name,
+                                       "size": os.path.getsize(path), "sha256": file_sha256(path)}, path)
         conn.close()
 
     def note(self, peer: Tuple[str, int], **what) -> None:
         """A small message for ``peer``'s ``on_note`` (no payload)."""
-        _, conn, _ = self._request(peer, dict(what, op="note"))
+        _, conn = self._request(peer, dict(what, op="note"))
         conn.close()
 
     def get(self, peer: Tuple[str, int], key: Tuple[str, int], name: str, f) -> None:
         """File ``name`` of ``peer``'s node's snapshot ``key`` (segment, step), written into the open file ``f``."""
-        answer, conn, _ = self._request(peer, {"op": "get", "segment": key[0], "step": key[1], "name": name})
+        answer, conn = self._request(peer, {"op": "get", "segment": key[0], "step": key[1], "name": name})
         with conn:
             size, digest = answer.get("size"), answer.get("sha256")
             if not isinstance(size, int) or size < 0 or not _is_digest(digest):
