@@ -171,12 +171,17 @@ def snapshots_left(roots):
 
 
 def test_the_crash_left_a_committed_snapshot_and_a_partial_one(crashed):
-    """Before any restart: every node committed step 20; step 24 is partial where anything of it landed."""
+    """Before any restart: every node committed step 20; step 24 is partial where anything of it landed: on
+    node 1 always (rank 1 wrote its own copy, then was killed); on the others only if their landing thread (at
+    low priority) wrote before the heartbeat ended their rank (it did not, once in a make test beside the other
+    half of the suite: the test asked for step 24 on every node then)."""
     segments = set()
     for i in range(3):
         [store] = snapshots_left([crashed / f"node{i}"])
         names = [n for n in os.listdir(store) if n.startswith("step-")]
-        assert len(names) == 2 and {n.split(".")[0] for n in names} == {"step-00000020", "step-00000024"}, names
+        steps = {n.split(".")[0] for n in names}
+        assert len(names) == len(steps) and steps in ({"step-00000020", "step-00000024"},
+                                                      *([{"step-00000020"}] if i != 1 else [])), names
         assert [n for n in names if n.endswith(".partial")] == [n for n in names if n.startswith("step-00000024")]
         segments |= {n.split(".")[1] for n in names}
     assert len(segments) == 1                       # one start: one segment on every node
