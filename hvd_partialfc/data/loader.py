@@ -309,7 +309,7 @@ def named_stalls(batches: Iterator, rank: int, timeout: float) -> Iterator:
     previous = signal.signal(signal.SIGALRM, expired)
     try:
         while True:
-            try:
+            try:       # the disarm inside the outer try: an alarm that lands in it is still the stall
                 signal.setitimer(signal.ITIMER_REAL, timeout)
                 try:
                     item = next(batches)

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .model_registry import register_model
+from .model_registry import register_variant
 from .recompute import run_segment
 
 LAYOUTS = {"iresnet18": (2, 2, 2, 2), "iresnet34": (3, 4, 6, 3), "iresnet50": (3, 4, 14, 3),
@@ -123,10 +123,8 @@ def _register(name: str) -> None:
               blocks: Optional[Sequence[int]] = None) -> nn.Module:
         return IResNet(LAYOUTS[name] if blocks is None else blocks, embedding_dim, face_input_channels(name, in_shape),
                        dropout, zero_init_residual, checkpoint_activations)
-    build.__name__ = name
-    build.__doc__ = (f"arcface_torch's {name}: blocks per stage {LAYOUTS[name]} (``blocks``: others, e.g. (1, 1, 1, 1) "
-                     f"for a CPU-sized test), widths {WIDTHS}, 112x112 input.")
-    register_model(name)(build)
+    register_variant(name, build, f"arcface_torch's {name}: blocks per stage {LAYOUTS[name]} (``blocks``: others, e.g. "
+                                  f"(1, 1, 1, 1) for a CPU-sized test), widths {WIDTHS}, 112x112 input.")
 
 
 for _name in LAYOUTS:

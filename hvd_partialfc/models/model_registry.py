@@ -19,6 +19,12 @@ def register_model(name: str):
     return deco
 
 
+def register_variant(name: str, build: Callable[..., nn.Module], doc: str) -> None:
+    """A family's builder made in a loop (iresnet50, vit_b, ...): named ``name``, documented, registered."""
+    build.__name__, build.__doc__ = name, doc
+    register_model(name)(build)
+
+
 def list_models():
     return sorted(_MODELS)
 

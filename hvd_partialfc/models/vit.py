@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .model_registry import register_model
+from .model_registry import register_variant
 from .recompute import run_segment
 
 PATCH = 9
@@ -165,10 +165,8 @@ def _register(name: str) -> None:
               depth: int = depth, checkpoint_activations: bool = False) -> nn.Module:
         size, channels = vit_input(name, in_shape)
         return FaceViT(dim, depth, heads, drop_path, mask_ratio, embedding_dim, size, channels, checkpoint_activations)
-    build.__name__ = name
-    build.__doc__ = (f"arcface_torch's {name}: width {dim}, {depth} blocks, {heads} heads, drop path {dp}, mask ratio "
-                     f"{mask} (``depth``: fewer blocks for a CPU-sized test).")
-    register_model(name)(build)
+    register_variant(name, build, f"arcface_torch's {name}: width {dim}, {depth} blocks, {heads} heads, drop path "
+                                  f"{dp}, mask ratio {mask} (``depth``: fewer blocks for a CPU-sized test).")
 
 
 for _name in VARIANTS:

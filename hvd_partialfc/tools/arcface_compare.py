@@ -208,8 +208,8 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memo
             _sync(device)
             rounds[name].append(1e3 * (time.perf_counter() - t0) / a.steps)
             if mem:
-                peaks[name] = max(peaks.get(name, 0), mem.peak())
-                rises[name] = max(rises.get(name, 0), mem.peak() - held)
+                top = mem.peak()
+                peaks[name], rises[name] = max(peaks.get(name, 0), top), max(rises.get(name, 0), top - held)
     result = {}
     for name, c in contenders.items():
         if "error" in c:
