@@ -76,6 +76,40 @@ def _impostors(template_class: np.ndarray, want: int, rng: np.random.Generator) 
     return np.array(sorted(chosen), dtype=np.int64)
 
 
+def _write_templates(tmp: str, images: np.ndarray, labels: np.ndarray, rng: np.random.Generator, templates: int,
+                     max_media: int, max_frames: int, canvas: int, rotation: float, scale: Tuple[float, float],
+                     landmark_noise: float) -> Tuple[List[str], List[str], List[int], int]:
+    """Each class's ``templates`` templates (1..``max_media`` media of 1..``max_frames`` loose crops each), the
+    crops written to ``tmp/loose_crop``: the 5-point rows, the (file, template, media) rows, each template's
+    class and the media count. One generator in one order, so a seed gives the same set."""
+    h, w = images.shape[1:3]
+    tmpl = arcface_template(h, w)
+    rows_5pts: List[str] = []
+    rows_tid: List[str] = []
+    template_class: List[int] = []
+    media_id = 0
+    for c in np.unique(labels):
+        pool = rng.permutation(np.flatnonzero(labels == c))
+        used = 0
+        for _ in range(templates):
+            template_class.append(int(c))
+            tid = len(template_class)
+            for _ in range(int(rng.integers(1, max_media + 1))):
+                media_id += 1
+                sample = images[pool[used % len(pool)]]
+                used += 1
+                for _ in range(int(rng.integers(1, max_frames + 1))):
+                    crop, m = _frame(sample, rng, canvas, rotation, scale)
+                    pts = apply_transform(m, tmpl) + rng.normal(0.0, landmark_noise, (5, 2)) * np.sqrt(
+                        abs(np.linalg.det(m[:, :2])))
+                    file = f"{len(rows_5pts) + 1}.png"
+                    crop.save(os.path.join(tmp, "loose_crop", file))
+                    score = rng.uniform(0.6, 1.0)
+                    rows_5pts.append(file + " " + " ".join(f"{v:.3f}" for v in pts.reshape(-1)) + f" {score:.4f}")
+                    rows_tid.append(f"{file} {tid} {media_id}")
+    return rows_5pts, rows_tid, template_class, media_id
+
+
 def write_glyph_ijb(images: np.ndarray, labels: Sequence[int], out: str, name: str = "IJBC", seed: int = 0,
                     templates: int = 3, max_media: int = 2, max_frames: int = 2, rotation: float = 25.0,
                     scale: Tuple[float, float] = (0.8, 1.5), landmark_noise: float = 0.3,
@@ -92,33 +126,12 @@ def write_glyph_ijb(images: np.ndarray, labels: Sequence[int], out: str, name: s
     rng = np.random.default_rng(seed)
     h, w = images.shape[1:3]
     canvas = int(math.ceil(max(h, w) * scale[1] * math.sqrt(2))) + 4
-    tmpl = arcface_template(h, w)
     paths = meta_paths(out, name)
-    rows_5pts: List[str] = []
-    rows_tid: List[str] = []
-    template_class: List[int] = []
-    media_id = 0
     with AtomicShardDir(out, overwrite) as tmp:
         os.makedirs(os.path.join(tmp, "loose_crop"))
         os.makedirs(os.path.join(tmp, "meta"))
-        for c in np.unique(labels):
-            pool = rng.permutation(np.flatnonzero(labels == c))
-            used = 0
-            for _ in range(templates):
-                template_class.append(int(c))
-                tid = len(template_class)
-                for _ in range(int(rng.integers(1, max_media + 1))):
-                    media_id += 1
-                    sample = images[pool[used % len(pool)]]
-                    used += 1
-                    for _ in range(int(rng.integers(1, max_frames + 1))):
-                        crop, m = _frame(sample, rng, canvas, rotation, scale)
-                        pts = apply_transform(m, tmpl) + rng.normal(0.0, landmark_noise, (5, 2)) * np.sqrt(abs(np.linalg.det(m[:, :2])))
-                        file = f"{len(rows_5pts) + 1}.png"
-                        crop.save(os.path.join(tmp, "loose_crop", file))
-                        score = rng.uniform(0.6, 1.0)
-                        rows_5pts.append(file + " " + " ".join(f"{v:.3f}" for v in pts.reshape(-1)) + f" {score:.4f}")
-                        rows_tid.append(f"{file} {tid} {media_id}")
+        rows_5pts, rows_tid, template_class, media_id = _write_templates(
+            tmp, images, labels, rng, templates, max_media, max_frames, canvas, rotation, scale, landmark_noise)
         cls = np.asarray(template_class)
         gi, gj = np.triu_indices(len(cls), 1)
         genuine = np.stack([gi, gj], 1)[cls[gi] == cls[gj]]

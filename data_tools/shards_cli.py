@@ -234,14 +234,9 @@ EXAMPLES = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from hvd_partialfc.cli_support import finish_subcommands
+def _build_subcommand(sub) -> None:
+    """build: its common options, then the fonts importer's own group."""
     from .importers import list_importers
-    p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Examples:\n  " + EXAMPLES["build"][0] + "\n  " + EXAMPLES["inspect"][0]
-                                       + "\n  hvd-partialfc-shards SUBCOMMAND --help")
-    sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="write a shard set from a source")
     b.add_argument("format", choices=list_importers())
     b.add_argument("source", nargs="?", help="folder, list file, npz, RecordIO prefix (fonts: none)")
@@ -267,7 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--part", help="K/M: write only part K (from 1) of M of the shards (recordio, list, "
                    "imagefolder); default: the launcher's rank/size (Open MPI, PMI, Slurm tasks or array); "
                    "then `assemble OUT`")
-    f = b.add_argument_group("fonts")
+    _fonts_arguments(b.add_argument_group("fonts"))
+    b.set_defaults(fn=_build)
+
+
+def _fonts_arguments(f) -> None:
+    """build's options that only the fonts importer reads."""
     f.add_argument("--charset", default="gb2312-1", help="gb2312-1, jis-1, cjk (U+4E00-9FFF and U+3400-4DBF), "
                    "or a UTF-8 file of characters")
     f.add_argument("--samples-per-font", type=int, default=1)
@@ -284,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "earlier one of the character; 0 = only pixel-equal ones")
     f.add_argument("--min-samples", type=int, default=0,
                    help="top every kept character up to N samples with augmented renderings")
-    b.set_defaults(fn=_build)
+
+
+def _shard_set_parsers(sub) -> None:
+    """assemble and inspect: the subcommands that finish or check a written shard set."""
     a = sub.add_parser("assemble", help="write the manifests of a build done in parts (--part K/M)")
     a.add_argument("out", help="the --out of the build")
     a.add_argument("--overwrite", action="store_true", help="replace an existing set at OUT (or its held-out "
@@ -300,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(exit status 1 when there are some)")
     i.add_argument("--workers", type=int, default=0, help="--decode: processes (default: all cores)")
     i.set_defaults(fn=_inspect)
+
+
+def _evaluation_set_parsers(sub) -> None:
+    """pairs and ijb: the subcommands that turn held-out classes into evaluation sets."""
     q = sub.add_parser("pairs", help="verification pairs from held-out classes; .bin/.h5 conversion")
     q.add_argument("source", help="a shard set (held-out classes), or a .bin/.h5 pair file to convert")
     q.add_argument("--out", required=True, help=".h5 (hvd_partialfc pair set) or .bin (LFW style)")
@@ -316,6 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--seed", type=int, default=0)
     j.add_argument("--overwrite", action="store_true")
     j.set_defaults(fn=_ijb)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hvd_partialfc.cli_support import finish_subcommands
+    p = argparse.ArgumentParser(prog="hvd-partialfc-shards", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Examples:\n  " + EXAMPLES["build"][0] + "\n  " + EXAMPLES["inspect"][0]
+                                       + "\n  hvd-partialfc-shards SUBCOMMAND --help")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _build_subcommand(sub)
+    _shard_set_parsers(sub)
+    _evaluation_set_parsers(sub)
     finish_subcommands("hvd-partialfc-shards", sub, EXAMPLES)
     return p
 

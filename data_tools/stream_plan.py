@@ -21,19 +21,10 @@ BLOCK_BYTES = 4 << 20          # decoded bytes per block (raw): bounds memory pe
 
 
 
-def make_plan(index: SampleIndex, opts, shape: List[int]) -> Tuple[Dict[str, Any], np.ndarray, np.ndarray]:
-    """(plan, labels int32 (N,): global label in its set, item int32 (N,): work item of each sample).
-
-    A work item's rows are found when it is written (`np.flatnonzero(item == j)`, input order): one
-    scan of 4 bytes/sample per shard instead of an argsort kept for the whole build (8 bytes/sample,
-    and its workspace: together ~20 bytes/sample of the peak, measured at 5M samples).
-
-    The plan (JSON) holds what the manifests need; work item j is shard j of the training set for
-    j < num_shards, then the held-out set's shards.
-    """
-    n_cls = len(index.classes)
-    if len(index) == 0:
-        raise ShardError("no classes: the source holds no samples")
+def _split_sets(n_cls: int, opts) -> List[Tuple[str, np.ndarray, int, str]]:
+    """The sets to write, (name, member classes (bool, n_cls), shards, folder): the training set, and the
+    held-out one when ``--holdout`` asks (its classes drawn as build.split_holdout draws them); each must have
+    a class for every shard."""
     held = np.zeros(n_cls, bool)
     if opts.holdout:
         if not 0 < opts.holdout < 1:
@@ -51,6 +42,23 @@ def make_plan(index: SampleIndex, opts, shape: List[int]) -> Tuple[Dict[str, Any
         if members.sum() < shards:
             raise ShardError(f"fewer classes than shards: {int(members.sum())} classes cannot fill {shards} "
                              f"shards (need >= 1 class per shard)")
+    return sets
+
+
+def make_plan(index: SampleIndex, opts, shape: List[int]) -> Tuple[Dict[str, Any], np.ndarray, np.ndarray]:
+    """(plan, labels int32 (N,): global label in its set, item int32 (N,): work item of each sample).
+
+    A work item's rows are found when it is written (`np.flatnonzero(item == j)`, input order): one
+    scan of 4 bytes/sample per shard instead of an argsort kept for the whole build (8 bytes/sample,
+    and its workspace: together ~20 bytes/sample of the peak, measured at 5M samples).
+
+    The plan (JSON) holds what the manifests need; work item j is shard j of the training set for
+    j < num_shards, then the held-out set's shards.
+    """
+    n_cls = len(index.classes)
+    if len(index) == 0:
+        raise ShardError("no classes: the source holds no samples")
+    sets = _split_sets(n_cls, opts)
     # Everything per class first (sizes: classes), then two lookups per sample (int32 each): no per-sample
     # temporaries of the sets, which cost ~30 bytes/sample more (measured at 5M samples).
     counts = np.zeros(n_cls, np.int64)

@@ -1,7 +1,7 @@
 """A prefix of a shard set as a shard set of its own, with no data copied: a new ``manifest.json`` whose
 entries name the source's first shard files by a relative path (``../train/shard-00000-of-00256.h5``).
 
-Why: the scale study (launch/studies/scale_study.py) trains N ranks on the first N x k shards of one set so that
+Why: the scale study (scripts/studies/scale_study.py) trains N ranks on the first N x k shards of one set so that
 the classes per rank stay fixed while N grows. Shards hold contiguous label ranges starting at 0, so a
 prefix of them is a valid set: labels ``[0, label_end of the last shard)``, the source's class names cut to
 them. The loader joins an entry's ``file`` to the set's folder (``data.RankShardDataset``), so a relative

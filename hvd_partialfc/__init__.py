@@ -3,4 +3,4 @@ contiguous slice of the labels and a local classifier exactly as wide as that sl
 docs/architecture.md)."""
 __version__ = "0.1.0"
 MIN_TORCH = "2.6"     # the oldest torch supported: setup.cfg's install_requires says the same (a test keeps
-# them equal), `doctor` checks the installed one against it, launch/torch_versions.sh runs the smoke subset on it
+# them equal), `doctor` checks the installed one against it, scripts/setup/torch_versions.sh runs the smoke subset on it

@@ -42,14 +42,14 @@ def _export(args) -> int:
 
 
 def _reshard(args) -> int:
-    from .run.reshard import reshard_checkpoint
+    from .run.ckpt.reshard import reshard_checkpoint
     out = reshard_checkpoint(args.checkpoint, args.out, args.world_size)
     print(f"wrote {out} for {args.world_size} ranks; resume with --resume {out}")
     return 0
 
 
 def _upgrade(args) -> int:
-    from .run.upgrade import upgrade_run
+    from .run.ckpt.upgrade import upgrade_run
     done = upgrade_run(args.run)
     print("\n".join(f"upgraded {d}" for d in done) if done else f"{args.run}: already the current format")
     return 0
@@ -66,7 +66,7 @@ def _info(args) -> int:
     for r in s["ranks"]:
         print(f"  rank {r['rank']:>4}  labels [{r['label_start']}, {r['label_end']})  "
               f"classifier {r['classifier_shape']}  digest {r['digest'][:16]}")
-    from .run.stragglers import event_line
+    from .run.watch.stragglers import event_line
     for e in s["stragglers"]:
         print(f"  straggler {event_line(e)}")
     return 0
@@ -197,12 +197,8 @@ holds its own slice of the classifier and reads only its classes' samples; the b
 ranks (Horovod or torch.distributed). Then evaluate it (IJB-B/C, pairs, 1:N) and export it (ONNX)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hvd-partialfc", description=ABOUT,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Examples:\n  " + "\n  ".join([EXAMPLES["train"][0], EXAMPLES["eval"][1]])
-                                       + "\n  hvd-partialfc SUBCOMMAND --help")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _train_parsers(sub) -> None:
+    """train and simulate: the same options, as real ranks or as N virtual ranks in one process."""
     t = sub.add_parser("train", help="train under torchrun, horovodrun or mpirun (or alone, as one rank; train.engine, docs/engines.md)")
     _train_arguments(t)
     t.set_defaults(fn=_train)
@@ -211,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--ranks", type=int, required=True, help="virtual ranks (at most the shard count)")
     _train_arguments(m)
     m.set_defaults(fn=_simulate)
+
+
+def _checkpoint_parsers(sub) -> None:
+    """export, reshard, upgrade and info: the subcommands that read a run's checkpoints."""
     e = sub.add_parser("export", help="write a standalone backbone from a run (after checking the digests)")
     e.add_argument("run", help="run folder or checkpoint folder")
     e.add_argument("--rank", type=int, default=0, help="whose copy (all must agree)")
@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("run")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=_info)
+
+
+def _eval_parser(sub) -> None:
+    """eval: every open-set protocol a backbone is measured by (docs/evaluation.md)."""
     v = sub.add_parser("eval", help="open-set evaluation: pair sets, all pairs, IJB-B/C, 1:N identification")
     v.add_argument("--backbone", required=True, help="exported backbone file, checkpoint folder, run folder or "
                                                      ".onnx model")
@@ -261,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     v.add_argument("--out", help="output folder (default: the run/checkpoint folder, or beside the file)")
     v.set_defaults(fn=_eval)
+
+
+def _measure_parsers(sub) -> None:
+    """bench, profile and estimate: the subcommands that measure or predict a run's cost."""
     from .tools.bench import add_arguments as bench_arguments
     b = sub.add_parser("bench", help="local vs global vs replicated vs the limit, synthetic data (docs/benchmarks.md)")
     bench_arguments(b)
@@ -275,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("estimate", help="per-rank memory and per-step traffic of each mode (docs/scaling.md)")
     estimate_arguments(s)
     s.set_defaults(fn=_estimate)
+
+
+def _setup_parsers(sub) -> None:
+    """config, import-arcface and doctor: the subcommands that prepare a run."""
     c = sub.add_parser("config", help="every config key, its default, choices and what it does "
                                       "(docs/configuration.md)")
     what = c.add_mutually_exclusive_group(required=True)
@@ -295,6 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
                                       "requirement is missing")
     doctor_arguments(d)
     d.set_defaults(fn=run_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd-partialfc", description=ABOUT,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Examples:\n  " + "\n  ".join([EXAMPLES["train"][0], EXAMPLES["eval"][1]])
+                                       + "\n  hvd-partialfc SUBCOMMAND --help")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _train_parsers(sub)
+    _checkpoint_parsers(sub)
+    _eval_parser(sub)
+    _measure_parsers(sub)
+    _setup_parsers(sub)
     finish_subcommands("hvd-partialfc", sub, EXAMPLES)
     return p
 

@@ -103,12 +103,6 @@ def run_command(prog: str, args: argparse.Namespace, fn: Callable[[argparse.Name
         return report(f"{prog} {args.cmd}", err, debug_requested(args))
 
 
-# The agreement points a run passes before its first step: an agreed failure there is a user's mistake
-# (bad shards, config, checkpoint or pair set on some rank), while a later one is the run's own failure.
-BEFORE_TRAINING = ("run.lock", "setup", "memory.token", "memory.start", "memory.shared", "memory.segments",
-                   "init_backbone", "resume.find", "resume", "ckpt.prepare")
-
-
 def rank_error(err: BaseException, rank: int, size: int, args: argparse.Namespace, reporter: bool) -> int:
     """A trainer's error on ``rank`` of ``size``: its line, the traceback of a bug; returns the exit status.
 
@@ -135,7 +129,8 @@ def rank_error(err: BaseException, rank: int, size: int, args: argparse.Namespac
         line = f"{texts.pop()}{f' (every one of the {size} ranks)' if size > 1 else ''}" if alike else \
             f"{type(err).__name__}: {err}"
         print(f"[rank {rank}] error: {line}", file=sys.stderr, flush=True)
-    mistake = isinstance(err, (ConfigError, ShardError, CheckpointError)) or (agreed and err.point in BEFORE_TRAINING)
+    # an agreed failure of start-up's checks of the user's input (run/startup.py's ``checking_input``)
+    mistake = isinstance(err, (ConfigError, ShardError, CheckpointError)) or (agreed and err.before_training)
     return EXIT_USER_ERROR if mistake else 1
 
 

@@ -41,7 +41,7 @@ def done_line(ckpt: str, final_eval_error) -> str:
 
 def run_train(args) -> int:
     cfg = train_config(args)
-    from .run.resume import check_restarts_resume
+    from .run.ckpt.resume import check_restarts_resume
     check_restarts_resume(cfg.checkpoint.resume, os.environ)   # a ConfigError: one line, exit 2
     from .engine.heartbeat import Heartbeat
     from .engine.select import start_engine
@@ -54,14 +54,14 @@ def run_train(args) -> int:
     except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         return report("hvd-partialfc train", e, debug_requested(args))
-    from .run.memory import close_snapshots
-    from .run.run_lock import release
+    from .run.snapshots.memory import close_snapshots
+    from .run.watch.run_lock import release
     heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
     error, ended, leave = None, False, None
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
-        leave = trainer.eviction   # a straggler's node evicted (run/stragglers.py): its ranks stop their agent
+        leave = trainer.eviction   # a straggler's node evicted (run/watch/stragglers.py): its ranks stop their agent
         if leave:
             leave.part(comm)
         ended = True
@@ -71,18 +71,21 @@ def run_train(args) -> int:
         error = e
         return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
     finally:
+        # First a goodbye after a normal end or an agreed error; none after this rank's own error, so that its
+        # neighbour ends now, naming it, instead of waiting for it in a collective. First: a rank still letting
+        # go of its snapshots (a landing thread joined) while its neighbour had left would find the neighbour's
+        # end a lost peer, and exit 1 after an agreed stop (seen under load: no requeue on 75).
+        if heartbeat:
+            heartbeat.end(error)
         # Memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and stay
         # after anything else (an error, Ctrl-C, SystemExit), and on the nodes an eviction leaves: a restart
         # (or --resume auto) takes them.
         close_snapshots(keep=not ended or bool(leave and not leave.mine))
-        release()                  # the run folder's lock (run/run_lock.py)
-        # A goodbye after a normal end or an agreed error; none after this rank's own error, so that its
-        if heartbeat:   # neighbour ends now, naming it, instead of waiting for it in a collective
-            heartbeat.end(error)
+        release()                  # the run folder's lock (run/watch/run_lock.py)
     if leave:
         return leave.exit_code(comm.rank)
     if trainer.stopped_by:
-        from .run.preempt import EXIT_PREEMPTED
+        from .run.watch.preempt import EXIT_PREEMPTED
         print(f"[rank {comm.rank}] stopped by {trainer.stopped_by} after checkpoint {ckpt}; exit "
               f"{EXIT_PREEMPTED} (resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
@@ -101,7 +104,7 @@ def run_simulate(args) -> int:
     except SimFailure as f:
         return rank_error(f.error, f.rank, args.ranks, args, reporter=True)
     if result.stopped_by:
-        from .run.preempt import EXIT_PREEMPTED
+        from .run.watch.preempt import EXIT_PREEMPTED
         print(f"stopped by {result.stopped_by} after checkpoint {result.checkpoint}; exit {EXIT_PREEMPTED} "
               "(resume with --resume auto)", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED

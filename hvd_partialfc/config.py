@@ -1,8 +1,9 @@
 """One config object: sectioned dataclasses, loaded from YAML, overridden by ``--set section.key=value``.
 
-Every key is declared with ``opt(default, help, choices=, see=)``: its one line of help, the choices
-validate() accepts and the docs page of its caveats travel with the field, so ``hvd-partialfc config --list``
-and docs/configuration.md (config_docs.py) are generated from here and cannot drift from the code.
+Every key is declared with ``opt(default, help, choices=, see=, resume=)``: its one line of help, the choices
+validate() accepts, the docs page of its caveats and whether it may change on resume travel with the field, so
+``hvd-partialfc config --list``, docs/configuration.md (config_docs.py) and resume's check (``resume_policy``)
+are generated from here and cannot drift from the code.
 Plain data: validating it checks types, choices and ranges and imports nothing of the runtime. What names a
 registered component (``model.name``, ``head.mode``, ``head.loss``, ``data.augment``) is checked when the
 run's parts are built, against the registries, as an error agreed by every rank before the first step.
@@ -20,14 +21,31 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Sequence, Tuple, Union
 
 
-def opt(default: Any, help: str, choices: Sequence[str] = (), see: str = "") -> Any:
+RESUME_POLICIES = ("match", "free", "extend")
+
+
+def opt(default: Any, help: str, choices: Sequence[str] = (), see: str = "", resume: str = "match") -> Any:
     """A config key: its default; the one line that ``hvd-partialfc config --list`` and docs/configuration.md
     show (``help``); the values validate() accepts (``choices``, its only list of them); the docs page that
-    holds its caveats and figures (``see``, ``docs/page.md#anchor``)."""
-    meta = {"help": help, "choices": tuple(choices), "see": see}
+    holds its caveats and figures (``see``, ``docs/page.md#anchor``); whether a resume may change it
+    (``resume``): ``match`` (it changes the numbers: the checkpoint's value stays), ``free`` (it does not change
+    the numbers), ``extend`` (it trains longer: allowed, but the lr schedule is then recomputed, so the result
+    is no longer the uninterrupted run's; resume says so)."""
+    meta = {"help": help, "choices": tuple(choices), "see": see, "resume": _policy(resume)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def section(cls: type, resume: str = "match") -> Any:
+    """A config section; ``resume="free"``: every key of it may change on resume, as one entry."""
+    return field(default_factory=cls, metadata={"resume": _policy(resume)})
+
+
+def _policy(resume: str) -> str:
+    if resume not in RESUME_POLICIES:     # a typo would silently mean "match"
+        raise ValueError(f"resume={resume!r}: expected one of {', '.join(RESUME_POLICIES)}")
+    return resume
 
 
 FAST = "docs/gpu.md#the-fast-path-keys"    # the fast-path keys' page (each `auto`: on CUDA only, run/speed.py)
@@ -36,26 +54,32 @@ FAST = "docs/gpu.md#the-fast-path-keys"    # the fast-path keys' page (each `aut
 @dataclass
 class DataConfig:
     shards: str = opt("", "shard set directory (manifest.json + shard-*.h5); required",
-                      see="docs/data.md#1-shard-set-format-version-1")
+                      see="docs/data.md#1-shard-set-format-version-1", resume="free")
     batch_size: int = opt(128, "samples per rank per backward pass")
     workers: int = opt(0, "DataLoader worker processes per rank; -1: the rank's cores minus one, at most 8",
-                       see="docs/gpu.md#workers-per-gpu")
+                       see="docs/gpu.md#workers-per-gpu", resume="free")
     batch_timeout: float = opt(600.0, "with workers: seconds a rank waits for one batch before it stops naming its "
                                       "workers (one stuck on a stalled file system); 0: no limit",
                                see="docs/reliability.md#a-stuck-loader-worker")
     verify_sha256: bool = opt(False, "hash every shard file against the manifest before training (slow on big sets)",
-                              see="docs/reliability.md#failures-every-rank-exits-fast-and-says-why")
+                              see="docs/reliability.md#failures-every-rank-exits-fast-and-says-why", resume="free")
     augment: List[str] = opt([], "training-time augmentations in order: flip, lowres, blur, jitter, gray "
                                  "(\"name\" or \"name:key=value,...\")", see="docs/data.md#71-dataaugment")
+    # free on resume, as train.device: it changes the numbers as a device does (nvJPEG's pixels are within a few
+    # levels of PIL's, docs/gpu.md)
     decode: str = opt("cpu", "where JPEG shards are decoded: PIL in the loader's workers, or nvJPEG on the GPU",
-                      choices=("cpu", "gpu"), see="docs/gpu.md#decoding-on-the-gpu")
+                      choices=("cpu", "gpu"), see="docs/gpu.md#decoding-on-the-gpu", resume="free")
+    # free on resume: it changes none of a run that would not have stopped (resuming a stopped run with skip is
+    # its use)
     on_bad_sample: str = opt("stop", "an encoded sample that cannot be decoded or is empty: stop naming it, or skip "
                                      "(the next decodable sample of its class stands in, counted)",
                              choices=("stop", "skip"),
-                             see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample")
+                             see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample",
+                             resume="free")
     max_bad_samples: float = opt(0.001, "with skip: the most distinct bad samples over all ranks before the run "
                                         "stops naming their shards; a count (>= 1), a fraction (< 1), 0: no limit",
-                                 see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample")
+                                 see="docs/data.md#71a-dirty-sets-undecodable-and-empty-images-dataon_bad_sample",
+                                 resume="free")
 
 
 @dataclass
@@ -66,7 +90,8 @@ class ModelConfig:
     kwargs: Dict[str, Any] = opt({}, "extra backbone arguments (width, blocks, ...)")
     checkpoint_activations: bool = opt(False, "recompute each block in backward: less memory, one more forward; "
                                               "iresnet*, mobilefacenet and vit_*",
-                                       see="docs/faces.md#activation-checkpointing-modelcheckpoint_activationstrue")
+                                       see="docs/faces.md#activation-checkpointing-modelcheckpoint_activationstrue",
+                                       resume="free")
     sync_batchnorm: bool = opt(False, "BatchNorm statistics over every rank's batch (two all-reduces per layer "
                                       "per step)", see="docs/gpu.md#sync-batchnorm")
     init_backbone: str = opt("", "start the backbone from this file (exported, or arcface_torch's backbone.pth); "
@@ -102,7 +127,7 @@ class HeadConfig:
                               see="docs/scaling.md#cross-shard-negatives-at-scale-why-the-default-shares-at-most-8192-centres-in-all")
     matmul: str = opt("auto", "precision of the head's matrix products (auto: tf32 on CUDA, fp32 elsewhere); "
                               "the softmax sums stay fp32", choices=("auto", "fp32", "tf32", "bf16"),
-                      see="docs/gpu.md#the-bf16-heads-accuracy")
+                      see="docs/gpu.md#the-bf16-heads-accuracy", resume="free")
 
 
 @dataclass
@@ -123,8 +148,10 @@ class OptimConfig:
     fp16_compression: bool = opt(False, "Horovod: fp16 compression of the backbone gradient's allreduce",
                                  see="docs/engines.md#same-numbers")
     backbone_kernel: str = opt("torch", "the backbone optimizer's kernels: torch's choice (foreach on CUDA, a loop on "
-                               "CPU), or auto (fused on CUDA)", ("torch", "loop", "foreach", "fused", "auto"), FAST)
-    classifier_kernel: str = opt("fused", "the classifier optimizer's kernels (dense rows)", ("fused", "foreach", "loop"), FAST)
+                               "CPU), or auto (fused on CUDA)", ("torch", "loop", "foreach", "fused", "auto"), FAST,
+                               resume="free")
+    classifier_kernel: str = opt("fused", "the classifier optimizer's kernels (dense rows)", ("fused", "foreach", "loop"),
+                                 FAST, resume="free")
     backward_passes_per_step: int = opt(1, "gradient accumulation: backward passes per optimizer step (one "
                                            "allreduce)")
     classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
@@ -134,62 +161,67 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(0, "optimizer steps; 0: epochs x (min over ranks of steps per epoch)")
-    epochs: float = opt(1.0, "epochs, when train.steps is 0")
+    steps: int = opt(0, "optimizer steps; 0: epochs x (min over ranks of steps per epoch)", resume="extend")
+    epochs: float = opt(1.0, "epochs, when train.steps is 0", resume="extend")
     seed: int = opt(0, "seed of the model's initialisation and the data order")
+    # free on resume: another device changes the numbers only as a device does (as data.decode)
     device: str = opt("auto", "auto: a GPU if one is visible, else cpu", choices=("auto", "cpu", "cuda"),
-                      see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node")
+                      see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node", resume="free")
     share_gpu: bool = opt(False, "allow ranks to share a GPU (tests, debugging); false: an error at start-up",
-                          see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node")
+                          see="docs/gpu.md#devices-ordinals-and-the-tests-on-a-gpu-node", resume="free")
     precision: str = opt("fp32", "fp32 | bf16 (autocast) | fp16 (autocast + agreed dynamic loss scale)",
                          choices=("fp32", "bf16", "fp16"), see="docs/method.md#precision")
     loss_scale_growth: int = opt(100, "fp16: the loss scale doubles after this many finite steps in a row",
                                  see="docs/method.md#precision")
     log_every: int = opt(10, "steps between log lines and metrics.jsonl rows",
-                         see="docs/data.md#73-is-the-run-loader-bound-logging")
+                         see="docs/data.md#73-is-the-run-loader-bound-logging", resume="free")
     on_nonfinite: str = opt("stop", "a step whose averaged backbone gradient is not finite: stop the run, or "
                                     "skip the step on every rank", choices=("stop", "skip"),
                             see="docs/reliability.md#steps-that-keep-being-skipped")
     threads: int = opt(0, "torch intra-op threads per rank (0: the host's cores / its ranks, on CPU)",
-                       see="docs/engines.md#launching")
+                       see="docs/engines.md#launching", resume="free")
     max_consecutive_skips: int = opt(50, "stop with an error after this many skipped steps in a row (0: never)",
-                                     see="docs/reliability.md#steps-that-keep-being-skipped")
+                                     see="docs/reliability.md#steps-that-keep-being-skipped", resume="free")
     tensorboard: bool = opt(False, "also write metrics.jsonl's scalars as TensorBoard events in OUT/tensorboard",
-                            see="docs/data.md#73-is-the-run-loader-bound-logging")
+                            see="docs/data.md#73-is-the-run-loader-bound-logging", resume="free")
     engine: str = opt("auto", "auto: torch under torchrun, else horovod", choices=("auto", "horovod", "torch"),
-                      see="docs/engines.md#choosing")
+                      see="docs/engines.md#choosing", resume="free")
     heartbeat_timeout: float = opt(20.0, "seconds of silence from a ring neighbour before the job ends naming it "
-                                         "(0: off)", see="docs/engines.md#failures")
+                                         "(0: off)", see="docs/engines.md#failures", resume="free")
     collective_timeout: float = opt(10800.0, "seconds a rank waits in one collective (or for the group to form) "
                                             "before it fails: longer than rank 0's slowest work alone (an "
                                             "evaluation, a large checkpoint); a lost peer ends the job sooner "
-                                            "(heartbeat_timeout)", see="docs/engines.md#timeouts")
+                                            "(heartbeat_timeout)", see="docs/engines.md#timeouts", resume="free")
     cudnn_benchmark: bool = opt(True, "CUDA: cuDNN picks its fastest convolution algorithms at the first step",
-                                see="docs/gpu.md#the-keys")
+                                see="docs/gpu.md#the-keys", resume="free")
     channels_last: Union[bool, str] = opt(False, "NHWC backbone and batches, for Tensor Cores under fp16 / bf16: false, "
-                                          "true, or auto (true on CUDA)", see="docs/gpu.md#the-keys")
+                                          "true, or auto (true on CUDA)", see="docs/gpu.md#the-keys", resume="free")
     compile: str = opt("none", "torch.compile the backbone: none, the whole model (its gradients, and their averaging, "
                        "after the backward), each block, or auto (blocks on CUDA)", ("none", "model", "blocks", "auto"),
-                       FAST)
+                       FAST, resume="free")
     compile_mode: str = opt("default", "torch.compile's mode; reduce-overhead: CUDA graphs (every batch is full)",
-                            ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"), FAST)
-    compile_head: bool = opt(False, "also torch.compile the margin softmax's passes over the (M, W) logits", see=FAST)
+                            ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"), FAST,
+                            resume="free")
+    compile_head: bool = opt(False, "also torch.compile the margin softmax's passes over the (M, W) logits", see=FAST,
+                             resume="free")
     skip_decision: str = opt("host", "where a step decides to skip a non-finite gradient: host (reads both norms), device "
-                             "(no host read; fused kernels), or auto (device on CUDA)", ("host", "device", "auto"), FAST)
+                             "(no host read; fused kernels), or auto (device on CUDA)", ("host", "device", "auto"),
+                             FAST, resume="free")
     stragglers: str = opt("warn", "a rank whose own step time stays straggler_ratio x the median for straggler_steps "
                                   "steps: name it (warn), also go on without its node (evict: elastic torchrun), "
                                   "or watch nothing (off)", choices=("off", "warn", "evict"),
-                          see="docs/reliability.md#stragglers")
+                          see="docs/reliability.md#stragglers", resume="free")
     straggler_ratio: float = opt(1.5, "a rank is slow in a step when its own time is at least this times the "
-                                      "ranks' median", see="docs/reliability.md#stragglers")
+                                      "ranks' median", see="docs/reliability.md#stragglers", resume="free")
     straggler_steps: int = opt(10, "slow steps in a row before a rank is named (quiet ones before it is cleared)",
-                               see="docs/reliability.md#stragglers")
+                               see="docs/reliability.md#stragglers", resume="free")
     straggler_min_nodes: int = opt(2, "evict: never below this many nodes (torchrun's --nnodes MIN)",
-                                   see="docs/reliability.md#stragglers")
+                                   see="docs/reliability.md#stragglers", resume="free")
     straggler_cooldown: int = opt(1000, "evict: steps after an eviction before the next one",
-                                  see="docs/reliability.md#stragglers")
+                                  see="docs/reliability.md#stragglers", resume="free")
     allow_host_allreduce: bool = opt(False, "Horovod on CUDA without NCCL: go on through host memory (several "
-                                            "times slower) instead of stopping", see="docs/gpu.md#without-nccl")
+                                            "times slower) instead of stopping", see="docs/gpu.md#without-nccl",
+                                     resume="free")
 
 
 @dataclass
@@ -219,21 +251,22 @@ class EvalConfig:
                      see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
     flip: bool = opt(False, "add the horizontal flip's embedding (faces: yes; glyphs: no)",
                      see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
-    batch_size: int = opt(256, "evaluation batch size")
+    batch_size: int = opt(256, "evaluation batch size", resume="free")
     on_error: str = opt("log", "a failed evaluation (agreed across ranks): log it in eval.jsonl and go on, or stop "
                                "after the step's checkpoint", choices=("log", "stop"),
-                        see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error")
+                        see="docs/evaluation.md#5-during-training-evalpairs-evalevery-evalon_error", resume="free")
 
 
 @dataclass
 class Config:
-    out: str = opt("runs/default", "run folder: config, metrics, checkpoints", see="docs/reliability.md#checkpoints")
+    out: str = opt("runs/default", "run folder: config, metrics, checkpoints", see="docs/reliability.md#checkpoints",
+                   resume="free")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig, resume="free")   # where and how often, not what
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
@@ -304,6 +337,26 @@ def iter_keys(cfg: Any = None, prefix: str = "") -> Iterator[Tuple[str, dataclas
             yield from iter_keys(hints[f.name], f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", f
+
+
+def resume_policy(cls: type = Config, prefix: str = "") -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(keys that may change between a checkpoint and its resume, keys that may change to extend the run),
+    in declaration order, from each key's ``resume=`` (``opt``): a free section is one entry, ``checkpoint``,
+    matching all its keys (resume.check_config compares by prefix)."""
+    free: List[str] = []
+    extend: List[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, policy = prefix + f.name, f.metadata.get("resume", "match")
+        if policy == "free":
+            free.append(key)
+        elif policy == "extend":
+            extend.append(key)
+        elif dataclasses.is_dataclass(hints[f.name]):
+            more_free, more_extend = resume_policy(hints[f.name], key + ".")
+            free += more_free
+            extend += more_extend
+    return tuple(free), tuple(extend)
 
 
 def get_key(cfg: Any, key: str) -> Any:

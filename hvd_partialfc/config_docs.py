@@ -13,14 +13,14 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from .config import Config, ConfigError, iter_keys
+from .config import Config, ConfigError, iter_keys, resume_policy
 
 PAGE = os.path.join("docs", "configuration.md")
 
 
 def key_rows(cfg_class: type = Config) -> List[Dict[str, str]]:
     """One row per key: key, default, choices, help, see, resume ("free", "extends" or "fixed")."""
-    from .run.resume import RESUME_EXTEND_KEYS, RESUME_FREE_KEYS
+    free_keys, extend_keys = resume_policy()   # declared beside each key (config.opt's resume=)
     rows, missing = [], []
     for key, f in iter_keys(cfg_class):
         meta = f.metadata
@@ -31,10 +31,10 @@ def key_rows(cfg_class: type = Config) -> List[Dict[str, str]]:
         if see and not (see.startswith("docs/") and ".md#" in see):
             raise ConfigError(f"config key {key}: see={see!r} is not docs/PAGE.md#anchor")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        free = any(key == k or key.startswith(k + ".") for k in RESUME_FREE_KEYS)
+        free = any(key == k or key.startswith(k + ".") for k in free_keys)
         rows.append({"key": key, "default": json.dumps(default), "choices": " | ".join(meta.get("choices", ())),
                      "help": meta["help"], "see": see,
-                     "resume": "free" if free else "extends" if key in RESUME_EXTEND_KEYS else "fixed"})
+                     "resume": "free" if free else "extends" if key in extend_keys else "fixed"})
     if missing:
         raise ConfigError(f"config keys without a one-line help: {', '.join(missing)}; declare each with "
                           "opt(default, help, choices=..., see=...) in hvd_partialfc/config.py")

@@ -3,9 +3,9 @@
 Shared by every layer (the backbone loaders of models/, the evaluation of verification/, training's run/,
 the tools): plain files and ``torch.load`` only, no collective, no engine. Loading runs no code: every file
 is read with ``torch.load(weights_only=True)`` (tensors and plain types only). Files of format 1 (before
-this rule) are converted once by ``hvd-partialfc upgrade RUN`` (run/upgrade.py), the one place that
+this rule) are converted once by ``hvd-partialfc upgrade RUN`` (run/ckpt/upgrade.py), the one place that
 unpickles freely, and only on request. The layout of a run folder and the write protocol are
-run/checkpoint.py's.
+run/ckpt/checkpoint.py's.
 """
 from __future__ import annotations
 

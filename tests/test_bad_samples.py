@@ -107,7 +107,7 @@ def test_too_many_bad_samples_stop_naming_the_shards(dirty, tmp_path):
     steps), so the log step 4 agrees on 2 > 1 and the run stops, naming both ranks' shards, after writing
     step 4's checkpoint. A fraction counts against the set's 64 samples."""
     from hvd_partialfc.engine.local import LocalComm
-    from hvd_partialfc.run.sample_watch import SampleWatch
+    from hvd_partialfc.run.watch.sample_watch import SampleWatch
     from hvd_partialfc.run.simulate import SimFailure
     run = tmp_path / "run"
     with pytest.raises(SimFailure) as e:

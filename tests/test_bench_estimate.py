@@ -137,13 +137,13 @@ def test_memory_snapshots_are_host_rows_by_their_own_arithmetic():
 
 
 def test_snapshot_estimate_matches_what_training_counts():
-    """The estimator's file sizes are ``run/memory_plan.py``'s ``snapshot_bytes`` of the same tensors (a resnet's
+    """The estimator's file sizes are ``run/snapshots/memory_plan.py``'s ``snapshot_bytes`` of the same tensors (a resnet's
     BatchNorm buffers included), so the estimate and the run's start-up room check cannot drift apart."""
     from types import SimpleNamespace
     import torch
     from hvd_partialfc.config import OptimConfig
     from hvd_partialfc.models import create_model
-    from hvd_partialfc.run.memory_plan import snapshot_bytes
+    from hvd_partialfc.run.snapshots.memory_plan import snapshot_bytes
     from hvd_partialfc.tools.estimate import backbone_figures
     figures = backbone_figures("resnet", 32, 4, [32, 32, 3], {"width": 8})
     assert figures["buffer_bytes"] > 0

@@ -33,7 +33,7 @@ def sim(ranks, shards, out, steps, sets=(), fault=None, timeout=120):
     Horovod (one rank: what a run alone, without a launcher, does). ``fault``: ``HVD_PARTIALFC_FAULT`` for
     the run. Returns the SimResult or raises ``SimFailure`` (``.error``: the rank's exception)."""
     from hvd_partialfc.config_io import load_config
-    from hvd_partialfc.run.faults import ENV
+    from hvd_partialfc.run.watch.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     saved = os.environ.pop(ENV, None)
     if fault:
@@ -360,7 +360,7 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, lau
 def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
     # the sampled-rows AdamW keeps a (W,) per-row step count beside its (W, D) moments: re-sharding cuts
     # it by rows like them (it was taken whole from the first file, as a per-parameter scalar)
-    from hvd_partialfc.run.reshard import gather_classifier_rows
+    from hvd_partialfc.run.ckpt.reshard import gather_classifier_rows
     from hvd_partialfc.classifier.rowsparse import SampledRowsOptimizer, gather_rows
     torch.manual_seed(0)
     slices, files, full = [(0, 4), (4, 10)], [], {}
@@ -386,7 +386,7 @@ def test_reshard_cuts_per_row_vectors_of_the_sampled_step(tmp_path):
 
 def test_an_older_config_means_the_defaults_the_lazy_sampled_step_and_no_pool():
     from hvd_partialfc.config import Config
-    from hvd_partialfc.run.resume import saved_config
+    from hvd_partialfc.run.ckpt.resume import saved_config
     old = Config().to_dict()
     for section, key in (("data", "augment"), ("head", "sampled_step"), ("head", "negatives_pool")):
         old[section].pop(key)

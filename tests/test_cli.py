@@ -146,16 +146,24 @@ def test_agreed_errors_are_reported_once_per_job(capsys, monkeypatch):
     from hvd_partialfc.engine.base import RankFailure
     from hvd_partialfc.run.skips import NonFiniteError
     monkeypatch.delenv("HVD_PARTIALFC_DEBUG", raising=False)
+    from hvd_partialfc.run.startup import checking_input
     args = argparse.Namespace(debug=False)
-    alike = RankFailure("2 of 2 ranks failed at 'setup': ...", "setup",
-                        [(0, "ShardError: D: bad"), (1, "ShardError: D: bad")])
+
+    def at_start_up(failure):           # raised by start-up's checks of the user's input: tagged there
+        with pytest.raises(RankFailure), checking_input():
+            raise failure
+        return failure
+    alike = at_start_up(RankFailure("2 of 2 ranks failed at 'setup': ...", "setup",
+                                    [(0, "ShardError: D: bad"), (1, "ShardError: D: bad")]))
     capsys.readouterr()
     assert rank_error(alike, 1, 2, args, reporter=False) == 2 and capsys.readouterr().err == ""
     assert rank_error(alike, 0, 2, args, reporter=True) == 2
     assert capsys.readouterr().err == "[rank 0] error: ShardError: D: bad (every one of the 2 ranks)\n"
     one = RankFailure("1 of 2 ranks failed at 'setup':\n  rank 1: ShardError: D: bad", "setup",
                       [(1, "ShardError: D: bad")])
-    assert rank_error(one, 0, 2, args, reporter=True) == 2
+    assert rank_error(one, 0, 2, args, reporter=True) == 1          # the same failure, not from start-up's checks
+    capsys.readouterr()
+    assert rank_error(at_start_up(one), 0, 2, args, reporter=True) == 2
     assert capsys.readouterr().err.startswith("[rank 0] error: RankFailure: 1 of 2 ranks failed at 'setup'")
     late = RankFailure("1 of 2 ranks failed at 'ckpt.write.5': ...", "ckpt.write.5", [(1, "OSError: disk full")])
     assert rank_error(late, 0, 2, args, reporter=True) == 1

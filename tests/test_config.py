@@ -95,3 +95,29 @@ def test_face_recipes_run_the_method_and_say_how_to_get_partialfc(name):
                    "not faces", "loss_scale_growth 100"):
         assert phrase in header, phrase
     assert "1,000 good steps" not in header
+
+
+# today's lists, as resume.py spelled them before the policy moved beside each key (config.py's ``resume=``)
+FREE_BEFORE = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
+               "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size", "eval.on_error",
+               "data.on_bad_sample", "data.max_bad_samples", "train.max_consecutive_skips",
+               "model.checkpoint_activations", "train.tensorboard", "train.engine", "train.heartbeat_timeout",
+               "train.collective_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
+               "head.matmul", "train.allow_host_allreduce", "train.stragglers", "train.straggler_ratio",
+               "train.straggler_steps", "train.straggler_min_nodes", "train.straggler_cooldown",
+               "train.compile", "train.compile_mode", "train.compile_head", "train.skip_decision",
+               "optim.backbone_kernel", "optim.classifier_kernel")
+EXTEND_BEFORE = ("train.steps", "train.epochs")
+
+
+def test_resume_policy_from_the_declarations_is_the_old_lists():
+    """The keys a resume may change, read from each key's declaration, are the ones resume.py listed (order
+    aside: resume matches by prefix), a section as one entry; resume uses exactly these."""
+    from hvd_partialfc.config import opt, resume_policy
+    from hvd_partialfc.run.ckpt.resume import RESUME_EXTEND_KEYS, RESUME_FREE_KEYS
+    free, extend = resume_policy()
+    assert len(free) == len(set(free)) and sorted(free) == sorted(FREE_BEFORE)
+    assert extend == EXTEND_BEFORE
+    assert (RESUME_FREE_KEYS, RESUME_EXTEND_KEYS) == (free, extend)
+    with pytest.raises(ValueError, match="resume='fre'"):
+        opt(0, "a key", resume="fre")

@@ -1,6 +1,6 @@
 """The GPU paths that a CPU can check, on a faked GPU node (torch.cuda's functions replaced by recording
 fakes; no CUDA is started): which GPU a rank takes (engine/device.py), the refusal of ranks sharing one,
-and the RNG codec's CUDA state in checkpoints (run/checkpoint_files.py), old lists included."""
+and the RNG codec's CUDA state in checkpoints (run/ckpt/checkpoint_files.py), old lists included."""
 from __future__ import annotations
 
 import os
@@ -155,7 +155,7 @@ def test_the_torch_engine_checks_before_nccl_and_shares_over_gloo(monkeypatch):
 
 
 def test_share_gpu_is_a_resume_free_config_key():
-    from hvd_partialfc.run.resume import RESUME_FREE_KEYS
+    from hvd_partialfc.run.ckpt.resume import RESUME_FREE_KEYS
     assert load_config(None, ["data.shards=s", "train.share_gpu=true"]).train.share_gpu is True
     assert load_config(None, ["data.shards=s"]).train.share_gpu is False
     assert "train.share_gpu" in RESUME_FREE_KEYS
@@ -177,7 +177,7 @@ def test_the_codec_saves_the_current_device_only_and_restores_onto_it(monkeypatc
     """Written on device 3 of 4 (one tensor), read back as a checkpoint is (weights_only), restored where one
     GPU is visible: onto device 0, the saved state."""
     from hvd_partialfc.run_files import load_file
-    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
+    from hvd_partialfc.run.ckpt.checkpoint_files import rng_state, set_rng_state
     FakeGpus(monkeypatch, 4, current=3)
     state = rng_state()
     assert torch.is_tensor(state["cuda"]) and torch.equal(state["cuda"], FakeGpus.state(3))
@@ -196,7 +196,7 @@ def test_old_checkpoints_lists_still_load(monkeypatch, cpu_streams, tmp_path, vi
     """A checkpoint of before (get_rng_state_all: one state per visible device, saved through a file) sets
     one state, onto the current device."""
     from hvd_partialfc.run_files import load_file
-    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
+    from hvd_partialfc.run.ckpt.checkpoint_files import rng_state, set_rng_state
     FakeGpus(monkeypatch, 0)                         # the CPU part of the state, as saved then
     state = dict(rng_state(), cuda=[FakeGpus.state(i) for i in range(entries)])
     torch.save(state, tmp_path / "old.pt")
@@ -207,7 +207,7 @@ def test_old_checkpoints_lists_still_load(monkeypatch, cpu_streams, tmp_path, vi
 
 def test_a_cpu_run_saves_and_sets_no_cuda_state(monkeypatch, cpu_streams):
     """CUDA available but not started (a CPU run on a GPU node): no CUDA state saved, none set."""
-    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
+    from hvd_partialfc.run.ckpt.checkpoint_files import rng_state, set_rng_state
     gpus = FakeGpus(monkeypatch, 2)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     state = rng_state()

@@ -74,7 +74,7 @@ def test_horovod_blocked_is_a_note_for_auto_and_a_failure_for_the_horovod_engine
     assert "blocked in this test" in _line(auto, "note  Horovod: not importable")
     assert "every requirement of the torch engine is met" in auto
     assert horovod.startswith("hvd-partialfc doctor: engine horovod") and horovod.rstrip().endswith("rc 1"), p.stdout
-    assert "launch/install.sh" in _line(horovod, "FAIL  Horovod: not importable")
+    assert "scripts/setup/install.sh" in _line(horovod, "FAIL  Horovod: not importable")
 
 
 def test_the_oldest_supported_torch_is_stated_once_and_checked(capsys, tmp_path, monkeypatch):
@@ -137,7 +137,7 @@ def test_snapshots_that_would_not_fit_fail_as_training_would(capsys, tmp_path, m
     need = estimate(40, 2, 16, 128, "mlp", "local", in_shape=[16], memory_every=10,
                     ranks_per_node=1)["host_bytes"]["memory snapshots per node (host RAM)"]
     assert rc == 0 and f"{human(need)} a node of 1 rank(s)" in _line(out, "ok    memory snapshots every 10 steps"), out
-    from hvd_partialfc.run import memory_store          # a node with 1,000 bytes of memory available
+    from hvd_partialfc.run.snapshots import memory_store   # a node with 1,000 bytes of memory available
     monkeypatch.setattr(memory_store, "mem_available", lambda: 1000)
     rc, out = _doctor(capsys, *args)
     line = _line(out, "FAIL  checkpoint.memory_every")

@@ -183,7 +183,7 @@ def test_compile_units_are_the_residual_blocks():
                     reason="needs a GPU and HVD_PARTIALFC_TEST_GPU=1 (docs/gpu.md)")
 def test_the_device_decision_on_cuda(feature_shards, tmp_path):
     """On CUDA, fp16: the device decision is the host's (CUDA's fused kernels with found_inf), through a
-    skipped step; the speed stage of launch/gpu_check.sh runs it (the GPU smoke subset runs it too)."""
+    skipped step; the speed stage of scripts/gpu/gpu_check.sh runs it (the GPU smoke subset runs it too)."""
     sets = MLP + ["train.precision=fp16", "train.device=cuda"]
     host, _, _ = _run(feature_shards, tmp_path / "h", sets + FUSED, nan_at=(6,), steps=8)
     device, _, _ = _run(feature_shards, tmp_path / "d", sets + DEVICE, nan_at=(6,), steps=8)

@@ -266,7 +266,7 @@ def test_checkpointer_recovers_a_checkpoint_left_aside_by_a_crash(tmp_path):
     """A crash between commit_folder's two renames leaves ``step-N.old`` and no ``step-N``: the next start
     (``Checkpointer.prepare``) moves it back, and ``latest`` names a complete checkpoint again."""
     from hvd_partialfc.engine.local import LocalComm
-    from hvd_partialfc.run.checkpoint import Checkpointer
+    from hvd_partialfc.run.ckpt.checkpoint import Checkpointer
     from hvd_partialfc.run_files import find_resume
     base = tmp_path / "run" / "checkpoints"
     (base / "step-00000004.old").mkdir(parents=True)
@@ -305,7 +305,7 @@ def test_reshard_killed_at_any_stage_leaves_nothing_and_reruns(tmp_path, monkeyp
     folder's): no OUT, or a complete one; a later run removes the stale ``.partial`` (here also holding
     another world size's file from an earlier attempt) instead of publishing it with its own files."""
     import torch
-    from hvd_partialfc.run import reshard
+    from hvd_partialfc.run.ckpt import reshard
     src = _two_rank_checkpoint(tmp_path / "src")
     clean = reshard.reshard_checkpoint(src, str(tmp_path / "clean"), 1)
     out, partial = str(tmp_path / "out"), str(tmp_path / "out.partial")

@@ -158,7 +158,8 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
     ``meta``: it fills up after the ranks' files were written (rank 0's meta.json fails: OSError, after the
     first agreement)."""
     from hvd_partialfc.engine.sim import SimAbort
-    from hvd_partialfc.run import faults, simulate as sim_module
+    from hvd_partialfc.run.watch import faults
+    from hvd_partialfc.run import simulate as sim_module
     from hvd_partialfc.run_files import CheckpointError, find_resume, read_meta
     from hvd_partialfc.run.simulate import SimFailure
     run, errors, real_start, real_pause = disk.path / "run", {}, sim_module.start_trainer, faults.pause

@@ -59,7 +59,7 @@ def _launch(launcher: str, np_: int):
     found = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     found = found if os.path.exists(found) else shutil.which("horovodrun")
     if not (found and horovod_installed()):
-        pytest.skip("Horovod is not installed here (launch/gpu_check.sh builds it)")
+        pytest.skip("Horovod is not installed here (scripts/gpu/gpu_check.sh builds it)")
     return [found, "-np", str(np_), sys.executable]      # its own choice of Gloo or MPI, as built
 
 
@@ -132,7 +132,7 @@ def test_resume_on_cuda_is_bitwise(image_shards, tmp_path):
     and the comparison failed; ``pool: 2`` makes the pooling the identity, one addend a gradient."""
     import pins
     from hvd_partialfc.config_io import load_config
-    from hvd_partialfc.run.faults import ENV
+    from hvd_partialfc.run.watch.faults import ENV
     from hvd_partialfc.run.simulate import SimFailure
 
     def sim(out, *sets, fault=None):
@@ -165,7 +165,7 @@ def test_rng_codec_round_trip_on_the_gpu(tmp_path):
     """The CUDA state saved (one tensor), written, read back (weights_only) and restored: the next draws
     repeat; an old checkpoint's list restores its current-device entry."""
     from hvd_partialfc.run_files import load_file
-    from hvd_partialfc.run.checkpoint_files import rng_state, set_rng_state
+    from hvd_partialfc.run.ckpt.checkpoint_files import rng_state, set_rng_state
     torch.zeros(1, device="cuda")                    # CUDA started, as in a run: its state is saved then
     saved = rng_state()
     assert torch.is_tensor(saved["cuda"]) and saved["cuda"].dtype == torch.uint8

@@ -154,7 +154,7 @@ def _rows(ckpt):
 
 def test_resume_on_a_world_size_that_does_not_divide_the_shards(shards6, tmp_path):
     from hvd_partialfc.data.shards import read_manifest
-    from hvd_partialfc.run.reshard import reshard_checkpoint
+    from hvd_partialfc.run.ckpt.reshard import reshard_checkpoint
     manifest = read_manifest(shards6)
     assert [s.num_samples for s in manifest.shards] == [40, 40, 120, 80, 40, 40]
     first = _sim(2, shards6, tmp_path / "n2", 4)

@@ -25,7 +25,7 @@ def _pairs(path, n_images=40, n_pairs=40, seed=0):
 
 
 def test_tensorboard_scalars_equal_metrics_jsonl(image_shards, tmp_path):
-    pytest.importorskip("tensorboard", reason="launch/install.sh installs tensorboard; this venv lacks it")
+    pytest.importorskip("tensorboard", reason="scripts/setup/install.sh installs tensorboard; this venv lacks it")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run = str(tmp_path / "run")
     sets = ["model.name=resnet", "model.kwargs={width: 4}", "data.batch_size=8", "train.log_every=2",

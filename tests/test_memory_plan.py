@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from conftest import ROOT, SMALL_RUN, launch_env
-from hvd_partialfc.run.memory_plan import Plan
-from hvd_partialfc.run.memory_recover import choose, holders, needed_files
-from hvd_partialfc.run.memory_store import NodeStore, room_error
+from hvd_partialfc.run.snapshots.memory_plan import Plan
+from hvd_partialfc.run.snapshots.memory_recover import Held, Holding, choose, holders, needed_files
+from hvd_partialfc.run.snapshots.memory_store import NodeStore, room_error
 from hvd_partialfc.run_files import classifier_file
 
 
@@ -30,7 +30,7 @@ def test_every_buddy_is_on_another_node_and_every_node_holds_its_own_and_a_neigh
 
 def _listing(step, committed, files, world=3, segment="0000000a"):
     meta = {"world_size": world, "slices": [[0, 8], [8, 16], [16, 24]][:world], "replicated": False}
-    return {(segment, step): (committed, files, meta if "meta.json" in files else None)}
+    return {(segment, step): Held(committed, files, meta if "meta.json" in files else None)}
 
 
 def _files(*ranks, world=3, extra=("backbone.pt", "meta.json")):
@@ -41,20 +41,20 @@ def test_recovery_takes_the_newest_committed_step_that_every_slice_survives():
     # rank r's copies: its node and the next; node b lost: rank 1's own copy gone, its buddy's on c survives
     a = {**_listing(20, True, _files(0, 2)), **_listing(24, False, _files(0, 2))}
     c = {**_listing(20, True, _files(1, 2)), **_listing(24, False, _files(2))}
-    everyone = [("a", "", 0, a), ("c", "", 0, c)]
+    everyone = [Holding("a", "", 0, a), Holding("c", "", 0, c)]
     seg = ["0000000a"]
     assert choose(everyone, 15, seg) == (("0000000a", 20), None)  # 24 never committed: half-sent, never used
     assert choose(everyone, 22, seg) == (None, None)               # the disk is newer
     # nodes b and c lost: rank 1's slice is nowhere
-    snap, line = choose([("a", "", 0, a)], 15, seg)
+    snap, line = choose([Holding("a", "", 0, a)], 15, seg)
     assert snap is None and line.startswith("memory snapshot of step 20 cannot be restored: rank 1's slice")
     # a newer committed step with a hole, an older one whole: the older one, and the line names the newer
     a24 = {**a, **_listing(24, True, _files(0, 2))}
-    snap, line = choose([("a", "", 0, a24), ("c", "", 0, c)], 15, seg)
+    snap, line = choose([Holding("a", "", 0, a24), Holding("c", "", 0, c)], 15, seg)
     assert snap == ("0000000a", 20) and line.startswith("memory snapshot of step 24 cannot be restored: rank 1's slice")
     # committed on one node only (its rename came first): the landing copy elsewhere is complete too
     c_partial = {**_listing(20, False, _files(1, 2))}
-    assert choose([("a", "", 0, a), ("c", "", 0, c_partial)], 0, seg) == (("0000000a", 20), None)
+    assert choose([Holding("a", "", 0, a), Holding("c", "", 0, c_partial)], 0, seg) == (("0000000a", 20), None)
 
 
 def test_a_node_that_rejoins_with_an_old_start_s_snapshots_is_never_restored_from_or_combined():
@@ -64,7 +64,7 @@ def test_a_node_that_rejoins_with_an_old_start_s_snapshots_is_never_restored_fro
     state), never c's files of 30 (another start's, though of the same step and names)."""
     new = {**_listing(30, True, _files(0, 1, world=2), world=2, segment="0000000b")}
     old = {**_listing(40, True, _files(0, 1, world=2), world=2), **_listing(30, True, _files(0, 1, world=2), world=2)}
-    everyone = [("a", "", 0, new), ("b", "", 0, new), ("c", "", 0, old)]
+    everyone = [Holding("a", "", 0, new), Holding("b", "", 0, new), Holding("c", "", 0, old)]
     assert choose(everyone, 0, ["0000000b"]) == (("0000000b", 30), None)
     assert holders(everyone, ("0000000b", 30), classifier_file(1, 2)) == [0, 1]
     # the segment the last start restored from is still one to take: its snapshot of 40, if newest, is whole

@@ -1,4 +1,4 @@
-"""Memory snapshots against another user of the node (run/memory_store.py, memory_link.py, engine/listener.py).
+"""Memory snapshots against another user of the node (run/snapshots/memory_store.py, memory_link.py, engine/listener.py).
 
 The stranger is real: ``runuser -u nobody`` reads, lists and plants in a root made like /dev/shm (every user's,
 sticky); the link is attacked over TCP by connections that hold the run's token but not the start's secret,
@@ -24,12 +24,13 @@ import types
 import pytest
 
 from conftest import MR, ROOT, SMALL_RUN, launch_env
-from hvd_partialfc.run.memory import MemorySnapshots, run_token
-from hvd_partialfc.run.memory_plan import Plan
+from hvd_partialfc.run.snapshots.memory import MemorySnapshots
+from hvd_partialfc.run.snapshots.node_memory import NodeMemory, Peer, run_token
+from hvd_partialfc.run.snapshots.memory_plan import Plan
 from hvd_partialfc.engine.listener import HANDSHAKE_S
-from hvd_partialfc.run import memory_link
-from hvd_partialfc.run.memory_link import Link, LinkError, answer_mac, new_secret
-from hvd_partialfc.run.memory_store import NodeStore, StoreError, store_name
+from hvd_partialfc.run.snapshots import memory_link
+from hvd_partialfc.run.snapshots.memory_link import Link, LinkError, answer_mac, new_secret
+from hvd_partialfc.run.snapshots.memory_store import NodeStore, StoreError, store_name
 from hvd_partialfc.run_files import classifier_file
 
 SEG = "0000000a"
@@ -174,7 +175,8 @@ def test_a_rank_of_the_job_is_refused_what_is_not_its_own_to_send(tmp_path):
     store, link = _serving(tmp_path, rank=1)
     comm = types.SimpleNamespace(rank=1, size=3, is_main=False)
     sizes = {"rank": 1000, "backbone": 0, "limit": 4096}
-    snaps = MemorySnapshots(4, comm, store, link, Plan(["a", "b", "c"]), [("a", "", 0, sizes)] * 3, [SEG])
+    node = NodeMemory(4, comm, store, link, Plan(["a", "b", "c"]), [Peer("a", "", 0, sizes)] * 3, [SEG])
+    snaps = MemorySnapshots(node, start_step=0)
     small, large = tmp_path / "small.pt", tmp_path / "large.pt"
     small.write_bytes(b"x" * 100)
     large.write_bytes(b"x" * 5000)
@@ -222,8 +224,8 @@ def _impostor(secret=None, data=b"forged rows", claimed=None):
                 conn.makefile("rb").readline()
                 body = {"ok": True, "size": len(data), "sha256": hashlib.sha256(claimed or data).hexdigest()}
                 mac = answer_mac(secret, nonce, 0, body) if secret else "00" * 32
+                served.append(1)     # before the answer: the requester may have read it and returned already
                 conn.sendall(json.dumps({"body": body, "mac": mac}).encode() + b"\n" + data)
-                served.append(1)
     threading.Thread(target=serve, daemon=True).start()
     return server, served
 

@@ -47,7 +47,7 @@ def rank0_skips(monkeypatch):
 
 def _sim(ranks, shards, out, steps, *sets, fault=None):
     from hvd_partialfc.config_io import load_config
-    from hvd_partialfc.run.faults import ENV
+    from hvd_partialfc.run.watch.faults import ENV
     cfg = load_config(None, [*BASE, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}"])
     if fault:
         os.environ[ENV] = fault
@@ -79,7 +79,7 @@ def _current(f):
 
 
 def test_rank_local_skip_reshards_to_the_rows_current_values_and_resumes_bitwise(shards, tmp_path, rank0_skips):
-    from hvd_partialfc.run.reshard import reshard_checkpoint
+    from hvd_partialfc.run.ckpt.reshard import reshard_checkpoint
     straight = _sim(2, shards, tmp_path / "straight", 8).checkpoint
     meta, files = _files(straight)
     assert meta["classifier_skipped_steps"] == 2                # summed over ranks: rank 0's two

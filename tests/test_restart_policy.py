@@ -1,6 +1,6 @@
 """A job its launcher may restart resumes its latest checkpoint (``checkpoint.resume: auto``), or it does not
 start: a torchrun restart with ``checkpoint.resume`` unset started again from step 0 and set every newer
-checkpoint aside (run/resume.py, ``check_restarts_resume``)."""
+checkpoint aside (run/ckpt/resume.py, ``check_restarts_resume``)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TORCHRUN, launch_env, run_job, small_run_argv
 from hvd_partialfc.config import ConfigError
-from hvd_partialfc.run.resume import check_restarts_resume
+from hvd_partialfc.run.ckpt.resume import check_restarts_resume
 
 
 @pytest.mark.parametrize("environ, launcher", [

@@ -1,4 +1,4 @@
-"""One job a run folder (run/run_lock.py): while a job trains, a second one in the same run folder waits
+"""One job a run folder (run/watch/run_lock.py): while a job trains, a second one in the same run folder waits
 ``checkpoint.lock_wait`` seconds, then refuses in one line naming the holder; doctor names it too; the lock
 goes with its process (a SIGKILL here; every restart test shows it as well: test_elastic.py, test_chaos.py)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import re
 import time
 
-from hvd_partialfc.run.run_lock import in_use
+from hvd_partialfc.run.watch.run_lock import in_use
 from hvd_partialfc.tools.doctor import NOTE, check_run_folder
 from test_memory_plan import _train_one
 

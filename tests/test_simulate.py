@@ -209,7 +209,7 @@ def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
     # a stop signal to the process (here: received before the start) stops every virtual rank at the same
     # step, with a checkpoint; the resumed run is the uninterrupted one, BatchNorm statistics included (the
     # extra checkpoint's rank files keep each rank's own: trainer.save_checkpoint; before, they differed)
-    from hvd_partialfc.run.preempt import StopSignals
+    from hvd_partialfc.run.watch.preempt import StopSignals
     stopped = tmp_path / "stopped"
     with StopSignals() as main:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -230,7 +230,7 @@ def test_resume_failure_info_export(shards8, tmp_path, in_process, monkeypatch):
 
 def test_stop_signal_reaches_threads():
     """The main thread's StopSignals is what a virtual rank's StopSignals reports (no handler in threads)."""
-    from hvd_partialfc.run.preempt import StopSignals
+    from hvd_partialfc.run.watch.preempt import StopSignals
     seen = []
 
     def rank():

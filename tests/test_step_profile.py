@@ -1,4 +1,4 @@
-"""``hvd-partialfc profile`` (tools/step_profile.py, run/profile.py, run/profile_trace.py): the phase marks
+"""``hvd-partialfc profile`` (tools/step_profile.py, tools/profile_marks.py, tools/profile_trace.py): the phase marks
 of the trainer's step, the arithmetic of the averaging's overlap, the files; one rank, then both engines at
 np=2, where gradient averaging exists. Behaviour, not speed."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, launch_cmd, launch_env, require_horovod, run_job
-from hvd_partialfc.run.profile_trace import gpu_summary, horovod_allreduces, length, overlap, union
+from hvd_partialfc.tools.profile_trace import gpu_summary, horovod_allreduces, length, overlap, union
 
 ORDER = ["step start", "loader", "to device", "backbone forward", "head forward", "head backward",
          "backbone backward", "gradient wait", "norms and decision", "backbone optimizer", "books",

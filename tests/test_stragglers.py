@@ -1,4 +1,4 @@
-"""The straggler watch's logic (run/stragglers.py) and the ``slow`` fault (run/faults.py), in one process. The
+"""The straggler watch's logic (run/watch/stragglers.py) and the ``slow`` fault (run/watch/faults.py), in one process. The
 real path (elastic torchrun agents, the slow node named, evicted, the job on without it from memory, ``info``)
 is tests/test_stragglers_run.py."""
 from __future__ import annotations
@@ -15,9 +15,10 @@ from conftest import ROOT, launch_env, require_horovod
 from hvd_partialfc.config import ConfigError
 from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.local import LocalComm
-from hvd_partialfc.run import faults
-from hvd_partialfc.run.device_clock import DeviceClock
-from hvd_partialfc.run.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
+from hvd_partialfc.engine.vote import Agreed, Ballot, StepVote
+from hvd_partialfc.run.watch import faults
+from hvd_partialfc.run.watch.device_clock import DeviceClock
+from hvd_partialfc.run.watch.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
 
 FAST, MID, SLOW = 0.010, 0.012, 0.024     # the lower median of (FAST, MID, SLOW) is MID: SLOW is 2.0x it
 
@@ -68,11 +69,19 @@ def _watch(tmp_path, nodes, start=0, refusal=None, **sets):
     return Stragglers(cfg, LocalComm(0, len(nodes)), start, lines.append, False, names, node_of, refusal), lines
 
 
+def _cast(watch):
+    """This rank's entries of the loop's next vote (engine/vote.py), read back by name."""
+    vote = StepVote(watch.comm, [watch])
+    ballot = Ballot(vote.places, vote.length, watch.comm.rank)
+    watch.cast(ballot, 0)
+    return Agreed(vote.places, ballot.values)
+
+
 def _until_named(watch, start):
     """Steps with the last rank at 2x until it is named; the step read after it."""
     for done in range(start + 2, start + 40):
         times = [FAST] * (len(watch.nodes) - 1) + [2 * FAST]
-        watch.read(done, [0.0] + times)
+        watch.read(done, 0.0, times)
         if watch.detector.named:
             return done + 1
     raise AssertionError("never named")
@@ -81,25 +90,25 @@ def _until_named(watch, start):
 def test_evict_decides_once_in_the_vote_not_below_min_nodes_nor_within_the_cooldown(tmp_path):
     watch, lines = _watch(tmp_path / "a", ["n1", "n2", "n3"], straggler_min_nodes=2)
     done = _until_named(watch, 0)
-    assert watch.vote_part()[0] == 3.0                       # node 2 (index) + 1, for every rank to read
-    out = watch.read(done, [3.0] + [FAST] * 3)
+    assert _cast(watch).value("evict") == 3.0               # node 2 (index) + 1, for every rank to read
+    out = watch.read(done, 3.0, [FAST] * 3)
     assert (out.node, out.ranks, out.mine, out.nodes_left, out.step) == ("n3", [2], False, 2, done)
     assert [e["event"] for e in read_events(str(tmp_path / "a"))] == ["named", "evicted"]
     # two nodes and a minimum of two: named, not evicted, said
     watch, lines = _watch(tmp_path / "b", ["n1", "n2"], straggler_min_nodes=2)
     _until_named(watch, 0)
-    assert watch.vote_part()[0] == 0.0 and "n2 not evicted: 2 nodes, and train.straggler_min_nodes is 2" in lines[-1]
+    assert _cast(watch).value("evict") == 0.0 and "n2 not evicted: 2 nodes, and train.straggler_min_nodes is 2" in lines[-1]
     # an eviction at step 150 (before this start, at 200) and a cool-down of 100 steps
     os.makedirs(tmp_path / "c")
     with open(tmp_path / "c" / EVENTS, "w") as f:
         f.write(json.dumps({"event": "evicted", "step": 150, "node": "n9", "ranks": [3], "time": 0}) + "\n")
     watch, lines = _watch(tmp_path / "c", ["n1", "n2", "n3"], start=200, straggler_cooldown=100)
     _until_named(watch, 200)
-    assert watch.vote_part()[0] == 0.0 and "last eviction was at step 150" in lines[-1]
+    assert _cast(watch).value("evict") == 0.0 and "last eviction was at step 150" in lines[-1]
     # an engine that cannot go on without a node (horovodrun): named only
     watch, lines = _watch(tmp_path / "d", ["n1", "n2", "n3"], refusal="horovodrun cannot")
     _until_named(watch, 0)
-    assert watch.vote_part()[0] == 0.0
+    assert _cast(watch).value("evict") == 0.0
 
 
 def test_own_time_is_work_not_waits(tmp_path):
@@ -120,11 +129,13 @@ def test_own_time_is_work_not_waits(tmp_path):
         span.append(time.perf_counter() - t0)
         return {"data_time": 0.02}
     watch, _ = _watch(tmp_path, ["n1", "n2"])
-    watch.timed(0, step)
-    assert 0.03 <= watch.own < 0.06 and span[-1] > 0.1
-    watch.cuda = True
-    watch.timed(0, step)
-    assert watch.own == pytest.approx(span[-1] - 0.07, abs=0.005)
+    for cuda in (False, True):                  # the step watcher's hooks around the step (step.py)
+        watch.cuda = cuda
+        watch.begin(0)
+        watch.end(0, step())
+        assert (0.03 <= watch.own < 0.06 and span[-1] > 0.1) if not cuda else \
+            watch.own == pytest.approx(span[-1] - 0.07, abs=0.005)
+    assert _cast(watch).per_rank("times") == [watch.own, 0.0]   # its own place in the vote, rank 0's
 
 
 class Stream:
@@ -206,35 +217,31 @@ def test_the_watch_on_a_gpu_uses_the_device_clock_and_falls_back_to_the_host(tmp
     stream = Stream()
     watch, lines = _watch(tmp_path, ["n1", "n2"])
     watch.cuda, watch.clock = True, DeviceClock(stream.event)
-    phases = []
-    on_phase = watch.phases(phases.append)
+    loader_waits = iter(range(10 ** 6))
 
-    class Loader:                                   # each batch: a 10 ms wait on the host, the stream idle
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            stream.host += 0.010
-            return 0
-    batches = watch.batches(Loader())
-
-    def gpu_step(step_no):
-        next(batches)
+    def gpu_step(step_no):                         # the marks the step makes (step.py), in its order
+        watch.begin(step_no)
+        watch.mark("wanted")
+        next(loader_waits)
+        stream.host += 0.010                       # each batch: a 10 ms wait on the host, the stream idle
+        watch.mark("arrived")
         stream.run(0.025)
-        on_phase("sync0")
+        watch.mark("sync0")
         stream.stall_until(stream.busy + 0.050)    # 50 ms stalled for the other ranks
-        on_phase("sync1")
+        watch.mark("sync1")
         stream.host = stream.busy
-        return {"data_time": 0.010}
-    assert watch.vote_part()[1:] == [0.0, 0.0]      # no reading yet: unknown, a step the detector skips
-    watch.timed(0, gpu_step, 0)
+        watch.end(step_no, {"data_time": 0.010})
+    assert _cast(watch).per_rank("times") == [0.0, 0.0]   # no reading yet: unknown, a step the detector skips
+    gpu_step(0)
     stream.host = stream.busy + 0.001
-    watch.timed(1, gpu_step, 1)                     # step 0's events are done by now: its own time is read
-    assert watch.own == pytest.approx(0.025, abs=1e-9) and phases == ["sync0", "sync1"] * 2 and not lines
+    gpu_step(1)                                    # step 0's events are done by now: its own time is read
+    assert watch.own == pytest.approx(0.025, abs=1e-9) and not lines
     stream.fail = True                              # an error of the device's events: the host's reckoning
-    watch.timed(2, lambda n: {"data_time": 0.0}, 2)
+    watch.begin(2)
+    watch.end(2, {"data_time": 0.0})
     assert watch.clock is None and len(lines) == 1 and "GPU's clock failed" in lines[0] and "illegal" in lines[0]
-    assert watch.phases(print) is print and 0 <= watch.own < 0.05
+    watch.mark("sync0")                             # no clock: marks are nothing
+    assert 0 <= watch.own < 0.05
 
 
 def test_the_slow_fault_works_from_its_step_on_every_attempt_and_from_a_file(tmp_path, monkeypatch):
@@ -276,13 +283,14 @@ def test_horovod_counts_its_synchronize_wait():
 
 
 def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_line(tmp_path):
-    pytest.importorskip("tensorboard", reason="launch/install.sh installs tensorboard; this venv lacks it")
+    pytest.importorskip("tensorboard", reason="scripts/setup/install.sh installs tensorboard; this venv lacks it")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from hvd_partialfc.run.metrics_log import MetricsLog
     watch, lines = _watch(tmp_path, ["n1", "n2", "n3"])
     metrics = MetricsLog(str(tmp_path), tensorboard=True)
+    watch.record_event = metrics.write               # rank 0's metrics.jsonl (train_log.TrainLog.record in a run)
     for done in range(2, 12):
-        watch.read(done, [0.0, FAST, FAST, 2 * FAST], metrics)
+        watch.read(done, 0.0, [FAST, FAST, 2 * FAST])
     metrics.close()
     (event,) = [r["straggler"] for r in map(json.loads, open(tmp_path / "metrics.jsonl"))]
     assert event == read_events(str(tmp_path))[0] and event["line"] == lines[0] and "rank 2 on n3" in lines[0]

@@ -1,11 +1,11 @@
-"""A straggler under real elastic torchrun (run/stragglers.py): two agents on this host (``--nnodes 1:2``, a node
+"""A straggler under real elastic torchrun (run/watch/stragglers.py): two agents on this host (``--nnodes 1:2``, a node
 each, each its own memory-snapshot root), the second's rank made three times as slow by the ``slow`` fault. It is
 named (its rank and node, since which step), evicted (``train.stragglers=evict``, ``straggler_min_nodes=1``):
 an agreed memory snapshot, its rank stops its agent and exits 76, the other exits 75 and its agent restarts it
 alone, from that snapshot, re-sharded. No step is lost, the budget of samples is consumed exactly, the lr goes on
 from the samples consumed, every class is in the one classifier left, and ``info`` lists the events. The
 detector's logic is tests/test_stragglers.py; the network-namespace version is the chaos run's ``slow`` fault
-(launch/chaos.py) and launch/studies/stragglers.py."""
+(scripts/faults/chaos.py) and scripts/studies/stragglers.py."""
 from __future__ import annotations
 
 import json

@@ -33,7 +33,7 @@ def test_a_collective_waits_as_long_as_the_timeout_says():
 def test_the_config_key_reaches_the_engine():
     from hvd_partialfc.config import ConfigError
     from hvd_partialfc.config_io import load_config
-    from hvd_partialfc.run.resume import RESUME_FREE_KEYS
+    from hvd_partialfc.run.ckpt.resume import RESUME_FREE_KEYS
     cfg = load_config(None, ["train.collective_timeout=90"], {"data": {"shards": "x"}})
     assert cfg.train.collective_timeout == 90.0 and "train.collective_timeout" in RESUME_FREE_KEYS
     with pytest.raises(ConfigError, match="collective_timeout"):

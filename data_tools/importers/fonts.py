@@ -289,6 +289,52 @@ def _show(hist: Sequence[int]) -> str:
     return ", ".join(f"{n}: {c}" for n, c in enumerate(hist) if c)
 
 
+def _keep_renderings(results, faces: List[Dict], n_chars: int, side: int, near_duplicate: float):
+    """Steps 4 and 6 over the faces' renderings, taken in face order so that the first face keeps a shared
+    rendering: per character its kept (face number, K samples) and family keys, and the counts of
+    duplicate, stand-in and near-duplicate renderings dropped."""
+    seen: List[set] = [set() for _ in range(n_chars)]
+    per_char: List[List[Tuple[int, bytes]]] = [[] for _ in range(n_chars)]     # (face number, K samples)
+    char_keys: List[set] = [set() for _ in range(n_chars)]
+    dropped_dupes = dropped_standins = dropped_near = 0
+    kept_clean: List[List[np.ndarray]] = [[] for _ in range(n_chars)]     # clean renderings (near-duplicate check)
+    for face_no, rows, standins in results:
+        dropped_standins += standins
+        for ci, digest, blob in rows:
+            if digest in seen[ci]:
+                dropped_dupes += 1
+                continue
+            seen[ci].add(digest)
+            if near_duplicate:
+                img = np.frombuffer(blob, np.uint8, count=side * side).reshape(side, side)
+                if is_near_duplicate(img, kept_clean[ci], near_duplicate):
+                    dropped_near += 1
+                    continue
+                kept_clean[ci].append(img)
+            per_char[ci].append((face_no, blob))
+            char_keys[ci].add(faces[face_no]["key"])
+    return per_char, char_keys, (dropped_dupes, dropped_standins, dropped_near)
+
+
+def _concatenate(per_char, keep_char, extra, chars, k: int, side: int, min_samples: int, n_faces: int):
+    """The kept characters' samples (with their top-up ones) as one array, their labels, and the samples kept
+    per face. Each character's renderings are let go once copied, so the array is the only copy kept."""
+    kept = [0] * n_faces
+    samples, labels = [], []
+    for ci, rows in enumerate(per_char):
+        if not keep_char[ci]:
+            continue
+        for face_no, b in rows:
+            samples.append(np.frombuffer(b, np.uint8).reshape(k, side, side))
+            kept[face_no] += k
+        if ci in extra:
+            samples.append(np.frombuffer(extra.pop(ci), np.uint8).reshape(-1, side, side))
+        labels.extend([chars[ci]] * (k * len(rows) + max(0, min_samples - k * len(rows))))
+        per_char[ci] = None
+    arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
+    return arr, labels, kept
+
+
 @register_importer("fonts")
 def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", size: Optional[Sequence[int]] = None,
                  samples_per_font: int = 1, font_dir: Optional[str] = None, max_fonts: Optional[int] = None,
@@ -305,56 +351,25 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
                                    faces_per_family)
     if not faces:
         raise ValueError(f"no font faces found ({'--font-dir ' + font_dir if font_dir else 'fc-list'}); "
-                         f"run `bash launch/install.sh --fonts` or pass --font-dir")
+                         f"run `bash scripts/setup/install.sh --fonts` or pass --font-dir")
     cmap_hist = histogram(cmap_families(faces, chars))
     if progress:
         print(f"fonts: {len(chars)} characters, {len(faces)} faces of {len({f['key'] for f in faces})} "
               f"family keys; characters by families whose cmap has them: {_show(cmap_hist)}", flush=True)
     _TASK.update(chars=chars, size=side, samples_per_font=max(1, samples_per_font), seed=seed)
     k = max(1, samples_per_font)
-    seen: List[set] = [set() for _ in chars]
-    per_char: List[List[Tuple[int, bytes]]] = [[] for _ in chars]     # (face number, K samples)
-    char_keys: List[set] = [set() for _ in chars]
-    dropped_dupes = dropped_standins = dropped_near = 0
-    kept_clean: List[List[np.ndarray]] = [[] for _ in chars]     # clean renderings (near-duplicate check)
     results = pmap(_render_face, list(enumerate(faces)), workers or default_workers(), "render fonts",
                    chunksize=1, progress=progress)
-    for face_no, rows, standins in results:    # in face order: the first face keeps a shared rendering
-        dropped_standins += standins
-        for ci, digest, blob in rows:
-            if digest in seen[ci]:
-                dropped_dupes += 1
-                continue
-            seen[ci].add(digest)
-            if near_duplicate:
-                img = np.frombuffer(blob, np.uint8, count=side * side).reshape(side, side)
-                if is_near_duplicate(img, kept_clean[ci], near_duplicate):
-                    dropped_near += 1
-                    continue
-                kept_clean[ci].append(img)
-            per_char[ci].append((face_no, blob))
-            char_keys[ci].add(faces[face_no]["key"])
+    per_char, char_keys, (dropped_dupes, dropped_standins, dropped_near) = _keep_renderings(
+        results, faces, len(chars), side, near_duplicate)
     family_hist = histogram([len(s) for s in char_keys])
-    del seen, kept_clean
     keep_char = [len(b) >= min_fonts and len(char_keys[ci]) >= min_families for ci, b in enumerate(per_char)]
     top_up = [(ci, per_char[ci], min_samples - k * len(per_char[ci])) for ci in range(len(chars))
               if keep_char[ci] and k * len(per_char[ci]) < min_samples]
     extra = dict(zip([t[0] for t in top_up],
                      pmap(_top_up, top_up, workers or default_workers(), "top up samples", progress=progress)))
-    kept = [0] * len(faces)
-    samples, labels = [], []
-    for ci, rows in enumerate(per_char):
-        if not keep_char[ci]:
-            continue
-        for face_no, b in rows:
-            samples.append(np.frombuffer(b, np.uint8).reshape(k, side, side))
-            kept[face_no] += k
-        if ci in extra:
-            samples.append(np.frombuffer(extra.pop(ci), np.uint8).reshape(-1, side, side))
-        labels.extend([chars[ci]] * (k * len(rows) + max(0, min_samples - k * len(rows))))
-        per_char[ci] = None                # the concatenation below is the only copy kept
-    arr = np.concatenate(samples) if samples else np.zeros((0, side, side), np.uint8)
-    del samples, per_char
+    arr, labels, kept = _concatenate(per_char, keep_char, extra, chars, k, side, min_samples, len(faces))
+    del per_char
     from hvd_partialfc.data.shards import sha256_file
     used = [dict(f, samples=kept[i], sha256=sha256_file(f["file"])) for i, f in enumerate(faces) if kept[i]]
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),

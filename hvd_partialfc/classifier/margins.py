@@ -21,32 +21,24 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import did_you_mean
+from ..registry import Registry
 
-_MARGINS: Dict[str, Callable[..., "MarginLoss"]] = {}
-
-
-def register_margin(name: str):
-    def deco(cls):
-        _MARGINS[name] = cls
-        return cls
-    return deco
+LOSSES: Registry[Callable[..., "MarginLoss"]] = Registry("loss")
+register_margin = LOSSES.register
 
 
 def list_losses():
-    return sorted(_MARGINS)
+    return LOSSES.names()
 
 
 def create_margin(name: str, scale: float = 64.0, margin: float = 0.5, interclass: float = 0.0) -> "MarginLoss":
-    if name not in _MARGINS:
-        raise ValueError(f"unknown loss {name!r}; known: {', '.join(list_losses())}{did_you_mean(name, list_losses())}")
-    loss = _MARGINS[name](scale=scale, margin=margin)
+    loss = LOSSES.get(name)(scale=scale, margin=margin)
     if interclass > 0 and not loss.normalized:
         raise ValueError(f"head.interclass_filter={interclass:g} with head.loss={name}: the filter reads cosines; "
                          "use arcface or cosface")

@@ -22,34 +22,32 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ..config import did_you_mean
+from ..registry import Registry
 from .margins import LocalClassifier
 from .heads import GlobalSoftmaxHead, LocalHead, ReplicatedHead
 from .negatives import CrossShardNegativesHead
 from .optimizers import classifier_group, make_optimizer
 
-_MODES: Dict[str, "ClassifierMode"] = {}
+MODES: Registry["ClassifierMode"] = Registry("classifier mode", key="head.mode=", sort=False)
+_MODES = MODES.entries      # the registry's dict (a test removes the toy mode it registered)
 
 
 def register_mode(name: str) -> Callable:
     """Class decorator: register an instance of a ``ClassifierMode`` subclass as ``head.mode=name``."""
     def deco(cls):
         cls.name = name
-        _MODES[name] = cls()
+        MODES.add(name, cls())
         return cls
     return deco
 
 
 def list_modes():
     """The registered modes, in registration order (the method first)."""
-    return list(_MODES)
+    return MODES.names()
 
 
 def get_mode(name: str) -> "ClassifierMode":
-    if name not in _MODES:
-        raise ValueError(f"unknown classifier mode head.mode={name!r}; known: {', '.join(list_modes())}"
-                         f"{did_you_mean(name, list_modes())}")
-    return _MODES[name]
+    return MODES.get(name)
 
 
 def margin_args(head_cfg) -> Dict[str, Any]:
@@ -70,7 +68,7 @@ class ClassifierMode:
     def check(self, head_cfg) -> None:
         """Refuse settings this mode does not use (called when the parts are built)."""
         if head_cfg.sample_rate < 1.0 and not self.samples:
-            samplers = " or ".join(m for m in list_modes() if _MODES[m].samples)
+            samplers = " or ".join(m for m in list_modes() if get_mode(m).samples)
             raise ValueError(f"head.sample_rate < 1 samples the centres of head.mode={samplers}, not {self.name}")
 
     def create_head(self, cfg, layout, rank: int, comm) -> LocalClassifier:

@@ -185,7 +185,7 @@ def sweep_rows(weight: torch.Tensor, momentum, state, mu: float, wd: float, tmp:
     up through the steps of ``state["lrs"]`` from its ``state["since_base"]``; both are then reset (no
     step since the sweep). In blocks of ``SWEEP_BLOCK`` rows, so the temporary ``tmp`` (at least
     min(W, SWEEP_BLOCK) rows) is one block, not a second (W, D) matrix. The optimizer's sweep, and
-    re-sharding's catch-up of rows whose ranks have different histories (run/reshard.py)."""
+    re-sharding's catch-up of rows whose ranks have different histories (run/ckpt/reshard.py)."""
     table = catch_up_table(state, mu, wd, weight.dtype)
     since = state["since_base"].long()
     with torch.no_grad():

@@ -11,7 +11,7 @@ Contract:
   resume, so a skip run resumes bitwise.
 * ``Batch``: what the loader yields: it unpacks as ``(samples, labels)`` (the contract every caller holds)
   and carries ``bad``, the ``BadSample``s replaced in it. The count travels with the batch because the
-  loader's workers are other processes: the trainer sums and agrees it at log steps (run/sample_watch.py),
+  loader's workers are other processes: the trainer sums and agrees it at log steps (run/watch/sample_watch.py),
   with no host synchronisation and no collective per step.
 * ``looks_whole``: the check the workers can afford under ``data.decode: gpu`` (they do not decode): an
   empty blob, unknown magic bytes, or a JPEG / PNG without its end marker (a truncated file) is suspect,

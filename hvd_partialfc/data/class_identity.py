@@ -1,5 +1,5 @@
 """Which classes a shard set's labels stand for, beyond their count: what resume compares when
-``checkpoint.allow_other_data`` lets it go on with other samples (run/resume.py ``check_data``).
+``checkpoint.allow_other_data`` lets it go on with other samples (run/ckpt/resume.py ``check_data``).
 
 A checkpoint's classifier row c belongs to class c of the set it trained on. Another set with the same
 class count and shard label ranges fits the rows; it continues the run only if its class c is the same

@@ -214,8 +214,8 @@ def choose_decode(requested: str, device: torch.device, dataset, augment: BatchA
     else:
         decoder, missing = torchvision_decoder()
         if decoder is None:
-            raise ValueError(f"data.decode=gpu needs torchvision (launch/install.sh pins the one matching torch): "
-                             f"{missing}; or set data.decode=cpu")
+            raise ValueError("data.decode=gpu needs torchvision (scripts/setup/install.sh pins the one matching "
+                             f"torch): {missing}; or set data.decode=cpu")
         why = _first_sample_fits(dataset)
     if why:
         return "cpu", f"data.decode=gpu: {why}; decoding with PIL in the loader's workers (the CPU path)"

@@ -11,7 +11,7 @@ Primitives a subclass provides (each a collective: every rank calls it, in the s
 (elementwise mean of a list of tensors), ``vote_async``, ``broadcast_module``, ``distributed_optimizer``,
 ``shutdown``; ``step_synchronized`` steps what ``distributed_optimizer`` returned. ``wait_s`` counts the
 seconds a rank waited in tensor collectives and in the averaging optimizer's ``synchronize``, under every
-engine (a straggler is told by its own time, without them: run/stragglers.py). Not a collective to
+engine (a straggler is told by its own time, without them: run/watch/stragglers.py). Not a collective to
 import; imports no Horovod.
 """
 from __future__ import annotations
@@ -37,11 +37,13 @@ class RankFailure(RuntimeError):
     """Raised on *every* rank when at least one rank reported an error in an agreement point.
 
     ``point`` names the agreement point and ``failures`` holds (rank, error text) of each failed rank, so
-    the CLI can print an agreed error once (rank 0) and in one line when every rank failed alike."""
+    the CLI can print an agreed error once (rank 0) and in one line when every rank failed alike.
+    ``before_training``: raised by start-up's checks of the user's input (run/startup.py), an exit 2."""
 
     def __init__(self, message: str, point: str = "", failures: Sequence[Tuple[int, str]] = ()):
         super().__init__(message)
         self.point, self.failures = point, list(failures)
+        self.before_training = False
 
 
 def mark_agreed(err: BaseException) -> BaseException:
@@ -84,7 +86,7 @@ class CommBase:
     # hands in, and seconds spent waiting in them. Read and reset by the benchmark.
     sent_bytes: int = 0
     wait_s: float = 0.0
-    # Each rank is a process of its own, whose step times say how fast it is (run/stragglers.py); not the
+    # Each rank is a process of its own, whose step times say how fast it is (run/watch/stragglers.py); not the
     # simulator's virtual ranks, which take turns in one process.
     times_ranks = True
 
@@ -93,7 +95,7 @@ class CommBase:
         return self.rank == 0
 
     def regroup_refusal(self) -> Optional[str]:
-        """Why this job cannot go on without one of its nodes (an evicted straggler, run/stragglers.py); None
+        """Why this job cannot go on without one of its nodes (an evicted straggler, run/watch/stragglers.py); None
         when it can. Not a collective."""
         return "only elastic torchrun (--nnodes MIN:MAX, --max-restarts > 0) can go on without a node"
 

@@ -2,7 +2,7 @@
 
 Why: after a link is cut no connection reset arrives. A rank waiting in a collective then waits for the
 transport's own timeout: Gloo's default is 30 minutes, Open MPI's TCP about 15 (on the two-node harness,
-launch/twonode.py, a Gloo all-reduce loop cut mid-run made no progress and raised nothing in the 10 s
+scripts/faults/twonode.py, a Gloo all-reduce loop cut mid-run made no progress and raised nothing in the 10 s
 watched). A collective timeout under a minute is no cure: it would kill healthy runs while rank 0
 evaluates or writes a large checkpoint and the others wait.
 
@@ -23,7 +23,7 @@ neighbour ends at once instead of waiting for it in a collective (before, any ex
 No forked child keeps the sockets: a DataLoader worker forked after the ring was up held a copy of them,
 so a killed rank's connection stayed open until its workers noticed their parent's death (seconds), and
 round the ring those seconds added up; every child closes its copies right after the fork
-(``os.register_at_fork``). The listening socket binds the advertised address only, and takes only the
+(``forking.close_sockets_in_child``). The listening socket binds the advertised address only, and takes only the
 neighbour that presents the job's token (drawn by rank 0, shared with the addresses) and its rank: a stray
 connection (a port scan, another job) is closed and the wait goes on; a flood of idle connections costs the
 ring nothing (engine/listener.py: each has 5 s to say its hello, and a flood evicts its own oldest).
@@ -44,8 +44,9 @@ import sys
 import threading
 import time
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
+from ..forking import close_sockets_in_child
 from .listener import serve
 
 EXIT_LOST_PEER = 1
@@ -53,20 +54,7 @@ _BEAT, _BYE = b"B", b"E"
 _HELLO = b"hvd_partialfc-heartbeat"
 _HELLO_LEN = len(_HELLO) + 32 + 8          # the tag, the job's token (32 hex digits), the rank (8 digits)
 _LIVE: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
-
-
-def _close_in_child() -> None:
-    """After a fork, in the child: close its copies of every heartbeat socket (the parent's stay open)."""
-    for hb in list(_LIVE):
-        for sock in hb.sockets():
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
+close_sockets_in_child(_LIVE, lambda hb: hb.sockets())     # a child's copies; the parent's stay open
 
 
 def _iface_address(name: str) -> Optional[str]:
@@ -109,6 +97,16 @@ def advertised_address() -> str:
         return "127.0.0.1"
 
 
+class RingPeer(NamedTuple):
+    """A rank of the ring as every other knows it: its host name, where it listens, and the job's token (rank 0's;
+    the others send an empty one)."""
+
+    host: str
+    address: str
+    port: int
+    token: str
+
+
 class Heartbeat:
     """The ring heartbeat of one rank (see the module's docstring). ``start`` is a collective."""
 
@@ -119,7 +117,7 @@ class Heartbeat:
         self._in: Optional[socket.socket] = None
         self._server: Optional[socket.socket] = None
         self._stopped = threading.Event()
-        self.peers = []
+        self.peers: List[RingPeer] = []
         self.token = ""
         _LIVE.add(self)
 
@@ -142,9 +140,9 @@ class Heartbeat:
             server.bind(("0.0.0.0", 0))
         server.listen(8)
         token = secrets.token_hex(16) if comm.rank == 0 else ""
-        hb.peers = comm.allgather_object((socket.gethostname(), addr, server.getsockname()[1], token),
-                                         name="heartbeat.addresses")
-        hb.token = hb.peers[0][3]
+        hb.peers = [RingPeer(*p) for p in comm.allgather_object(
+            (socket.gethostname(), addr, server.getsockname()[1], token), name="heartbeat.addresses")]
+        hb.token = hb.peers[0].token
         accepted = []
         acceptor = threading.Thread(target=lambda: accepted.append(hb._accept(server, time.monotonic() + 60)),
                                     daemon=True)
@@ -178,11 +176,11 @@ class Heartbeat:
               stopped=lambda: False, hello_len=_HELLO_LEN, deadline=deadline)
         return got[0] if got else None
 
-    def _connect(self, peer: Tuple[str, str, int]) -> socket.socket:
+    def _connect(self, peer: RingPeer) -> socket.socket:
         deadline = time.monotonic() + 60
         while True:
             try:
-                s = socket.create_connection(peer[1:3], timeout=5)
+                s = socket.create_connection((peer.address, peer.port), timeout=5)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.sendall(self._hello(self.rank))
                 return s
@@ -220,7 +218,7 @@ class Heartbeat:
                 return
 
     def _lost(self, peer: int, why: str) -> None:
-        host, addr = self.peers[peer][:2] if self.peers else ("?", "?")
+        host, addr = (self.peers[peer].host, self.peers[peer].address) if self.peers else ("?", "?")
         sys.stderr.write(f"[rank {self.rank}] error: lost peer rank {peer} ({host}, {addr}): {why}; "
                          "ending this rank (train.heartbeat_timeout)\n")
         sys.stderr.flush()

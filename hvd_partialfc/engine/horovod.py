@@ -86,7 +86,7 @@ class Comm(CommBase):
                                        backward_passes_per_step=backward_passes_per_step, op=hvd.Average)
         synchronize = opt.synchronize
 
-        def timed_synchronize():   # its wait counted in wait_s, as the torch engine's (run/stragglers.py)
+        def timed_synchronize():   # its wait counted in wait_s, as the torch engine's (run/watch/stragglers.py)
             t0 = time.perf_counter()
             synchronize()
             self.wait_s += time.perf_counter() - t0

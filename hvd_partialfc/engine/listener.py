@@ -72,25 +72,7 @@ def serve(server: socket.socket, check: Callable[[Any, bytes], Any], ready: Call
                 conn = key.fileobj
                 if conn not in pending:       # evicted by an accept of this same round
                     continue
-                hello = _read(conn, pending[conn], hello_len, max_bytes)
-                if hello is None:
-                    continue
-                if hello is False:
-                    drop(conn)
-                    continue
-                state = pending[conn][0]
-                rest = pending[conn][1][len(hello):]
-                pending.pop(conn)
-                sel.unregister(conn)
-                try:
-                    accepted = check(state, hello)
-                except Exception:  # noqa: BLE001 (a malformed hello is a stranger's)
-                    accepted = None
-                if accepted is None:
-                    conn.close()
-                    continue
-                conn.setblocking(True)
-                if ready(conn, accepted, rest):
+                if _handshake(conn, sel, pending, drop, check, ready, hello_len, max_bytes):
                     return
     finally:
         for conn in list(pending):
@@ -124,6 +106,30 @@ def _accept(server, sel, pending, drop, greet, handshake_s: float, max_pending: 
             continue
         pending[conn] = [state, b"", time.monotonic() + handshake_s]
         sel.register(conn, selectors.EVENT_READ)
+
+
+def _handshake(conn, sel, pending, drop, check, ready, hello_len: Optional[int], max_bytes: int) -> bool:
+    """One readable connection in its handshake: more of its hello; once whole, ``check``-ed and handed to
+    ``ready`` blocking again, or closed as a stranger's. True when ``ready`` ends the loop."""
+    hello = _read(conn, pending[conn], hello_len, max_bytes)
+    if hello is None:
+        return False
+    if hello is False:
+        drop(conn)
+        return False
+    state = pending[conn][0]
+    rest = pending[conn][1][len(hello):]
+    pending.pop(conn)
+    sel.unregister(conn)
+    try:
+        accepted = check(state, hello)
+    except Exception:  # noqa: BLE001 (a malformed hello is a stranger's)
+        accepted = None
+    if accepted is None:
+        conn.close()
+        return False
+    conn.setblocking(True)
+    return bool(ready(conn, accepted, rest))
 
 
 def _read(conn: socket.socket, entry: list, hello_len: Optional[int], max_bytes: int):

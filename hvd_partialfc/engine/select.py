@@ -73,7 +73,7 @@ def choose_engine(want: str, env: Mapping[str, str]) -> str:
                           f"{'torchrun' if want == 'torch' else 'horovodrun / mpirun'}")
     if want == "horovod" and not horovod_installed():
         raise ConfigError("train.engine=horovod: Horovod is not installed (pip install .[horovod], or "
-                          "launch/install.sh without --no-horovod); the torch engine needs none (torchrun)")
+                          "scripts/setup/install.sh without --no-horovod); the torch engine needs none (torchrun)")
     return want
 
 
@@ -88,8 +88,8 @@ def check_gpu_operations(device: str, cuda_available: bool, nccl_version: int, a
     if cuda and not nccl_version and not allow_host_allreduce:
         raise ConfigError("train.device is CUDA but this Horovod was built without NCCL (horovodrun --check-build: "
                           "[ ] NCCL), so every gradient would go through the host: rebuild it with NCCL "
-                          "(launch/build_horovod.sh, docs/gpu.md), use train.engine=torch under torchrun, or set "
-                          "train.allow_host_allreduce=true")
+                          "(scripts/setup/build_horovod.sh, docs/gpu.md), use train.engine=torch under torchrun, or "
+                          "set train.allow_host_allreduce=true")
 
 
 def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_gpu: bool = False,

@@ -243,7 +243,7 @@ class BucketAverager(AveragingOptimizer):
         super().__init__(comm, optimizer, named_params, fp16_compression, backward_passes_per_step)
         self.buckets = plan_buckets(self._params, int(bucket_mb * 2 ** 20))
         self._bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
-        # A list to fill (the step profile, run/profile.py), else None: [bucket, bytes, launched, done] of each
+        # A list to fill (the step profile, tools/profile_marks.py), else None: [bucket, bytes, launched, done] of each
         # all-reduce, ``time.perf_counter`` seconds, done when its future completes (Gloo: the reduction has
         # finished; NCCL: when it is queued on the GPU, so a GPU's overlap comes from its kernel trace instead).
         self.timeline = None

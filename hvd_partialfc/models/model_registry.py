@@ -1,22 +1,14 @@
 """The backbone registry: ``register_model`` (a decorator) and ``create_model`` (the one factory)."""
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable
 
 import torch.nn as nn
 
-from ..config import did_you_mean
+from ..registry import Registry
 
-_MODELS: Dict[str, Callable[..., nn.Module]] = {}
-
-
-def register_model(name: str):
-    def deco(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        if name in _MODELS:
-            raise ValueError(f"backbone {name!r} registered twice")
-        _MODELS[name] = fn
-        return fn
-    return deco
+MODELS: Registry[Callable[..., nn.Module]] = Registry("backbone")
+register_model = MODELS.register
 
 
 def register_variant(name: str, build: Callable[..., nn.Module], doc: str) -> None:
@@ -26,13 +18,11 @@ def register_variant(name: str, build: Callable[..., nn.Module], doc: str) -> No
 
 
 def list_models():
-    return sorted(_MODELS)
+    return MODELS.names()
 
 
 def create_model(name: str, **kwargs) -> nn.Module:
-    if name not in _MODELS:
-        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(list_models())}{did_you_mean(name, list_models())}")
-    return _MODELS[name](**kwargs)
+    return MODELS.get(name)(**kwargs)
 
 
 def model_input_shape(in_shape) -> list:

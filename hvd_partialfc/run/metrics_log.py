@@ -9,7 +9,7 @@ Contract:
     step_time, ...; not ``step`` and ``time``, which are its step and wall time);
   - a verification record ``{"eval": {"set": NAME, ...}, "step": S}``: ``eval/NAME/<key>`` for each number
     (acc, auc, tar@far=..., ...);
-  - a straggler event ``{"straggler": {"line": ..., ...}, "step": S}`` (run/stragglers.py): its line as the text
+  - a straggler event ``{"straggler": {"line": ..., ...}, "step": S}`` (run/watch/stragglers.py): its line as the text
     ``stragglers`` (training records carry its numbers: ``train/straggler_ratio``, ``train/stragglers``).
 * ``LoaderWatch``: the one-line warning, once per run, when the trainer waits for data more than
   ``LOADER_BOUND_FRACTION`` of its step time.

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from . import checkpoint as ckpt
+from .ckpt import checkpoint as ckpt
 from ..classifier.modes import ClassifierMode, get_mode
 from ..models import create_model
 from ..models.recompute import set_activation_checkpointing

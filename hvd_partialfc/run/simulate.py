@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..config import Config
-from .preempt import StopSignals
+from .watch.preempt import StopSignals
 from ..engine.sim import SimComm, SimWorld
-from .run_lock import release
+from .watch.run_lock import release
 from .startup import start_trainer
 
 

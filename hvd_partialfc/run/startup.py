@@ -6,8 +6,10 @@
         --> build_parts(cfg, comm, layout)                     (parts.py: backbone, head, optimizers)
         --> evaluator                                           (pair sets read and checked on rank 0)
         [every error so far agreed across ranks]
-        --> memory snapshots (memory.py: checkpoint.memory_every; the node's room checked)
-        --> resume (resume.py; a newer memory snapshot first)  or  model.init_backbone (a fresh start only)
+        --> node memory (snapshots/node_memory.py: checkpoint.memory_every; the node's room checked)
+        --> resume (ckpt/resume.py; the newest snapshot node memory offers, else the disk)
+        --> the snapshots take the node over (snapshots/memory.py)   model.init_backbone (a fresh start only)
+        [every error so far is about the user's input: ``checking_input``, exit 2]
         --> backbone broadcast from rank 0, digests checked     (identical starts)
         --> steps agreed (uneven shards never deadlock) --> loader, checkpointer --> Trainer
 
@@ -17,28 +19,32 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, Optional
+from contextlib import contextmanager
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import checkpoint as ckpt
-from . import progress, run_lock
+from .ckpt import checkpoint as ckpt
+from . import progress
+from .watch import run_lock
 from ..data import class_identity
 from ..data.augment import BatchAugment, parse_augment
 from ..config import ConfigError
 from ..data.device_decode import choose_decode
 from ..data.loader import RankShardDataset, make_loader, resolve_workers
 from ..data.layout import RankLayout
+from ..engine.base import RankFailure
 from ..engine.device import select_device
-from .memory import MemorySnapshots
+from .snapshots.memory import MemorySnapshots
+from .snapshots.node_memory import NodeMemory
 from .metrics_log import tensorboard_missing
 from .parts import build_parts
 from ..models.pretrained import load_initial_backbone
-from .resume import DataIdentity, resume
+from .ckpt.resume import DataIdentity, resume
 from ..data.shards import check_shard_file, data_digest, manifest_digest, rank_layout, read_manifest
 from .speed import compile_note, set_device_flags
 from .step import Step
-from .trainer import RunData, Trainer
+from .trainer import BuiltRun, RunData, Trainer
 from ..verification.evaluator import Evaluator
 from ..verification.verify_pairs import check_input_shape
 
@@ -131,15 +137,32 @@ def _length_record(resumed_from, manifest):
         meta, meta.get("shard_samples") or [s.num_samples for s in manifest.shards])
 
 
-def start_trainer(cfg, comm) -> Trainer:
-    """Build this rank's run and agree on it with the other ranks (see the module's docstring)."""
+@contextmanager
+def checking_input():
+    """Start-up's checks of what the user gave (shards, config, checkpoint, pair sets, the run folder, the snapshot
+    folder): an agreed failure inside is a user's mistake, tagged ``before_training`` (cli_support.rank_error:
+    exit 2), while one later is the run's own failure (exit 1)."""
+    try:
+        yield
+    except RankFailure as e:
+        e.before_training = bool(e.failures)
+        raise
+
+
+def _set_up_device(cfg, comm) -> torch.device:
+    """This rank's device, its flags and its intra-op threads."""
     device = pick_device(cfg, comm)
     set_device_flags(cfg, device)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
         torch.set_num_threads(rank_threads(comm.local_size))
-    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
+    return device
+
+
+def _build(cfg, comm, device, say) -> Tuple[RunData, Any, Any, str]:
+    """The run folder's lock, the data, the parts and the evaluator, every error agreed: (data, parts, evaluator,
+    where JPEGs are decoded)."""
     comm.agree(run_lock.hold(cfg.out, cfg.checkpoint.lock_wait, say) if comm.is_main else None, name="run.lock")
     error = data = parts = evaluator = None
     decode, decode_note = "cpu", ""
@@ -155,36 +178,57 @@ def start_trainer(cfg, comm) -> Trainer:
     except Exception as e:  # reported with the rank, agreed below
         error = f"{type(e).__name__}: {e}"
     comm.agree(error, name="setup")
-    if decode_note and comm.is_main:
-        print(decode_note, flush=True)
-    if compile_note(parts.compiled) and comm.is_main:
-        print(compile_note(parts.compiled), flush=True)
-    memory = MemorySnapshots.start(cfg, comm, parts, log=say)
+    for note in (decode_note, compile_note(parts.compiled)):
+        if note:
+            say(note)
+    return data, parts, evaluator, decode
+
+
+def _resume(cfg, comm, parts, data: RunData, node) -> Optional[Dict[str, Any]]:
+    """``checkpoint.resume``: the resume point (resume.py; a newer memory snapshot first, ``node``'s offer), its
+    restore time recorded; None for a fresh start."""
+    if not cfg.checkpoint.resume:
+        return None
     t0 = time.perf_counter()
-    resumed_from = resume(cfg, comm, parts, data.layout, data.identity, memory) if cfg.checkpoint.resume else None
-    if resumed_from:
-        resumed_from["restore_s"] = time.perf_counter() - t0   # finding, gathering, loading: disk against memory
-    start_step = resumed_from["step"] if resumed_from else 0
-    if memory is not None:
-        memory.begin(start_step)
-    if cfg.model.init_backbone and resumed_from is None:   # a fresh start only
-        _init_backbone(cfg, comm, parts)
-    # Identical starts: rank 0's backbone (parameters and buffers) everywhere, then verified.
+    point = resume(cfg, comm, parts, data.layout, data.identity, node)
+    if point:
+        point["restore_s"] = time.perf_counter() - t0   # finding, gathering, loading: disk against memory
+    return point
+
+
+def _identical_start(comm, parts, point) -> None:
+    """Rank 0's backbone (parameters and buffers) everywhere, then verified; then this rank's own BatchNorm
+    statistics, where its checkpoint file kept them."""
     comm.broadcast_module(parts.backbone, name="backbone.init")
     comm.check_identical(parts.backbone, name="start")
-    if resumed_from:   # this rank's own BatchNorm statistics, where its checkpoint file kept them
-        ckpt.restore_buffers(parts.backbone, resumed_from["own_buffers"])
-    passes = cfg.optim.backward_passes_per_step
+    if point:
+        ckpt.restore_buffers(parts.backbone, point["own_buffers"])
+
+
+def start_trainer(cfg, comm) -> Trainer:
+    """Build this rank's run and agree on it with the other ranks (see the module's docstring)."""
+    device = _set_up_device(cfg, comm)
+    say = (lambda msg: print(msg, flush=True)) if comm.is_main else (lambda msg: None)
+    with checking_input():
+        data, parts, evaluator, decode = _build(cfg, comm, device, say)
+        node = NodeMemory.open(cfg, comm, parts, log=say)
+        point = _resume(cfg, comm, parts, data, node)
+        start_step = point["step"] if point else 0
+        snapshots = MemorySnapshots.take_over(node, start_step) if node is not None else None
+        if cfg.model.init_backbone and point is None:   # a fresh start only
+            _init_backbone(cfg, comm, parts)
+    _identical_start(comm, parts, point)
+    passes, m = cfg.optim.backward_passes_per_step, data.manifest
     min_spe = int(comm.allreduce_scalar(data.local_batches // passes, "min", name="steps_per_epoch"))
-    m = data.manifest
-    length = progress.plan(cfg, comm.size, min_spe, start_step, _length_record(resumed_from, m), log=say)
+    length = progress.plan(cfg, comm.size, min_spe, start_step, _length_record(point, m), log=say)
     loader, _ = make_loader(data.dataset, cfg.data.batch_size, cfg.train.seed,
                             resolve_workers(cfg.data.workers, comm.local_size),
                             start=length.loader_start(start_step, data.local_batches, passes),
                             pin_memory=device.type == "cuda", augment=cfg.data.augment, decode=decode)
     checkpointer = ckpt.Checkpointer(cfg.out, cfg.checkpoint.every, cfg.checkpoint.keep, comm,
-                                     run_info_of(cfg, m, data.identity))
-    # Checkpoints of this run folder newer than where it starts are moved aside (never deleted).
-    checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
+                                     run_info_of(cfg, m, data.identity), cfg.checkpoint.every_minutes)
+    with checking_input():   # checkpoints of this run folder newer than where it starts: moved aside, never deleted
+        checkpointer.prepare(start_step, log=lambda msg: print(msg, flush=True))
     step = Step(cfg, comm, parts, device, m.kind, length)
-    return Trainer(cfg, comm, parts, step, data, loader, checkpointer, evaluator, start_step, resumed_from, memory)
+    return Trainer(cfg, comm, BuiltRun(parts, step, data, loader, checkpointer, evaluator, snapshots, start_step,
+                                       point))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from typing import Callable, Dict, Iterator, Optional, Tuple, Union
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -87,17 +88,36 @@ class Step:
     """The step of ``parts`` (parts.py) on batches of a shard set of ``kind``, for a run of ``length``
     (progress.RunLength; an int: that many steps at one world size).
 
-    ``on_phase(name)``, if given, is called at the step's phase boundaries ("sync0" before the gradient
-    average, "sync1" after it): the benchmark times the phases with it.
+    Watchers see the step from inside (``watchers``, or for a while ``watched_by``): each may have any of
+    ``begin(step)``, ``mark(name)`` (``wanted`` / ``arrived`` around each wait for a batch, ``sync0`` / ``sync1``
+    around the gradient average), ``batch(item)`` (every batch drawn) and ``end(step, figures)``. The straggler
+    watch measures the rank's own time with them, the sample watch notes bad samples, the benchmark and the
+    step profile time the phases.
     """
 
     def __init__(self, cfg, comm, parts, device: torch.device, kind: str, length: Union[int, RunLength],
-                 on_phase: Optional[Callable[[str], None]] = None):
+                 watchers: Sequence = ()):
         self.cfg, self.comm, self.parts, self.device, self.kind = cfg, comm, parts, device, kind
         self.length = RunLength.fixed(length) if isinstance(length, int) else length
         self.total_steps = self.length.total_steps
-        self.on_phase = on_phase or (lambda name: None)
+        self.watchers = list(watchers)
         self.channels_last = parts.fast.channels_last and kind in ("images", "encoded")   # auto: resolved (speed.py)
+
+    @contextmanager
+    def watched_by(self, *watchers) -> Iterator[None]:
+        """``watchers`` see every step inside the ``with`` block (then they are taken off)."""
+        self.watchers += watchers
+        try:
+            yield
+        finally:
+            for w in watchers:
+                self.watchers.remove(w)
+
+    def _tell(self, hook: str, *args) -> None:
+        for w in self.watchers:
+            fn = getattr(w, hook, None)
+            if fn is not None:
+                fn(*args)
 
     def set_lr(self, step: int) -> float:
         o, imported = self.cfg.optim, self.length.schedule
@@ -119,6 +139,19 @@ class Step:
 
     def __call__(self, step: int, batches: Iterator) -> Dict[str, float]:
         """One optimizer step over ``backward_passes_per_step`` local batches; returns its figures."""
+        self._tell("begin", step)
+        figures = self._run(step, batches)
+        self._tell("end", step, figures)
+        return figures
+
+    def _next(self, batches: Iterator):
+        self._tell("mark", "wanted")
+        item = next(batches)
+        self._tell("mark", "arrived")
+        self._tell("batch", item)
+        return item
+
+    def _run(self, step: int, batches: Iterator) -> Dict[str, float]:
         parts, k = self.parts, self.cfg.optim.backward_passes_per_step
         backbone, head, loss_scale = parts.backbone, parts.head, parts.loss_scale
         skips = parts.device_skips                 # train.skip_decision=device (skips.py), else None
@@ -131,7 +164,7 @@ class Step:
         t0, data_time, loss_sum = time.perf_counter(), 0.0, None
         for _ in range(k):
             td = time.perf_counter()
-            x, y = prepare_batch(*next(batches), self.device, self.kind)           # x: (B, ...), y: (B,) local
+            x, y = prepare_batch(*self._next(batches), self.device, self.kind)     # x: (B, ...), y: (B,) local
             data_time += time.perf_counter() - td
             if self.channels_last:                                                  # (B, C, H, W), NHWC in memory
                 x = x.contiguous(memory_format=torch.channels_last)
@@ -141,9 +174,9 @@ class Step:
             (loss * scale).backward()
             # summed on the device in float64, as Python's float sum of .item()s did: read at log time
             loss_sum = loss.detach().double() if loss_sum is None else loss_sum + loss.detach().double()
-        self.on_phase("sync0")
+        self._tell("mark", "sync0")
         parts.backbone_opt.synchronize()          # averaged grads are now the mean over ranks
-        self.on_phase("sync1")
+        self._tell("mark", "sync1")
         # Averaged: the backbone's (and the classifier's when the mode averages it with the same optimizer):
         # identical on all ranks, so the finite check and the clipping decide the same everywhere.
         averaged = [p for p in parts.backbone_opt_params() if p.grad is not None]

@@ -8,7 +8,7 @@ What arcface_torch's ``train_v2.py`` saves in each rank's file (published format
 two parameter groups: the backbone's parameters, then the classifier's weight) and ``state_lr_scheduler``.
 Partial FC v2 gives rank r of W the classes ``C // W * r + min(r, C % W)`` on, ``C // W + (r < C % W)`` of
 them: this package's even split (``RankLayout.even``), so the checkpoint keeps those slices and a resume
-re-cuts them for its own layout (run/reshard.py), at any world size.
+re-cuts them for its own layout (run/ckpt/reshard.py), at any world size.
 
 The step and the schedule: arcface_torch adds 1 to ``global_step`` and steps its lr scheduler at every
 batch, and its optimizer every ``gradient_acc`` batches (the config's ``optim.backward_passes_per_step``), so
@@ -36,7 +36,6 @@ scale afresh), the random streams (the resume re-seeds them).
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -164,16 +163,9 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     docstring); its summary. Nothing is written when a check fails."""
     files = rank_files(run_dir)
     world = len(files)
-    manifest = read_manifest(cfg.data.shards)
+    manifest, out_base = _check_target(cfg)
     classes = manifest.num_classes
-    check_labels(manifest.class_names)
-    if cfg.head.mode not in ("local", "global"):
-        raise ArcfaceImportError(f"head.mode={cfg.head.mode}: import into local or global (a slice of the "
-                                 "classifier a rank, as Partial FC's)")
     layout = RankLayout.even(classes, world)
-    out_base = os.path.join(cfg.out, CHECKPOINTS)
-    if os.path.isdir(out_base) and os.listdir(out_base):
-        raise ArcfaceImportError(f"{out_base} is not empty: import into a new run folder")
     made = [d for d in (cfg.out, out_base) if not os.path.isdir(d)]
 
     t0, first = time.time(), _read(files[0])
@@ -183,21 +175,10 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     comm0 = LocalComm(0, world)
     parts = build_parts(cfg, comm0, layout, list(manifest.sample_shape), torch.device("cpu"))
     names = [n for n, _ in parts.backbone.named_parameters()]
-    problems = key_mismatch(parts.backbone, first["state_dict_backbone"])
-    if problems:
-        raise ArcfaceImportError(f"{files[0]}: its backbone does not fit model.name={cfg.model.name} "
-                                 f"(embedding_dim {cfg.model.embedding_dim}): " + "; ".join(problems))
-    parts.backbone.load_state_dict(first["state_dict_backbone"], strict=True)
+    _load_backbone(parts, first, files[0], names, cfg)
     digest = state_dict_digest(parts.backbone.state_dict())      # backbone.pt's: rank 0's parameters and buffers
     same_run = _params_digest(first, names)
     params = dict(parts.backbone.named_parameters())
-    opt = parts.backbone_opt
-    for name, entry in _optimizer_state(files[0], first, names, cfg)["backbone"].items():
-        for key, t in entry.items():
-            if key != "step" and tuple(t.shape) != tuple(params[name].shape):
-                raise ArcfaceImportError(f"{files[0]}: the optimizer's {key} of {name} is {tuple(t.shape)}, the "
-                                         f"parameter {tuple(params[name].shape)}")
-        opt.state[params[name]].update({k: t.clone() for k, t in entry.items()})
     base = parts.training_state(layout, 0)
     run_info = run_info_of(cfg, manifest)
     partial = os.path.join(out_base, step_dir_name(step) + ".partial")
@@ -222,13 +203,8 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
         atomic.write_text(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
         atomic.commit_folder(partial, os.path.join(out_base, step_dir_name(step)))
         atomic.write_text(os.path.join(out_base, LATEST), step_dir_name(step) + "\n")
-    except BaseException:       # nothing written stays: the partial folder, and the folders made for it
-        shutil.rmtree(partial, ignore_errors=True)
-        for d in reversed(made):
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+    except BaseException:
+        _remove_partial(partial, made)
         raise
     summary = {"out": cfg.out, "checkpoint": os.path.join(out_base, step_dir_name(step)), "step": step,
                "global_step": global_step, "epoch": epoch, "ranks": world, "classes": classes,
@@ -238,6 +214,49 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
         f"{cfg.optim.backward_passes_per_step}, epoch {epoch}), {classes:,} classes, its lr schedule with it; "
         f"resume with --resume auto --out {cfg.out} at any world size")
     return summary
+
+
+def _check_target(cfg):
+    """The shard set's manifest and the checkpoint folder to write, after the checks that need no rank file:
+    labels an arcface_torch run can have trained on, a sliced classifier mode, a new run folder."""
+    manifest = read_manifest(cfg.data.shards)
+    check_labels(manifest.class_names)
+    if cfg.head.mode not in ("local", "global"):
+        raise ArcfaceImportError(f"head.mode={cfg.head.mode}: import into local or global (a slice of the "
+                                 "classifier a rank, as Partial FC's)")
+    out_base = os.path.join(cfg.out, CHECKPOINTS)
+    if os.path.isdir(out_base) and os.listdir(out_base):
+        raise ArcfaceImportError(f"{out_base} is not empty: import into a new run folder")
+    return manifest, out_base
+
+
+def _load_backbone(parts, first: Dict[str, Any], path: str, names: List[str], cfg) -> None:
+    """Rank 0's backbone and its optimizer state into ``parts`` (every rank's parameters are equal; its
+    BatchNorm statistics are not and go into its own rank file), refusing a backbone or a state that does not
+    fit this config's model."""
+    problems = key_mismatch(parts.backbone, first["state_dict_backbone"])
+    if problems:
+        raise ArcfaceImportError(f"{path}: its backbone does not fit model.name={cfg.model.name} "
+                                 f"(embedding_dim {cfg.model.embedding_dim}): " + "; ".join(problems))
+    parts.backbone.load_state_dict(first["state_dict_backbone"], strict=True)
+    params = dict(parts.backbone.named_parameters())
+    opt = parts.backbone_opt
+    for name, entry in _optimizer_state(path, first, names, cfg)["backbone"].items():
+        for key, t in entry.items():
+            if key != "step" and tuple(t.shape) != tuple(params[name].shape):
+                raise ArcfaceImportError(f"{path}: the optimizer's {key} of {name} is {tuple(t.shape)}, the "
+                                         f"parameter {tuple(params[name].shape)}")
+        opt.state[params[name]].update({k: t.clone() for k, t in entry.items()})
+
+
+def _remove_partial(partial: str, made: List[str]) -> None:
+    """After a failed import nothing written stays: the partial folder, and the folders made for it."""
+    shutil.rmtree(partial, ignore_errors=True)
+    for d in reversed(made):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def _params_digest(obj: Dict[str, Any], names: List[str]) -> str:

@@ -39,18 +39,16 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..engine.base import gradient_bytes
 from ..classifier.modes import get_mode, list_modes
-from .bench_engines import ENGINES, NO_ENGINE, engine_ratios, launch, ratios_markdown
-
-PHASES = ("data", "forward", "backward", "comm", "optimizer")
+from .bench_engines import ENGINES, NO_ENGINE, engine_ratios, launch
+from .bench_table import PHASES, markdown, plot
 
 
 # --- the worker: one rank of one job ----------------------------------------------------------------
@@ -74,18 +72,45 @@ def _synthetic_batches(batch: int, in_shape: Sequence[int], width: int, seed: in
         i += 1
 
 
-def _instrument(parts, comm) -> Tuple[Dict[str, float], Callable[[str], None]]:
-    """Hooks that stamp the phase boundaries of the step into the returned dict, and the step's
-    ``on_phase`` callback that stamps the gradient synchronisation."""
-    marks: Dict[str, float] = {}
+class _Stamps:
+    """The phase boundaries of the step, stamped into ``marks`` (seconds, and the engine's wait so far): forward
+    hooks for the backbone and head, and a step watcher (step.py) for the gradient synchronisation."""
 
-    def stamp(key):
-        marks[key] = time.perf_counter()
-        marks[key + ".wait"] = comm.wait_s
+    def __init__(self, parts, comm):
+        self.marks: Dict[str, float] = {}
+        self.comm = comm
+        parts.backbone.register_forward_pre_hook(lambda *a: self.mark("fwd0"))
+        parts.head.register_forward_hook(lambda *a: self.mark("fwd1"))
 
-    parts.backbone.register_forward_pre_hook(lambda *a: stamp("fwd0"))
-    parts.head.register_forward_hook(lambda *a: stamp("fwd1"))
-    return marks, stamp
+    def mark(self, key: str) -> None:
+        self.marks[key] = time.perf_counter()
+        self.marks[key + ".wait"] = self.comm.wait_s
+
+
+def _timed_steps(a, comm, step_fn, batches, marks: Dict[str, float]) -> Tuple[Any, float, Dict[str, float]]:
+    """``a.warmup`` steps, then ``a.steps`` timed ones: (the last step's figures, their seconds, those seconds split
+    by phase, each phase less the engine's waits inside it, which count as communication)."""
+    split = {k: 0.0 for k in PHASES}
+    total = 0.0
+    for step in range(a.warmup + a.steps):
+        if step == a.warmup:
+            comm.sent_bytes = 0
+        t0, w0 = time.perf_counter(), comm.wait_s
+        out = step_fn(step, batches)
+        t1 = time.perf_counter()
+        if step < a.warmup:
+            continue
+        waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0", "sync1")}
+        head_wait_fwd = waits["fwd1"] - waits["fwd0"]
+        head_wait_bwd = waits["sync0"] - waits["fwd1"]
+        sync_wait = waits["sync1"] - waits["sync0"]      # inside synchronize already
+        split["data"] += out["data_time"]
+        split["forward"] += marks["fwd1"] - marks["fwd0"] - head_wait_fwd
+        split["backward"] += marks["sync0"] - marks["fwd1"] - head_wait_bwd
+        split["comm"] += marks["sync1"] - marks["sync0"] + (comm.wait_s - w0 - sync_wait)
+        split["optimizer"] += t1 - marks["sync1"]
+        total += t1 - t0
+    return out, total, split
 
 
 def run_worker(a) -> Dict[str, Any]:
@@ -115,29 +140,10 @@ def run_worker(a) -> Dict[str, Any]:
     parts = build_parts(cfg, comm, layout, in_shape, torch.device("cpu"))
     width = layout.slices[comm.rank].width
     grad_bytes = 0 if limit else gradient_bytes(parts.backbone_opt_params(), cfg.optim.fp16_compression)
-    marks, stamp = _instrument(parts, comm)
-    step_fn = Step(cfg, comm, parts, torch.device("cpu"), "features", a.warmup + a.steps, on_phase=stamp)
+    stamps = _Stamps(parts, comm)
+    step_fn = Step(cfg, comm, parts, torch.device("cpu"), "features", a.warmup + a.steps, watchers=[stamps])
     batches = _synthetic_batches(a.batch, model_input_shape(in_shape), width, seed=comm.rank)
-    split = {k: 0.0 for k in PHASES}
-    total, sent = 0.0, 0
-    for step in range(a.warmup + a.steps):
-        if step == a.warmup:
-            comm.sent_bytes = 0
-        t0, w0 = time.perf_counter(), comm.wait_s
-        out = step_fn(step, batches)
-        t1 = time.perf_counter()
-        if step < a.warmup:
-            continue
-        waits = {k: marks[k + ".wait"] for k in ("fwd0", "fwd1", "sync0", "sync1")}
-        head_wait_fwd = waits["fwd1"] - waits["fwd0"]
-        head_wait_bwd = waits["sync0"] - waits["fwd1"]
-        sync_wait = waits["sync1"] - waits["sync0"]      # inside synchronize already
-        split["data"] += out["data_time"]
-        split["forward"] += marks["fwd1"] - marks["fwd0"] - head_wait_fwd
-        split["backward"] += marks["sync0"] - marks["fwd1"] - head_wait_bwd
-        split["comm"] += marks["sync1"] - marks["sync0"] + (comm.wait_s - w0 - sync_wait)
-        split["optimizer"] += t1 - marks["sync1"]
-        total += t1 - t0
+    out, total, split = _timed_steps(a, comm, step_fn, batches, stamps.marks)
     engine = NO_ENGINE if limit else a.engine
     # the torch engine counts the gradient buckets it sends in sent_bytes; Horovod's optimizer counts nothing
     sent = comm.sent_bytes / a.steps + (0 if engine == "torch" else grad_bytes)
@@ -179,8 +185,41 @@ def _summarise(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
             "backbone_params": recs[0]["backbone_params"]}
 
 
+def _point(a, cfg, bb, mode: str, engine: str, classes: int, dim: int, rate: float) -> Dict[str, Any]:
+    """One job's figures (its ranks launched and summarised), or why it was skipped: a mode that does not sample
+    at ``rate`` < 1, or an estimated memory over ``--max-memory-gb``."""
+    from .estimate import estimate
+    negatives = mode == "negatives"
+    if rate < 1.0 and mode in list_modes() and not get_mode(mode).samples:
+        return _skipped(mode, engine, classes, dim, rate, f"{mode} does not sample")
+    est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
+                   mode if mode in list_modes() else "local", optimizer=_opt_kind(cfg),
+                   sample_rate=rate, bb=bb,
+                   negatives_every=a.negatives_every if negatives else 0,
+                   negatives_share=a.negatives_share if negatives else 0)
+    if mode == "limit":  # the limit holds a local slice of C / N classes
+        est = estimate(-(-classes // a.np), 1, dim, a.batch, cfg.model.name, "local",
+                       optimizer=_opt_kind(cfg), sample_rate=rate, bb=bb)
+    jobs = a.limit_procs if mode == "limit" else a.np
+    if est["memory_total"] * jobs > a.max_memory_gb * 2 ** 30:
+        point = _skipped(mode, engine, classes, dim, rate, f"estimated "
+                         f"{est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb")
+        print(f"skip {mode:>10} {engine:>7} C={classes:>9,} D={dim}: {point['skipped']}", flush=True)
+        return point
+    t0 = time.time()
+    s = _summarise(launch(a, mode, engine, classes, dim, a.out, a.timeout, rate))
+    s["estimate"] = est["memory_total"]
+    s["estimate_err"] = est["memory_total"] / s["peak_rss"] - 1
+    print(f"{mode:>10} {engine:>7} C={classes:>9,} D={dim} r={rate:g}: "
+          f"{s['samples_per_s']:8.1f} samples/s/rank  step {s['step_s'] * 1e3:7.1f} ms  "
+          f"{s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
+          f"peak RSS {s['peak_rss'] / 2 ** 20:7.0f} MB (estimate {s['estimate_err']:+.0%})  "
+          f"[{time.time() - t0:.0f} s]", flush=True)
+    return s
+
+
 def run_bench(a) -> Dict[str, Any]:
-    from .estimate import backbone_figures, estimate
+    from .estimate import backbone_figures
     os.makedirs(a.out, exist_ok=True)
     load0 = os.getloadavg()
     cfg = _bench_config(a)
@@ -189,45 +228,17 @@ def run_bench(a) -> Dict[str, Any]:
         modes.insert(modes.index("local") + 1 if "local" in modes else len(modes), "negatives")
     if "negatives" in modes and a.negatives_every <= 0:
         raise ValueError("the negatives job needs --negatives-every K > 0")
-    points: List[Dict[str, Any]] = []
     rates = a.sample_rates or [cfg.head.sample_rate]   # --set head.sample_rate=R alone: one rate, every job
     for engine in a.engines:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} in --engines; known: {', '.join(ENGINES)}")
+    points: List[Dict[str, Any]] = []
     for dim in a.dims:
         bb = backbone_figures(cfg.model.name, dim, a.batch, a.in_shape or [a.in_dim], cfg.model.kwargs)
         for classes in a.classes:
             # every mode's jobs under each engine back to back, so their ratio sees the same machine load
             for rate, mode, engine in _jobs(rates, modes, a.engines):
-                negatives = mode == "negatives"
-                if rate < 1.0 and mode in list_modes() and not get_mode(mode).samples:
-                    points.append(_skipped(mode, engine, classes, dim, rate, f"{mode} does not sample"))
-                    continue
-                est = estimate(classes, 1 if mode == "limit" else a.np, dim, a.batch, cfg.model.name,
-                               mode if mode in list_modes() else "local", optimizer=_opt_kind(cfg),
-                               sample_rate=rate, bb=bb,
-                               negatives_every=a.negatives_every if negatives else 0,
-                               negatives_share=a.negatives_share if negatives else 0)
-                if mode == "limit":  # the limit holds a local slice of C / N classes
-                    est = estimate(-(-classes // a.np), 1, dim, a.batch, cfg.model.name, "local",
-                                   optimizer=_opt_kind(cfg), sample_rate=rate, bb=bb)
-                jobs = a.limit_procs if mode == "limit" else a.np
-                if est["memory_total"] * jobs > a.max_memory_gb * 2 ** 30:
-                    points.append(_skipped(mode, engine, classes, dim, rate, f"estimated "
-                                           f"{est['memory_total'] * jobs / 2 ** 30:.1f} GB > --max-memory-gb"))
-                    print(f"skip {mode:>10} {engine:>7} C={classes:>9,} D={dim}: {points[-1]['skipped']}",
-                          flush=True)
-                    continue
-                t0 = time.time()
-                s = _summarise(launch(a, mode, engine, classes, dim, a.out, a.timeout, rate))
-                s["estimate"] = est["memory_total"]
-                s["estimate_err"] = est["memory_total"] / s["peak_rss"] - 1
-                points.append(s)
-                print(f"{mode:>10} {engine:>7} C={classes:>9,} D={dim} r={rate:g}: "
-                      f"{s['samples_per_s']:8.1f} samples/s/rank  step {s['step_s'] * 1e3:7.1f} ms  "
-                      f"{s['bytes_per_step'] / 2 ** 20:9.2f} MB/step  "
-                      f"peak RSS {s['peak_rss'] / 2 ** 20:7.0f} MB (estimate {s['estimate_err']:+.0%})  "
-                      f"[{time.time() - t0:.0f} s]", flush=True)
+                points.append(_point(a, cfg, bb, mode, engine, classes, dim, rate))
     _ratios(points)
     ratios = engine_ratios(points)
     load = os.getloadavg()
@@ -279,62 +290,6 @@ def _ratios(points: List[Dict[str, Any]]) -> None:
         lim, loc = by.get(("limit", NO_ENGINE, *key)), by.get(("local", engine, *key))
         p["vs_limit"] = p["samples_per_s"] / lim["samples_per_s"] if lim else None
         p["local_vs_this"] = loc["samples_per_s"] / p["samples_per_s"] if loc else None
-
-
-def markdown(result: Dict[str, Any]) -> str:
-    """The points' table; under it, with more than one engine, the torch / horovod ratios."""
-    rows = ["| D | classes | mode | rate | engine | samples/s/rank | x limit | local / this | step ms: data / fwd / "
-            "bwd / comm / opt | logits/step | MB sent/step | peak RSS MB | estimate |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for p in result["points"]:
-        head = (f"| {p['dim']} | {p['classes']:,} | {p['mode']} | {p.get('sample_rate', 1.0):g} | "
-                f"{p.get('engine', 'horovod')} |")
-        if "skipped" in p:
-            rows.append(f"{head} skipped: {p['skipped']} | | | | | | | |")
-            continue
-        sp = " / ".join(f"{p['split_s'][k] * 1e3:.1f}" for k in PHASES)
-        logits = p.get("logits_per_step")
-        rows.append(f"{head} {p['samples_per_s']:.1f} | "
-                    f"{_fmt(p.get('vs_limit'))} | {_fmt(p.get('local_vs_this'))} | {sp} | "
-                    f"{'' if logits is None else f'{logits:,}'} | "
-                    f"{p['bytes_per_step'] / 2 ** 20:.3f} | {p['peak_rss'] / 2 ** 20:.0f} | "
-                    f"{p['estimate_err']:+.1%} |")
-    ratios = ratios_markdown(result.get("engine_ratios") or [])
-    return "\n".join(rows) + ("\n\n" + ratios if ratios else "")
-
-
-def _fmt(v: Optional[float]) -> str:
-    return "" if v is None else f"{v:.2f}"
-
-
-def plot(result: Dict[str, Any], path: str) -> None:
-    """Throughput and peak RSS against the class count, one line per (mode, engine, D); torch's squares."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    pts = [p for p in result["points"] if "skipped" not in p]
-    colors = {"limit": "tab:green", "local": "tab:blue", "global": "tab:orange", "replicated": "tab:red",
-              "negatives": "tab:purple"}
-    for mode, engine in sorted({(p["mode"], p.get("engine", "horovod")) for p in pts}):
-        for dim in sorted({p["dim"] for p in pts}):
-            sel = sorted((p for p in pts if (p["mode"], p.get("engine", "horovod"), p["dim"]) == (mode, engine, dim)),
-                         key=lambda p: p["classes"])
-            if not sel:
-                continue
-            xs = [p["classes"] for p in sel]
-            style = "-" if dim == min(p["dim"] for p in pts) else "--"
-            kw = dict(marker="s" if engine == "torch" else "o", color=colors.get(mode),
-                      label=f"{mode} D={dim}" + ("" if engine == NO_ENGINE else f" {engine}"))
-            axes[0].plot(xs, [p["samples_per_s"] for p in sel], style, **kw)
-            axes[1].plot(xs, [p["peak_rss"] / 2 ** 30 for p in sel], style, **kw)
-    for ax, ylabel in zip(axes, ("samples / s per rank", "peak RSS per rank (GB)")):
-        ax.set_xscale("log"), ax.set_yscale("log"), ax.set_xlabel("classes"), ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"np={result['np']}, batch {result['batch']}/rank, backbone {result['backbone']}, 1 thread/rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

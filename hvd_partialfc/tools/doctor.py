@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 OK, NOTE, FAIL = "ok", "note", "FAIL"
-INSTALL = "bash launch/install.sh"
+INSTALL = "bash scripts/setup/install.sh"
 
 
 @dataclass
@@ -155,7 +155,7 @@ def check_run_folder(out: str) -> List[Check]:
         return [Check(FAIL, f"run folder {out}: cannot write in {probe} ({e.strerror or e})",
                       "pass --out on a writable file system (every node's ranks write there)")]
     where = "" if probe == os.path.abspath(out) else f" (created at the start; {probe} takes files)"
-    from ..run.run_lock import in_use
+    from ..run.watch.run_lock import in_use
     busy = in_use(out)
     if busy:
         return [Check(NOTE, f"run folder {out}: writable, and in use by a job training now ({busy}): a start "
@@ -171,7 +171,7 @@ def check_memory_snapshots(configured: str) -> List[Check]:
     (owner.json). A missing or read-only root is a note, not a failure: snapshots are off by default. Folders
     are a note too: a run that ended removed its own, so these are a running run's or a failed one's, and
     they hold the node's memory until removed by hand."""
-    from ..run.memory_store import ENV_DIR, PREFIX, mem_available, memory_root
+    from ..run.snapshots.memory_store import ENV_DIR, PREFIX, mem_available, memory_root
     from ..run_files import folder_bytes
     from ..sizes import human
     root = memory_root(configured)
@@ -270,7 +270,7 @@ def _snapshot_room(manifest, world_size: int, cfg) -> List[Check]:
     if every <= 0:
         return []
     import torch
-    from ..run.memory_store import memory_root, room_error
+    from ..run.snapshots.memory_store import memory_root, room_error
     from ..sizes import human
     from .estimate import estimate
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

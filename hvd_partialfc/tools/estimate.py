@@ -83,9 +83,9 @@ def backbone_figures(name: str, dim: int, batch: int, in_shape: Optional[Sequenc
 def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_bytes: int, world_size: int,
                         ranks_per_node: int, memory_every: int) -> Dict[str, Any]:
     """Host memory of memory snapshots (``checkpoint.memory_every`` = ``memory_every``), by the formula that
-    ``run/memory_plan.py`` applies to the live tensors: ``snapshot_bytes`` (a rank's file: its ``width`` classifier
+    ``run/snapshots/memory_plan.py`` applies to the live tensors: ``snapshot_bytes`` (a rank's file: its ``width`` classifier
     rows and their ``state`` optimizer slots, plus its own BatchNorm buffers; the node's backbone file:
-    parameters and their optimizer state, plus the buffers) and the room check in ``MemorySnapshots.start``
+    parameters and their optimizer state, plus the buffers) and the room check in ``NodeMemory.open``
     (``memory_store.room_error``'s need: 2 x (the files a node hosts + the backbone file), two snapshots at a
     time). The two count the same things: tests/test_bench_estimate.py checks these file sizes against
     ``snapshot_bytes`` of the same tensors.
@@ -104,6 +104,47 @@ def snapshot_host_bytes(width: int, dim: int, state: int, params: int, buffer_by
     hosted = max(n + (sizes[i - 1] if len(sizes) > 1 else 0) for i, n in enumerate(sizes))
     return {"rank": per_rank, "backbone": backbone, "node": 2 * (hosted * per_rank + backbone),
             "buddy_per_step": per_rank / memory_every if len(sizes) > 1 else 0}
+
+
+def _check_request(m, dtype: str, negatives_every: int) -> None:
+    """Refuse what no run can ask for: cross-shard negatives in a mode that has none, an unknown dtype."""
+    if negatives_every and not m.negatives:
+        raise ValueError(f"cross-shard negatives (negatives_every) belong to mode "
+                         f"{' or '.join(n for n in list_modes() if get_mode(n).negatives)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+
+
+def _memory_terms(width: int, dim: int, e: int, state: int, rows: int, cols: int, remote: int,
+                  bb: Dict[str, int], runtime_mb: float) -> Dict[str, int]:
+    """The components every mode has, in the table's order; the mode's own terms (modes.py) and the negatives'
+    exchange fill in the zeros."""
+    return {
+        "classifier weights": width * dim * e,
+        "classifier grads": width * dim * e,
+        "classifier optimizer state": state * width * dim * e,
+        "classifier temporaries": 0,
+        "exact sampled step": 0,
+        "logits": LOGIT_COPIES * rows * cols * e,
+        "gathered features": 0,
+        "remote centres (negatives)": remote * dim * 4,
+        "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
+        "backbone activations": bb["activation_bytes"],
+        "negatives exchange (beyond the step)": 0,
+        "runtime": int(runtime_mb * 2 ** 20),
+    }
+
+
+def _snapshot_terms(width: int, dim: int, state: int, bb: Dict[str, int], world_size: int, ranks_per_node: int,
+                    memory_every: int):
+    """Memory snapshots' buddy copy a step (traffic) and the result's host-memory fields: host RAM is a
+    separate result, never part of ``memory_total`` (see the module)."""
+    snap = snapshot_host_bytes(width, dim, state, bb["params"], bb.get("buffer_bytes", 0), world_size,
+                               ranks_per_node, memory_every)
+    return snap["buddy_per_step"], {
+        "memory_every": memory_every, "ranks_per_node": ranks_per_node, "host_total": snap["node"],
+        "host_bytes": {"memory snapshot (one rank's file)": snap["rank"], "backbone file": snap["backbone"],
+                       "memory snapshots per node (host RAM)": snap["node"]}}
 
 
 def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str = "mlp", mode: str = "local",
@@ -126,11 +167,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     """
     from types import SimpleNamespace
     m = get_mode(mode)
-    if negatives_every and not m.negatives:
-        raise ValueError(f"cross-shard negatives (negatives_every) belong to mode "
-                         f"{' or '.join(n for n in list_modes() if get_mode(n).negatives)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    _check_request(m, dtype, negatives_every)
     e = DTYPES[dtype]
     width = m.estimate_width(RankLayout.even(classes, world_size))   # the widest rank's slice
     rows = m.estimate_logit_rows(batch, world_size)
@@ -142,20 +179,7 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
     cols += remote
     bb = bb or backbone_figures(backbone, dim, batch, in_shape, backbone_kwargs)
     state = {"sgd": 1, "sgd-nomomentum": 0, "adamw": 2}[optimizer]
-    mem = {
-        "classifier weights": width * dim * e,
-        "classifier grads": width * dim * e,
-        "classifier optimizer state": state * width * dim * e,
-        "classifier temporaries": 0,
-        "exact sampled step": 0,
-        "logits": LOGIT_COPIES * rows * cols * e,
-        "gathered features": 0,
-        "remote centres (negatives)": remote * dim * 4,
-        "backbone (params, grads, state)": (2 + state) * bb["params"] * 4,
-        "backbone activations": bb["activation_bytes"],
-        "negatives exchange (beyond the step)": 0,
-        "runtime": int(runtime_mb * 2 ** 20),
-    }
+    mem = _memory_terms(width, dim, e, state, rows, cols, remote, bb, runtime_mb)
     grad_bytes = bb["params"] * (2 if fp16_compression else 4)
     traffic = {"backbone gradient": grad_bytes}
     sizes = SimpleNamespace(classes=classes, world_size=world_size, dim=dim, batch=batch, e=e, state=state,
@@ -171,12 +195,8 @@ def estimate(classes: int, world_size: int, dim: int, batch: int, backbone: str 
         traffic["centres (allgather, amortised)"] = share * dim * 4 / negatives_every
     extra: Dict[str, Any] = {}
     if memory_every > 0:
-        snap = snapshot_host_bytes(width, dim, state, bb["params"], bb.get("buffer_bytes", 0), world_size,
-                                   ranks_per_node, memory_every)
-        traffic["memory snapshot to buddy (amortised)"] = snap["buddy_per_step"]
-        extra = {"memory_every": memory_every, "ranks_per_node": ranks_per_node, "host_total": snap["node"],
-                 "host_bytes": {"memory snapshot (one rank's file)": snap["rank"], "backbone file": snap["backbone"],
-                                "memory snapshots per node (host RAM)": snap["node"]}}
+        traffic["memory snapshot to buddy (amortised)"], extra = _snapshot_terms(
+            width, dim, state, bb, world_size, ranks_per_node, memory_every)
     return {"classes": classes, "world_size": world_size, "dim": dim, "batch": batch, "backbone": backbone,
             "mode": mode + (f"+negatives(K={negatives_every})" if negatives_every else ""), "dtype": dtype,
             "width": width, "logit_rows": rows, "memory_bytes": mem,

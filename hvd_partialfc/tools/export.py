@@ -12,7 +12,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from ..run_files import load_file, read_meta, resolve_checkpoint
-from ..run.stragglers import read_events
+from ..run.watch.stragglers import read_events
 from .. import atomic
 from ..digest import state_dict_digest
 
@@ -23,7 +23,7 @@ class ExportError(RuntimeError):
 
 def run_summary(path: str) -> Dict[str, Any]:
     """The JSON of ``hvd-partialfc info``: world size, step, slices, classifier shapes, digests, and the
-    stragglers the run named or evicted (run/stragglers.py)."""
+    stragglers the run named or evicted (run/watch/stragglers.py)."""
     ckpt = resolve_checkpoint(path)
     meta = read_meta(ckpt)
     ranks = []

@@ -15,7 +15,7 @@ Exporter: torch's ``torch.export``-based ONNX exporter (``dynamo=True``, the def
 needs onnxscript). The TorchScript exporter (``dynamo=False``) gave the same differences and exported
 mobilefacenet in 4.5 s instead of 13 s here, but torch 2.13 marks it deprecated (DeprecationWarning) and
 it is no longer developed; the export is a one-off, so the maintained path wins.
-onnx, onnxscript and onnxruntime are optional: only this command imports them (launch/install.sh pins them).
+onnx, onnxscript and onnxruntime are optional: only this command imports them (scripts/setup/install.sh pins them).
 """
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def onnx_bytes(model: nn.Module, in_shape: Sequence[int]) -> bytes:
     try:
         import onnxscript  # noqa: F401  (the exporter needs it; fail here with the install hint)
     except ImportError as e:
-        raise ExportError(f"ONNX export needs onnx and onnxscript ({e}); launch/install.sh installs them") from None
+        raise ExportError(f"ONNX export needs onnx and onnxscript ({e}); scripts/setup/install.sh installs "
+                          "them") from None
     example = torch.zeros(TRACE_BATCH, *model_input_shape(in_shape))
     quiet = logging.getLogger("torch.onnx._internal.exporter._registration")  # "torchvision is not installed"
     level = quiet.level
@@ -67,7 +68,8 @@ def max_normalised_diff(data: bytes, model: nn.Module, in_shape: Sequence[int], 
     try:
         import onnxruntime as ort
     except ImportError as e:
-        raise ExportError(f"checking the ONNX model needs onnxruntime ({e}); launch/install.sh installs it") from None
+        raise ExportError(f"checking the ONNX model needs onnxruntime ({e}); scripts/setup/install.sh "
+                          "installs it") from None
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(samples, *model_input_shape(in_shape), generator=g) * 2 - 1
     options = ort.SessionOptions()

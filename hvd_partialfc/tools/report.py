@@ -111,17 +111,11 @@ def _fmt(v: Any, digits: int = 4) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[str, Any]] = None) -> str:
-    from .export import run_summary
-    from ..data.shards import read_manifest
-    info = run_summary(run)
-    ev = json.load(open(os.path.join(eval_dir, "eval.json")))
-    cfg_text = open(os.path.join(run, "config.yaml")).read()
-    lines = ["# hvd_partialfc demo report", ""]
-    set_name, rows = next(iter(ev["sets"].items()))
+def _pairs_table(rows: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The pair set's table: the trained backbone beside its baselines, and why a figure is missing."""
     model = rows["backbone"]
-    lines += [f"Open-set verification on **{model['pairs']} held-out pairs** ({model['same_pairs']} same, "
-              f"{model['different_pairs']} different) of characters that never entered training.", ""]
+    lines = [f"Open-set verification on **{model['pairs']} held-out pairs** ({model['same_pairs']} same, "
+             f"{model['different_pairs']} different) of characters that never entered training.", ""]
     labels = {"backbone": "trained backbone", "pixels": "baseline: raw pixels",
               "pixels_ncc": "baseline: raw pixels, mean-centred", "random_init": "baseline: same backbone, random init"}
     lines += ["| model | 10-fold acc | AUC | TAR@FAR=1e-2 | TAR@FAR=1e-3 | TAR@FAR=1e-4 | threshold |",
@@ -132,6 +126,12 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
                      f"{_fmt(m.get('best_threshold'))} |")
     for key, reason in model.get("notes", {}).items():
         lines.append(f"\n{key}: not reported, {reason}.")
+    return lines
+
+
+def _protocol_lines(ev: Dict[str, Any]) -> List[str]:
+    """A paragraph for each other protocol the eval ran: all pairs, IJB-style templates, 1:N identification."""
+    lines: List[str] = []
     for shard_dir, m in ev.get("all_pairs", {}).items():   # `eval --all-pairs`: every pair of the set
         lines += ["", f"Every pair of the **{m['samples']:,} held-out samples** ({m['same_pairs']:,} same, "
                   f"{m['different_pairs']:,} different; `{shard_dir}`), trained backbone: AUC {m['auc']:.4f}, "
@@ -150,6 +150,48 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
                   f"{m['nonmated_probes']:,} non-mated probes): rank-1 {_fmt(m['rank1'])}, rank-5 {_fmt(m['rank5'])}, "
                   + ", ".join(f"{k.replace('tpir@fpir=', 'TPIR@FPIR=')} {_fmt(v)}" for k, v in m.items()
                               if k.startswith("tpir@fpir=")) + "."]
+    return lines
+
+
+def _data_line(info: Dict[str, Any]) -> str:
+    """The shard set the run trained on, from its checkpoint's config; a report is still written without it."""
+    from ..data.shards import read_manifest
+    try:
+        m = read_manifest(info["checkpoint"] and json.load(open(os.path.join(info["checkpoint"], "meta.json")))["config"]["data"]["shards"])
+        data_line = f"{m.num_classes} classes, {m.num_samples} samples ({m.kind} {m.sample_shape}), {m.num_shards} shards"
+        src = m.source or {}
+        if "faces_used" in src:
+            data_line += f"; rendered from {src['faces_used']} font faces of {src.get('families_used', '?')} families"
+    except Exception:
+        data_line = "(shard set not found)"
+    return data_line
+
+
+def _run_lines(run: str, info: Dict[str, Any], extra: Optional[Dict[str, Any]]) -> List[str]:
+    """The Run section: data, ranks and their slices, digests, steps, final loss, throughput, the notes."""
+    metrics = [m for m in _read_jsonl(os.path.join(run, "metrics.jsonl")) if "loss" in m]
+    data_line = _data_line(info)
+    lines = ["## Run", "", f"* data: {data_line}",
+             f"* world size {info['world_size']}, label slices " + ", ".join(
+                 f"[{r['label_start']}, {r['label_end']})" for r in info["ranks"]),
+             f"* backbone digests agree on all ranks: {info['digests_agree']} (`{info['ranks'][0]['digest'][:16]}`)",
+             f"* steps {info['step']}; final loss {_fmt(metrics[-1]['loss'] if metrics else None, 3)}; "
+             f"throughput {_fmt(np.median([m['samples_per_s'] for m in metrics]) if metrics else None, 0)} samples/s (median, all ranks)"]
+    for k, v in (extra or {}).items():
+        lines.append(f"* {k}: {v}")
+    return lines
+
+
+def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[str, Any]] = None) -> str:
+    from .export import run_summary
+    info = run_summary(run)
+    ev = json.load(open(os.path.join(eval_dir, "eval.json")))
+    cfg_text = open(os.path.join(run, "config.yaml")).read()
+    lines = ["# hvd_partialfc demo report", ""]
+    rows = next(iter(ev["sets"].values()))
+    model = rows["backbone"]
+    lines += _pairs_table(rows)
+    lines += _protocol_lines(ev)
     lines += ["", "![ROC](eval/roc.png)", ""]
     curves = plot_curves(run, os.path.join(run, "curves.png"))
     if curves:
@@ -159,23 +201,7 @@ def write_report(run: str, pairs_path: str, eval_dir: str, extra: Optional[Dict[
               "Rows: true accepts (hardest correct same pairs), false rejects and false accepts (most confident "
               "mistakes), true rejects (hardest correct different pairs). Counts over the whole set: "
               + ", ".join(f"{k} {v}" for k, v in counts.items()) + ".", "", "![pairs](pairs.png)", ""]
-    metrics = [m for m in _read_jsonl(os.path.join(run, "metrics.jsonl")) if "loss" in m]
-    try:
-        m = read_manifest(info["checkpoint"] and json.load(open(os.path.join(info["checkpoint"], "meta.json")))["config"]["data"]["shards"])
-        data_line = f"{m.num_classes} classes, {m.num_samples} samples ({m.kind} {m.sample_shape}), {m.num_shards} shards"
-        src = m.source or {}
-        if "faces_used" in src:
-            data_line += f"; rendered from {src['faces_used']} font faces of {src.get('families_used', '?')} families"
-    except Exception:
-        data_line = "(shard set not found)"
-    lines += ["## Run", "", f"* data: {data_line}",
-              f"* world size {info['world_size']}, label slices " + ", ".join(
-                  f"[{r['label_start']}, {r['label_end']})" for r in info["ranks"]),
-              f"* backbone digests agree on all ranks: {info['digests_agree']} (`{info['ranks'][0]['digest'][:16]}`)",
-              f"* steps {info['step']}; final loss {_fmt(metrics[-1]['loss'] if metrics else None, 3)}; "
-              f"throughput {_fmt(np.median([m['samples_per_s'] for m in metrics]) if metrics else None, 0)} samples/s (median, all ranks)"]
-    for k, v in (extra or {}).items():
-        lines.append(f"* {k}: {v}")
+    lines += _run_lines(run, info, extra)
     lines += ["", "<details><summary>config</summary>", "", "```yaml", cfg_text.strip(), "```", "</details>", ""]
     path = os.path.join(run, "report.md")
     with open(path, "w") as f:

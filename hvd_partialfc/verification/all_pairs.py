@@ -21,6 +21,23 @@ ALL_PAIRS_FARS: Tuple[float, ...] = (1e-3, 1e-4, 1e-5)
 ALL_PAIRS_BINS = 200_000     # cosine in [-1, 1] in steps of 1e-5: finer than any FAR figure needs
 
 
+def _score_pairs(e: torch.Tensor, y: torch.Tensor, block: int, bins: int) -> Tuple[np.ndarray, torch.Tensor]:
+    """Every unordered pair's cosine, ``block`` rows at a time: the same-class scores exactly (float64) and the
+    different-class ones as a ``bins``-bin histogram over [-1, 1] (memory O(bins), not O(n^2))."""
+    n = len(y)
+    hist = torch.zeros(bins, dtype=torch.float64)
+    same_scores = []
+    cols = torch.arange(n)
+    for s in range(0, n, block):
+        rows = torch.arange(s, min(s + block, n))
+        sim = (e[rows] @ e.T).clamp_(-1.0, 1.0)                     # (b, n) cosine
+        upper = cols[None, :] > rows[:, None]                      # each unordered pair once
+        same = y[rows][:, None] == y[None, :]
+        same_scores.append(sim[upper & same])
+        hist += torch.histc(sim[upper & ~same], bins=bins, min=-1.0, max=1.0).double()
+    return torch.cat(same_scores).double().numpy(), hist
+
+
 def all_pairs_metrics(embeddings, labels, fars: Sequence[float] = ALL_PAIRS_FARS, block: int = 2048,
                       bins: int = ALL_PAIRS_BINS, source: str = "all-pairs verification") -> Dict[str, Any]:
     """1:1 verification over *every* pair of distinct samples of a labelled set (IJB-style "all pairs").
@@ -48,17 +65,7 @@ def all_pairs_metrics(embeddings, labels, fars: Sequence[float] = ALL_PAIRS_FARS
     bad = int((~torch.isfinite(e).all(dim=1)).sum())
     if bad:
         raise ValueError(f"{source}: {bad} of {n} embeddings are not finite (NaN/inf: a diverged backbone?)")
-    hist = torch.zeros(bins, dtype=torch.float64)
-    same_scores = []
-    cols = torch.arange(n)
-    for s in range(0, n, block):
-        rows = torch.arange(s, min(s + block, n))
-        sim = (e[rows] @ e.T).clamp_(-1.0, 1.0)                     # (b, n) cosine
-        upper = cols[None, :] > rows[:, None]                      # each unordered pair once
-        same = y[rows][:, None] == y[None, :]
-        same_scores.append(sim[upper & same])
-        hist += torch.histc(sim[upper & ~same], bins=bins, min=-1.0, max=1.0).double()
-    pos = torch.cat(same_scores).double().numpy()
+    pos, hist = _score_pairs(e, y, block, bins)
     n_neg, n_pos = int(hist.sum().item()), len(pos)
     if n_pos == 0 or n_neg == 0:
         raise ValueError("all-pairs verification needs at least two classes and a class with two samples")

@@ -42,8 +42,8 @@ class OnnxBackbone(nn.Module):
         try:
             import onnxruntime as ort
         except ImportError as e:
-            raise ValueError(f"{path}: an ONNX model needs onnxruntime and onnx ({e}); launch/install.sh installs "
-                             "them, or pip install onnxruntime onnx") from None
+            raise ValueError(f"{path}: an ONNX model needs onnxruntime and onnx ({e}); scripts/setup/install.sh "
+                             "installs them, or pip install onnxruntime onnx") from None
         options = ort.SessionOptions()
         if threads > 0:
             options.intra_op_num_threads = threads

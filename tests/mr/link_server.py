@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hvd_partialfc.run.memory_link import Link  # noqa: E402
-from hvd_partialfc.run.memory_store import NodeStore  # noqa: E402
+from hvd_partialfc.run.snapshots.memory_link import Link  # noqa: E402
+from hvd_partialfc.run.snapshots.memory_store import NodeStore  # noqa: E402
 
 root, run, secret, spare = sys.argv[1:5]
 store = NodeStore(root, "tok", run, "0000000a")

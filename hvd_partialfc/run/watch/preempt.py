@@ -1,9 +1,9 @@
 """Stop requests from the scheduler: SIGTERM (Slurm preemption, cloud spot reclaim, ``scancel``) and SIGUSR1
 (Slurm's ``--signal=USR1@SECONDS`` ahead of the time limit). Not a collective; no Horovod.
 
-A handler only records the signal; the training loop reads ``received`` at its step boundary, where the
-ranks agree on it (``Comm.vote_async``), write a checkpoint together and exit with ``EXIT_PREEMPTED``. A
-signal that reaches one rank only (a node's agent, a test) is enough: the vote is a max over ranks.
+A handler only records the signal; it rides in the loop's per-step vote (engine/vote.py: the slot ``stop``, a max
+over ranks), so every rank stops at the same step, writes a checkpoint together and exits ``EXIT_PREEMPTED``. A
+signal that reaches one rank only (a node's agent, a test) is enough.
 DataLoader workers forked while the handler is installed inherit it and keep running, so the step that
 is in flight when the signal comes completes.
 
@@ -17,19 +17,38 @@ import signal
 import threading
 from typing import Dict, Optional
 
+from ...engine.vote import Slot
+
 SIGNALS = ("SIGTERM", "SIGUSR1")
-EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; launch/slurm.sbatch requeues the job on it
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; launch/slurm_horovod.sbatch requeues the job on it
 
 
 class StopSignals:
-    """Context manager: installs the handlers on entry (main thread only), restores the old ones on exit."""
+    """Context manager: installs the handlers on entry (main thread only), restores the old ones on exit. A part
+    of the loop's vote: ``due`` once any rank received a stop signal."""
 
     _main: Optional["StopSignals"] = None   # the main thread's, while it is entered
+    slots = (Slot("stop"),)
 
     def __init__(self):
         self._received: Optional[str] = None
         self._old: Dict[int, object] = {}
         self._in_main = False
+        self.requested = False      # the vote said some rank received one
+
+    def cast(self, ballot, done: int) -> None:
+        ballot.put("stop", self.received is not None)
+
+    def heard(self, agreed, done: int) -> None:
+        self.requested = agreed.flag("stop")
+
+    def due(self, done: int, final: bool) -> bool:
+        return self.requested
+
+    @property
+    def stopped_by(self) -> str:
+        """What stopped the run, in words: this rank's signal, or another rank's."""
+        return self.received or "a stop signal on another rank"
 
     @property
     def received(self) -> Optional[str]:

@@ -38,12 +38,13 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn as nn
 
-from .. import atomic
-from ..engine.base import RankFailure, mark_agreed
-from . import faults
-from ..run_files import (CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, CheckpointError, classifier_file,
+from ... import atomic
+from ...engine.base import RankFailure, mark_agreed
+from ..watch import faults
+from ...run_files import (CHECKPOINTS, FORMAT, FORMAT_VERSION, LATEST, CheckpointError, classifier_file,
                          list_checkpoints, load_file, parse_step, read_meta, step_dir_name)
 from .checkpoint_files import rng_state, room_report, set_rng_state
+from ...engine.vote import Slot
 from .reshard import gather_classifier_rows
 
 # --- what a checkpoint holds --------------------------------------------------------------------------
@@ -85,20 +86,41 @@ class TrainingState:
 
 
 class Checkpointer:
-    """Owns the checkpoint interval, keep-last-k, the folder's order and the atomic write protocol.
+    """Owns when a checkpoint is due (every ``every`` steps, the last step, and every ``every_minutes`` of rank
+    0's clock), keep-last-k, the folder's order and the atomic write protocol.
 
+    The clock rides in the loop's per-step vote (engine/vote.py: the slot ``time_due``, rank 0's), so every
+    rank writes the time-based checkpoint at the same step; the clock restarts at every checkpoint written.
     ``run_info``: what meta.json records about the run besides the state (num_classes, shard_slices,
     manifest_sha256, data_sha256, config, embedding_dim). The collectives (buffer averaging, digests,
     agreement) go through ``comm``.
     """
 
-    def __init__(self, run_dir: str, every: int, keep: int, comm, run_info: Dict[str, Any]):
+    slots = (Slot("time_due"),)
+
+    def __init__(self, run_dir: str, every: int, keep: int, comm, run_info: Dict[str, Any],
+                 every_minutes: float = 0.0):
         self.run_dir, self.every, self.keep, self.comm = run_dir, every, max(1, keep), comm
         self.base = os.path.join(run_dir, CHECKPOINTS)
         self.run_info = run_info
+        self.every_s = 60.0 * every_minutes
+        self.last_save, self.time_due = time.monotonic(), False
+
+    def scheduled(self, step: int, final: bool) -> bool:
+        """A checkpoint every ``every`` steps and at the last one (the buffers are averaged for it)."""
+        return final or (self.every > 0 and step % self.every == 0)
+
+    def cast(self, ballot, done: int) -> None:
+        """Rank 0's clock: ``every_minutes`` since the last checkpoint."""
+        ballot.put("time_due", self.comm.is_main and self.every_s > 0
+                   and time.monotonic() - self.last_save >= self.every_s)
+
+    def heard(self, agreed, done: int) -> None:
+        self.time_due = agreed.flag("time_due")
 
     def due(self, step: int, final: bool) -> bool:
-        return final or (self.every > 0 and step % self.every == 0)
+        """Scheduled, or due by rank 0's clock (an unscheduled checkpoint: trainer.py)."""
+        return self.scheduled(step, final) or self.time_due
 
     def prepare(self, start_step: int, log=print) -> List[str]:
         """Before the first step (a collective): rank 0 moves every checkpoint of this run folder with a
@@ -190,6 +212,7 @@ class Checkpointer:
                 error = _write_error(e)
         self._agree_written(error, partial, step, "done")
         faults.pause("pause-after-ckpt", step, comm.rank)
+        self.last_save, self.time_due = time.monotonic(), False
         if not identical:
             raise mark_agreed(CheckpointError(
                 f"backbones differ across ranks at step {step}: "

@@ -48,25 +48,15 @@ import time
 import weakref
 from typing import Callable, Optional, Tuple
 
-from ..engine.heartbeat import advertised_address
-from ..engine.listener import HANDSHAKE_S, serve
+from ...engine.heartbeat import advertised_address
+from ...engine.listener import HANDSHAKE_S, serve
+from ...forking import close_sockets_in_child
 from .memory_store import NodeStore
 
 TIMEOUT_S = 300.0          # one file: 128 MB (a 31k-row slice with momentum, D 512) needs ~1 s at 1 Gb/s
 ATTEMPTS = 5               # a request whose connection closed before its answer (a flood evicted it first)
 _LIVE: "weakref.WeakSet[Link]" = weakref.WeakSet()
-
-
-def _close_in_child() -> None:
-    for link in list(_LIVE):
-        try:
-            link.server.close()
-        except OSError:
-            pass
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
+close_sockets_in_child(_LIVE, lambda link: (link.server,))     # a child's copy of the port; the parent's stays
 
 
 class LinkError(RuntimeError):

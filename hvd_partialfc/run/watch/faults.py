@@ -22,7 +22,7 @@ ranks). STEP counts completed optimizer steps. Kinds:
                        a stalled file system: ``data.batch_timeout`` must end the rank, naming them);
 * ``slow``             from step STEP+1 on, each step takes ``HVD_PARTIALFC_SLOW_FACTOR`` (F, default 2) times
                        the rank's own work: after its step the rank works (small matrix products on its own
-                       thread) for F - 1 times that step's own time (run/stragglers.py measures it; on the CPU,
+                       thread) for F - 1 times that step's own time (run/watch/stragglers.py measures it; on the CPU,
                        CPU time), so it reaches the next collective late, as a throttled GPU's rank does. Work,
                        not a pause.
 

@@ -1,4 +1,4 @@
-"""The step profile's arithmetic and files (run/profile.py marks the phases): the phase table, the overlap
+"""The step profile's arithmetic and files (tools/profile_marks.py marks the phases): the phase table, the overlap
 of gradient averaging with the backward, Horovod's timeline read, the GPU's kernel trace summarised, and a
 Chrome trace (``chrome://tracing`` or ui.perfetto.dev open it) of the host phases, the GPU phases and every
 all-reduce. Reads files and numbers only: no engine, no torch.distributed."""

@@ -1,6 +1,7 @@
 """Memory snapshots (``checkpoint.memory_every: K``): a lost node costs at most 2 K steps (K since the last
 snapshot, up to K more while it lands: ``settle``), not the steps since the last disk checkpoint.
-memory_recover.py restores them; docs/reliability.md "Memory snapshots" is the user's page.
+node_memory.py opens the node's side at start-up and offers the newest snapshot to resume from (memory_recover.py
+chooses it); docs/reliability.md "Memory snapshots" is the user's page.
 
 What is unique to a rank is its classifier slice (rows, their optimizer state), its counters, its random
 streams and its own BatchNorm statistics: its checkpoint file (checkpoint.TrainingState.rank_file). The
@@ -16,7 +17,8 @@ backbone.pt: the run goes on with its own) and meta.json. The copy to host memor
 state moves on); writing, serialising and sending run beside the next steps.
 
 Two-phase commit: a rank votes its copies landed (its own file written, its buddy's answer received) in the
-loop's per-step vote (trainer.py); once every rank has, each node's folder takes its final name. Until then
+loop's per-step vote (engine/vote.py: the slot ``snapshot_pending``); once no rank waits on it, each node's folder
+takes its final name. Until then
 the snapshot is ``.partial`` everywhere and never used; the previous committed one stays until the new one
 commits. A snapshot that has not landed when the next is due is settled then, blocking: committed if it
 landed everywhere, else dropped (said once).
@@ -26,61 +28,30 @@ new); any other end (an error, Ctrl-C) keeps them for the restart, or for a ``--
 is fixed (cli.py). A run's token (``RUN/run_id``, 0600) and its run folder name the node's folder; another
 folder of the same run folder is stale, ignored and removed. Each start is a *segment* (8 hex digits drawn
 by rank 0): its snapshots carry it, and ``RUN/memory_segments`` lists the segments a restart may restore
-from: this start's, and the one whose snapshot it restored. A node that rejoins with an older start's
-snapshots is never restored from. The link between ranks is keyed by a secret drawn at each start and
-passed through the collectives only (memory_link.py).
+from: this start's, and the one whose snapshot it restored (written when the snapshots take the node over,
+``take_over``, once the run knows where it starts). A node that rejoins with an older start's snapshots is
+never restored from. The link between ranks is keyed by a secret drawn at each start and passed through the
+collectives only (memory_link.py).
 """
 from __future__ import annotations
 
 import json
 import os
-import secrets
+import shutil
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-from . import faults
-from .. import atomic
-from ..run_files import classifier_file
-from ..sizes import human
-from .memory_link import Link, new_secret
-from .memory_plan import Plan, put_limit, snapshot_bytes
-from .memory_store import NodeStore, StoreError, memory_root, node_key, room_error
+from ..watch import faults
+from ... import atomic
+from ...run_files import classifier_file
+from ...engine.vote import Slot
+from .memory_recover import VIEW
+from .node_memory import LIVE, SEGMENTS, NodeMemory
 
-RUN_ID = "run_id"
-SEGMENTS = "memory_segments"
 LATE_S = 1.0            # a snapshot still landing when the next is due, the step waiting longer than this: said
-_LIVE: List["MemorySnapshots"] = []
-
-
-def run_token(run_dir: str, keep: bool) -> str:
-    """The run's identity (``RUN/run_id``, readable by its owner only: it names the node's snapshot folder):
-    kept while the run resumes (``checkpoint.resume: auto``), new for any other start (a new run in the
-    folder: the old one's snapshots are not its own)."""
-    path = os.path.join(run_dir, RUN_ID)
-    if keep and os.path.isfile(path):
-        token = open(path).read().strip()
-        if token:
-            try:
-                os.chmod(path, 0o600)       # a run folder of an earlier version left it 0644
-            except OSError:                 # another user's file (a run folder a group shares): left as it is
-                pass
-            return token
-    os.makedirs(run_dir, exist_ok=True)
-    token = secrets.token_hex(16)
-    atomic.write_text(path, token + "\n", mode=0o600)
-    return token
-
-
-def read_segments(run_dir: str) -> List[str]:
-    """The segments whose snapshots a restart may restore (``RUN/memory_segments``); none when missing."""
-    try:
-        with open(os.path.join(run_dir, SEGMENTS)) as f:
-            return [s for s in json.load(f)["segments"] if isinstance(s, str)]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
 
 
 def cpu_copy(obj: Any) -> Any:
@@ -111,95 +82,48 @@ def _lower_priority() -> None:
 
 
 class MemorySnapshots:
-    """This rank's side of the snapshots (see the module's docstring). ``start`` is a collective."""
+    """This rank's side of the snapshots once the run knows where it starts (see the module's docstring): a part of
+    the loop (its vote's slot, ``due`` every K steps) over the ``NodeMemory`` it took over."""
 
-    def __init__(self, every: int, comm, store: NodeStore, link: Link, plan: Plan, peers: List[tuple],
-                 segments: List[str]):
-        self.every, self.comm, self.store, self.link, self.plan = every, comm, store, link, plan
-        self.peers = peers                          # every rank's (node key, address, port, sizes)
-        self.segments = segments                    # the segments a recovery may restore from (RUN/memory_segments)
-        self.is_writer = plan.writer(comm.rank) == comm.rank
-        self.buddy = plan.buddy(comm.rank)
+    slots = (Slot("snapshot_pending"),)
+
+    def __init__(self, node: NodeMemory, start_step: int):
+        self.node, self.start_step = node, start_step
+        self.every, self.comm, self.store, self.link, self.plan = node.every, node.comm, node.store, node.link, node.plan
+        self.peers = node.peers
+        self.is_writer, self.buddy = node.is_writer, node.plan.buddy(node.comm.rank)
         self.pending: Optional[int] = None          # the step of the snapshot landing now
-        self.committed: Optional[tuple] = None     # the newest committed snapshot: (segment, step)
-        self.restored: Optional[tuple] = None       # the snapshot (segment, step) this start resumed from
-        self.start_step, self.taken = 0, None       # where this start began; the step of its last snapshot
+        self.committed: Optional[tuple] = node.restored   # the newest committed snapshot: (segment, step)
+        self.taken: Optional[int] = None            # the step of this start's last snapshot
         self._thread: Optional[threading.Thread] = None
         self._landed = threading.Event()
         self._error: Optional[str] = None
         self._heard: Dict[int, set] = {}           # rank 0: which ranks told it their copies of a step landed
         self._heard_lock = threading.Lock()
-        link.on_note = self._on_note
-        link.authorize = self._authorize
-        _LIVE.append(self)
+        self.link.on_note = self._on_note
+        self.link.authorize = self._authorize
+        LIVE[:] = [self if x is node else x for x in LIVE]   # closed from now on through this object
 
     @classmethod
-    def start(cls, cfg, comm, parts, log=print) -> Optional["MemorySnapshots"]:
-        """Every rank: the run's token, this start's secret and segment (rank 0 draws them), the server, the
-        plan; each node's first rank opens the node's folder (refused unless it is this run's own; stale
-        folders of the run folder removed) and checks its room against the snapshots' size (one line when
-        short)."""
-        every = cfg.checkpoint.memory_every
-        if every <= 0:
-            return None
-        error, drawn = None, None
-        if comm.is_main:
-            try:
-                auto = cfg.checkpoint.resume == "auto"
-                drawn = (run_token(cfg.out, keep=auto), new_secret(), secrets.token_hex(4),
-                         read_segments(cfg.out) if auto else [])
-            except OSError as e:
-                error = f"checkpoint.memory_every: cannot write {os.path.join(cfg.out, RUN_ID)}: {e.strerror}"
-        error, drawn = comm.allgather_object((error, drawn), name="memory.token")[0]   # the secret: collectives only
-        comm.agree(error, name="memory.token")
-        token, secret, segment, segments = drawn
-        root = memory_root(cfg.checkpoint.memory_dir)
-        store, link = NodeStore(root, token, cfg.out, segment), None
-        try:
-            link = Link(store, secret, comm.rank)
-        except OSError as e:
-            error = f"checkpoint.memory_every: cannot listen for snapshot copies: {e}"
-        sizes, key = snapshot_bytes(parts, cfg.optim), node_key(root)
-        sizes["limit"] = put_limit(parts, sizes)
-        peers = comm.allgather_object((key, *(link.address if link else ("", 0)), sizes), name="memory.peers")
-        plan = Plan([p[0] for p in peers])
-        node, writer = plan.node_of[comm.rank], plan.writer(comm.rank) == comm.rank
-        if error is None and writer:
-            try:
-                store.open()
-                for path in store.sweep_stale():
-                    print(f"[rank {comm.rank}] memory snapshots: removed {path}: another snapshot folder of this "
-                          "run folder (an earlier run's, or an earlier version's)", flush=True)
-                need = 2 * (sum(peers[r][3]["rank"] for r in plan.hosted(node)) + sizes["backbone"])
-                error = room_error(root, need, len(plan.nodes[node])) or store.mark_node(key)
-            except (StoreError, OSError) as e:
-                error = str(e) if isinstance(e, StoreError) else \
-                    f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
-        snaps = cls(every, comm, store, link, plan, peers, segments) if link else None  # closed on every exit (cli.py)
-        comm.agree(error, name="memory.start")
-        shared = store.other_nodes(key, set(plan.keys)) if writer else None
-        comm.agree(shared and f"checkpoint.memory_every: {root} is one folder for several nodes ({shared}): each node "
-                   "needs its own memory (a tmpfs such as /dev/shm), or a lost node's snapshots would look alive",
-                   name="memory.shared")
-        if comm.is_main:
-            per = human(sum(p[3]["rank"] for p in peers) / len(peers))
-            log(f"memory snapshots every {every} steps in {root} on {len(plan.nodes)} node(s): {per} a rank, "
-                + ("a copy on a rank of the next node" if len(plan.nodes) > 1
-                   else "one node: no buddy copies (a lost node falls back to disk)"))
-        return snaps
-
-    def begin(self, start_step: int) -> None:
-        """After the resume (start-up): where this start begins; rank 0 records the segments a restart may
-        restore from: this one's, and the one whose snapshot it resumed from (an older start's are stale)."""
-        self.start_step, error = start_step, None
-        if self.comm.is_main:
-            keep = ([self.restored[0]] if self.restored else []) + [self.store.segment]
-            path = os.path.join(self.store.run_dir, SEGMENTS)
+    def take_over(cls, node: NodeMemory, start_step: int) -> "MemorySnapshots":
+        """Once the run knows where it starts (a collective): each rank's folder of an offer goes, each node keeps
+        the snapshot this start restored (committed here too: it was committed on some node, so it landed
+        everywhere; a newer one, landing when the run failed, is stale) and nothing else of the run, and rank 0
+        records the segments a restart may restore from: the restored one's, and this start's."""
+        shutil.rmtree(os.path.join(node.store.path, VIEW.format(node.comm.rank)), ignore_errors=True)
+        node.comm.agree(None, name="memory.resumed")        # every rank read its folder before a node is tidied
+        if node.is_writer:
+            node.store.keep_only(node.restored)
+        error = None
+        if node.comm.is_main:
+            keep = ([node.restored[0]] if node.restored else []) + [node.store.segment]
+            path = os.path.join(node.store.run_dir, SEGMENTS)
             try:
                 atomic.write_text(path, json.dumps({"segments": keep}) + "\n")
             except OSError as e:
                 error = f"checkpoint.memory_every: cannot write {path}: {e.strerror}"
-        self.comm.agree(error, name="memory.segments")
+        node.comm.agree(error, name="memory.segments")
+        return cls(node, start_step)
 
     def _authorize(self, h: dict) -> Optional[str]:
         """Why an authenticated request (memory_link.py) is refused, else None: a put only from the rank whose
@@ -217,8 +141,8 @@ class MemorySnapshots:
                 return f"rank {r} sends {classifier_file(r, size)} of segment {self.store.segment} only"
             if not max(base, self.start_step + 1) <= h["step"] <= base + self.every:   # an eviction's is unscheduled
                 return f"step {h['step']} is no snapshot due here (the last: {base}; every {self.every} steps)"
-            if h["size"] > self.peers[r][3]["limit"]:
-                return f"{h['size']} bytes is more than rank {r}'s slice can take ({self.peers[r][3]['limit']})"
+            if h["size"] > self.peers[r].sizes["limit"]:
+                return f"{h['size']} bytes is more than rank {r}'s slice can take ({self.peers[r].sizes['limit']})"
         elif h["op"] == "note" and h["what"] == "commit" and r != 0:
             return "only rank 0 commits a snapshot"
         elif h["op"] == "note" and h["what"] == "landed" and self.comm.rank != 0:
@@ -227,8 +151,19 @@ class MemorySnapshots:
 
     # --- the loop's side ---------------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    def due(self, step: int, final: bool = False) -> bool:
+        """A snapshot every K steps (none at the last step: the run's end removes them)."""
+        return not final and step % self.every == 0
+
+    def cast(self, ballot, done: int) -> None:
+        """1 while the pending snapshot has not landed here (or failed)."""
+        landed = self.pending is None or (self._landed.is_set() and self._error is None)
+        ballot.put("snapshot_pending", not landed)
+
+    def heard(self, agreed, done: int) -> None:
+        """No rank waits on the pending snapshot (the same answer on every rank): commit it."""
+        if not agreed.flag("snapshot_pending") and self.pending is not None:
+            self._commit(self.pending)
 
     def snapshot(self, step: int, state, averaged: bool, meta_of) -> None:
         """Take the snapshot of ``step`` (a collective: the BatchNorm statistics for the backbone file are
@@ -265,7 +200,7 @@ class MemorySnapshots:
                 self.store.write(step, "meta.json", json.dumps(meta, indent=1).encode())
             if self.buddy is not None:
                 p = self.peers[self.buddy]
-                self.link.put((p[1], p[2]), step, name, path)
+                self.link.put((p.address, p.port), step, name, path)
         except Exception as e:  # noqa: BLE001 (voted: the snapshot is dropped, the run goes on)
             self._error = f"rank {self.comm.rank}: {type(e).__name__}: {e}"
         self._landed.set()
@@ -279,7 +214,7 @@ class MemorySnapshots:
             if to == self.comm.rank:
                 self._on_note(what)
             else:
-                self.link.note((self.peers[to][1], self.peers[to][2]), **what)
+                self.link.note((self.peers[to].address, self.peers[to].port), **what)
         except Exception:  # noqa: BLE001
             pass
 
@@ -306,17 +241,6 @@ class MemorySnapshots:
     def committed_step(self) -> Optional[int]:
         """The step of the newest committed snapshot (this start's, or the one it resumed from), or None."""
         return self.committed[1] if self.committed else None
-
-    def vote_flag(self) -> float:
-        """This rank's part of the loop's vote: 1 while the pending snapshot has not landed here (or failed)."""
-        if self.pending is None:
-            return 0.0
-        return 0.0 if self._landed.is_set() and self._error is None else 1.0
-
-    def all_landed(self) -> None:
-        """The loop's vote said no rank waits on the pending snapshot (the same answer on every rank): commit it."""
-        if self.pending is not None:
-            self._commit(self.pending)
 
     def settle(self) -> None:
         """Before the next snapshot (a collective when one is pending): wait for it to land, then commit it
@@ -346,19 +270,16 @@ class MemorySnapshots:
         self.pending, self.committed = None, (self.store.segment, step)
 
     def close(self, keep: bool) -> None:
-        """Stop serving; unless ``keep`` (any end but a finished run or a stop on a signal: a restart takes the
-        snapshots), remove this node's folder; a folder that holds no snapshot goes either way (a start refused
-        before the first one). Only a folder this start opened as its own: never one it refused."""
+        """The landing thread ended, then the node's side closed (node_memory.py: unless ``keep``, the folder goes)."""
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.link.close()
-        if self.is_writer and (not keep or not self.store.listing()):   # remove(): only a folder open() took
-            self.store.remove()
-        if self in _LIVE:
-            _LIVE.remove(self)
+        self.node.close(keep)
+        if self in LIVE:
+            LIVE.remove(self)
 
 
 def close_snapshots(keep: bool) -> None:
-    """Every live ``MemorySnapshots`` of this process closed (cli.py, on every exit path of ``train``)."""
-    for snaps in list(_LIVE):
+    """Every live snapshot side of this process closed (cli_train.py, on every exit path of ``train``): a node
+    memory opened at start-up, or the snapshots that took it over."""
+    for snaps in list(LIVE):
         snaps.close(keep)

@@ -9,8 +9,8 @@ from typing import Any, List
 import numpy as np
 import torch
 
-from .. import atomic
-from ..run_files import CHECKPOINTS, FORMAT_VERSION, CheckpointError, list_checkpoints, load_file, read_meta
+from ... import atomic
+from ...run_files import CHECKPOINTS, FORMAT_VERSION, CheckpointError, list_checkpoints, load_file, read_meta
 
 def _upgrade_rng(rng: Any) -> Any:
     if rng is None or not isinstance(rng.get("numpy"), tuple):

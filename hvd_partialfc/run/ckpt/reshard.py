@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .. import atomic
-from ..run_files import CheckpointError, classifier_file, load_file, read_meta, resolve_checkpoint
+from ... import atomic
+from ...run_files import CheckpointError, classifier_file, load_file, read_meta, resolve_checkpoint
 
 def _row_sliced(value: Any, width: int, dim: int) -> bool:
     """Per-row optimizer state: shaped like the weight (W, D) (momentum, moments), or a (W,) vector (the
@@ -75,7 +75,7 @@ def gather_classifier_rows(ckpt_dir: str, meta: Dict[str, Any], start: int, end:
 def _brought_current(weight, rows: Dict[str, Any], lrs, group: Dict[str, Any]):
     """Copies of the cut rows ``weight`` and their per-row state, brought up through ``lrs`` (the exact
     rule's sweep with the old rank's own history and hyper-parameters); ``since_base`` then 0."""
-    from ..classifier.rowsparse import SWEEP_BLOCK, sweep_rows
+    from ...classifier.rowsparse import SWEEP_BLOCK, sweep_rows
     weight = weight.clone()
     rows = {k: v.clone() for k, v in rows.items()}
     mu = group.get("momentum", 0.0)
@@ -94,8 +94,8 @@ def reshard_slices(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_d
     they come from the shard set's manifest (``shard_dir``, else the run's ``data.shards``), taken when its
     shards' label ranges are the checkpoint's (as resume requires).
     """
-    from ..data.layout import RankLayout
-    from ..data.partition import LabelSlice
+    from ...data.layout import RankLayout
+    from ...data.partition import LabelSlice
     shard_slices = [LabelSlice(i, a, b) for i, (a, b) in enumerate(meta["shard_slices"])]
     counts = None
     if 1 <= world_size <= len(shard_slices) and len(shard_slices) % world_size:
@@ -109,7 +109,7 @@ def reshard_slices(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_d
 
 def _shard_samples(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_dir: Optional[str]) -> List[int]:
     """Every shard's sample count, from the manifest of ``shard_dir`` when it is the checkpoint's shard set."""
-    from ..data.shards import ShardError, read_manifest
+    from ...data.shards import ShardError, read_manifest
     why = f"{len(meta['shard_slices'])} shards on {world_size} ranks (not a divisor) are balanced by their " \
           f"sample counts, which {ckpt_dir}/meta.json does not record"
     try:
@@ -126,7 +126,7 @@ def _shard_samples(ckpt_dir: str, meta: Dict[str, Any], world_size: int, shard_d
 def _legacy_length(ckpt_dir: str, meta: Dict[str, Any], shard_dir: Optional[str]) -> Optional[Dict[str, Any]]:
     """``progress.legacy_record`` of a checkpoint without ``length``, written at its own world size; None when
     its shards' sample counts are nowhere (resume then reads it from ``resharded_from``)."""
-    from .progress import legacy_record
+    from ..progress import legacy_record
     try:
         counts = meta.get("shard_samples") or _shard_samples(
             ckpt_dir, meta, meta["world_size"], shard_dir or meta.get("config", {}).get("data", {}).get("shards"))
@@ -150,7 +150,7 @@ def reshard_checkpoint(src: str, out: str, world_size: int, shard_dir: Optional[
     by a killed run is removed first, never reused: it may hold another world size's classifier files, or
     a half-copied backbone, which the commit would publish with the new ones.
     """
-    from ..classifier.modes import get_mode
+    from ...classifier.modes import get_mode
     src = resolve_checkpoint(src)
     meta = read_meta(src)
     slices = reshard_slices(src, meta, world_size, shard_dir)

@@ -14,10 +14,10 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from ..engine.base import mark_agreed
-from ..engine.device import cuda_in_use
-from ..run_files import CheckpointError, find_resume, folder_bytes, meta_digest, read_latest, read_meta
-from ..sizes import human
+from ...engine.base import mark_agreed
+from ...engine.device import cuda_in_use
+from ...run_files import CheckpointError, find_resume, folder_bytes, meta_digest, read_latest, read_meta
+from ...sizes import human
 
 
 # --- RNG states as tensors and plain types (weights_only-loadable) ---------------------------------------

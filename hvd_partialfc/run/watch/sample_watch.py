@@ -1,7 +1,7 @@
 """The trainer's side of ``data.on_bad_sample: skip``: each bad sample named once, counted, and the limit.
 
 Contract:
-* ``SampleWatch.batches(it)`` passes the loader's batches through and notes each one's ``bad`` list
+* ``batch(b)`` (the step shows it every batch it draws: step.py's watchers) notes the batch's ``bad`` list
   (data/bad_samples.py): Python lists carried with the batch, so noting costs no host synchronisation;
   ``new_lines()`` returns the lines naming the samples not named before in this process (every rank names
   its own, once);
@@ -10,13 +10,13 @@ Contract:
   samples found so far, over all ranks; ranks read disjoint shards, so the per-rank counts add up) and
   ``bad_samples_replaced`` (draws replaced), both written to metrics.jsonl;
 * above ``data.max_bad_samples`` (a count, or a fraction < 1 of the set's samples; 0: none) ``error`` holds
-  the message naming the shards, the same on every rank: the trainer writes the step's checkpoint, then
+  the message naming the shards, the same on every rank: ``due`` then, the trainer writes the step's checkpoint and
   raises it. Counted since this process started: a resumed run finds its bad samples again as it draws them.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 
 class SampleWatch:
@@ -30,15 +30,18 @@ class SampleWatch:
         self._new: List[str] = []
         self.error: Optional[str] = None
 
-    def batches(self, it: Iterator) -> Iterator:
-        for batch in it:
-            for record in getattr(batch, "bad", ()):
-                self.replaced += 1
-                if record.key not in self.found:
-                    self.found[record.key] = str(record)
-                    self.by_file[record.file] += 1
-                    self._new.append(str(record))
-            yield batch
+    def batch(self, batch) -> None:
+        """A batch the step drew (a step watcher's hook, step.py)."""
+        for record in getattr(batch, "bad", ()):
+            self.replaced += 1
+            if record.key not in self.found:
+                self.found[record.key] = str(record)
+                self.by_file[record.file] += 1
+                self._new.append(str(record))
+
+    def due(self, done: int, final: bool) -> bool:
+        """Too many bad samples (set at a log step, the same on every rank): checkpoint, then stop."""
+        return self.error is not None
 
     def new_lines(self) -> List[str]:
         lines, self._new = self._new, []

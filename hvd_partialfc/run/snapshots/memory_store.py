@@ -19,7 +19,7 @@ it (a group- or world-writable root needs the sticky bit, as /dev/shm and /tmp h
 
 ``<segment>`` is the start that took the snapshot (8 hex digits drawn at each start): a node that rejoins
 holds an old start's snapshots, which may have the same step as this start's; memory_recover.py never
-combines files of two segments. The files are a checkpoint's own (run/checkpoint.py), so a snapshot restores
+combines files of two segments. The files are a checkpoint's own (run/ckpt/checkpoint.py), so a snapshot restores
 through ``checkpoint.load`` and re-shards through the same row-cutting. Not a collective; no Horovod.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from .. import atomic
-from ..run_files import step_dir_name
-from ..sizes import human
+from ... import atomic
+from ...run_files import step_dir_name
+from ...sizes import human
 
 ENV_DIR = "HVD_PARTIALFC_MEMORY_DIR"
 PREFIX = "hvd_partialfc-"

@@ -18,10 +18,10 @@ its work and not its waits (``own_time``):
   1.49, its 90th percentile 1.15x its median. The price: on the CPU, a rank slowed by another process taking
   its cores is not seen; a rank slowed by more work (a slower core, the ``slow`` fault) is.
 
-* **Gathered in the vote, every step.** Each rank puts its time of step S at its own place in a vector of N
-  zeros, after the loop's flags (trainer.py's ``vote_async``, read a step later): the vote is an elementwise
-  max, so every rank reads every rank's time with no collective of its own: N float64 more in an all-reduce
-  that runs anyway (4 KB at 512 ranks), overlapped with the next step.
+* **Gathered in the vote, every step.** Each rank puts its time of step S at its own place of the loop's per-step
+  vote (engine/vote.py: the per-rank slot ``times``, read a step later): the vote is an elementwise max, so every
+  rank reads every rank's time with no collective of its own: N float64 more in an all-reduce that runs anyway
+  (4 KB at 512 ranks), overlapped with the next step.
 * **Named by rank 0** (``Detector``): a rank whose time is at least ``train.straggler_ratio`` times the step's
   median in ``train.straggler_steps`` counted steps in a row. The lower median: with two nodes a whole slow
   node is half the ranks, and the mean of the two middle times would hide it. One line (rank, node, its time
@@ -47,10 +47,11 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import faults
 from .device_clock import DeviceClock
+from ...engine.vote import Slot
 
 EXIT_EVICTED = 76      # the evicted node's ranks; its neighbours exit preempt.EXIT_PREEMPTED, restarted without it
 EVENTS = "stragglers.jsonl"
@@ -189,18 +190,24 @@ def event_line(e: Dict[str, Any]) -> str:
 
 
 class Stragglers:
-    """This rank's side: its own time a step, the vote's part, and on rank 0 the detector and the decision.
-    ``start`` is a collective unless the watch is off (the same on every rank: the config and the engine)."""
+    """This rank's side: its own time a step (a step watcher, step.py), its part of the loop's vote (engine/vote.py),
+    and on rank 0 the detector and the decision. ``start`` is a collective unless the watch is off (the same on
+    every rank: the config and the engine). ``say``: rank 0's lines; ``record``: rank 0's metrics.jsonl."""
 
     def __init__(self, cfg, comm, start_step: int, say: Callable[[str], None], cuda: bool = False,
-                 nodes: Sequence[str] = (), node_of: Sequence[int] = (), refusal: Optional[str] = None):
+                 nodes: Sequence[str] = (), node_of: Sequence[int] = (), refusal: Optional[str] = None,
+                 record: Optional[Callable[[Dict[str, Any]], None]] = None):
         t = cfg.train
         self.comm, self.cfg, self.say, self.cuda = comm, cfg, say, cuda
+        self.record_event = record or (lambda rec: None)
         self.active = bool(nodes)
+        self.slots = (Slot("evict"), Slot("times", per_rank=True)) if self.active else ()
         self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
         self.own = 0.0
+        self._start: Tuple[float, float, float] = (0.0, 0.0, 0.0)
         self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
         self.evict_flag = 0.0        # rank 0: the node (index + 1) the next vote evicts
+        self.eviction: Optional[Eviction] = None   # the eviction the vote agreed
         self.detector = Detector(nodes, t.straggler_ratio, t.straggler_steps, start_step) \
             if self.active and comm.is_main else None
         self.last_eviction = None
@@ -209,64 +216,42 @@ class Stragglers:
             self.last_eviction = max(past, default=None)
 
     @classmethod
-    def start(cls, cfg, comm, start_step: int, say: Callable[[str], None], cuda: bool = False) -> "Stragglers":
-        """``cuda``: the step runs on a GPU (its own time is measured so)."""
+    def start(cls, cfg, comm, start_step: int, log, cuda: bool = False) -> "Stragglers":
+        """``log``: where rank 0 says and records (train_log.TrainLog); ``cuda``: the step runs on a GPU (its own
+        time is measured so)."""
         mode = cfg.train.stragglers
         if mode == "off" or comm.size == 1 or not comm.times_ranks:
-            return cls(cfg, comm, start_step, say, cuda)
+            return cls(cfg, comm, start_step, log.say, cuda)
         idents = comm.allgather_object((socket.gethostname(), os.environ.get("GROUP_RANK")), name="stragglers.nodes")
         nodes, node_of = node_names(idents)
         refusal = comm.regroup_refusal() if mode == "evict" else None
         if refusal:
-            say(f"train.stragglers=evict: {refusal}; stragglers are named, not evicted")
-        return cls(cfg, comm, start_step, say, cuda, nodes, node_of, refusal)
+            log.say(f"train.stragglers=evict: {refusal}; stragglers are named, not evicted")
+        return cls(cfg, comm, start_step, log.say, cuda, nodes, node_of, refusal, record=log.record)
 
-    # --- every step ----------------------------------------------------------------------------------------
+    # --- a step watcher (step.py): this rank's own time ----------------------------------------------------
 
-    def timed(self, step: int, fn, *args):
-        """``fn(*args)`` (the step; its figures hold ``data_time``), keeping this rank's own time of it
-        (``own_time``, or on a GPU the device clock's: the newest step the GPU has finished); the ``slow``
-        fault's work (faults.py) is part of it."""
-        start = (time.perf_counter(), time.thread_time(), self.comm.wait_s)
+    def begin(self, step: int) -> None:
+        self._start = (time.perf_counter(), time.thread_time(), self.comm.wait_s)
         self._on_clock(DeviceClock.begin)
-        out = fn(*args)
+
+    def mark(self, name: str) -> None:
+        """``wanted`` / ``arrived`` around each wait for a batch, ``sync0`` / ``sync1`` around the gradient
+        average: marked on the device clock (nothing without one)."""
+        self._on_clock(DeviceClock.mark, name)
+
+    def end(self, step: int, figures) -> None:
+        """The step's own time (``own_time``, or on a GPU the device clock's: the newest step the GPU has
+        finished); the ``slow`` fault's work (faults.py) is part of it."""
         if self.clock is None:
-            faults.slow_work(step, self.comm.rank, self.own_time(start, out["data_time"]))
-            self.own = self.own_time(start, out["data_time"])
-            return out
+            faults.slow_work(step, self.comm.rank, self.own_time(self._start, figures["data_time"]))
+            self.own = self.own_time(self._start, figures["data_time"])
+            return
         faults.slow_work(step, self.comm.rank, self.own)
         self._on_clock(DeviceClock.end)
         own = self._on_clock(DeviceClock.own)
         if own is not None:
             self.own = own
-        return out
-
-    def batches(self, it: Iterator) -> Iterator:
-        """The loader's batches, each wait for one marked on the device clock (``it`` itself without one)."""
-        if self.clock is None:
-            return it
-
-        def marked():
-            while True:
-                self._on_clock(DeviceClock.mark, "wanted")
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                self._on_clock(DeviceClock.mark, "arrived")
-                yield item
-        return marked()
-
-    def phases(self, then: Callable[[str], None]) -> Callable[[str], None]:
-        """A step's ``on_phase`` (step.py) that marks the gradient averaging on the device clock, then calls
-        ``then`` (``then`` itself without a clock)."""
-        if self.clock is None:
-            return then
-
-        def on_phase(name: str) -> None:
-            self._on_clock(DeviceClock.mark, name)
-            then(name)
-        return on_phase
 
     def _on_clock(self, method, *args):
         """``method(clock, *args)``; an error of the device's events turns the clock off for the run (one line):
@@ -289,45 +274,52 @@ class Stragglers:
             return time.perf_counter() - start[0] - data_time - (self.comm.wait_s - start[2])
         return time.thread_time() - start[1]
 
-    def vote_part(self) -> List[float]:
-        """This rank's part of the next vote: the eviction rank 0 decided, then its own time at its place."""
-        if not self.active:
-            return []
-        times = [0.0] * self.comm.size
-        # the device clock's 0 until its first reading: unknown, a step the detector does not count
-        times[self.comm.rank] = self.own if self.clock is not None else max(self.own, 1e-9)
-        return [self.evict_flag] + times
+    # --- a part of the loop's vote (engine/vote.py) --------------------------------------------------------
+
+    def cast(self, ballot, done: int) -> None:
+        """The eviction rank 0 decided, and this rank's own time at its place (the device clock's 0 until its
+        first reading: unknown, a step the detector does not count)."""
+        ballot.put("evict", self.evict_flag)
+        ballot.put("times", self.own if self.clock is not None else max(self.own, 1e-9))
+
+    def heard(self, agreed, done: int) -> None:
+        """Read after step ``done`` (the times of step ``done - 1``): rank 0 names and decides; every rank learns
+        the eviction the vote agreed, if any."""
+        self.eviction = self.read(done, agreed.value("evict"), agreed.per_rank("times"))
+
+    def due(self, done: int, final: bool) -> bool:
+        """An agreed eviction: the loop takes its snapshot and leaves (not at the last step: nothing is left)."""
+        return self.eviction is not None and not final
 
     def hold(self, step: int) -> None:
         """Side work (a checkpoint, an evaluation, a snapshot) came after step ``step``: the next is not counted."""
         if self.detector:
             self.detector.hold(step + 1)
 
-    def read(self, done: int, part: Sequence[float], metrics=None, bar=None) -> Optional[Eviction]:
-        """The vote's part, read after step ``done`` (the times of step ``done - 1``): rank 0 names and decides;
-        every rank returns the eviction the vote agreed, if any."""
-        if not self.active or not part:
+    def read(self, done: int, evict: float, times: Sequence[float]) -> Optional[Eviction]:
+        """Every rank's times of step ``done - 1`` and the eviction flag, as the vote agreed them: rank 0 names
+        and decides; every rank returns the agreed eviction, if any."""
+        if not self.active:
             return None
         if self.detector:
-            new, cleared = self.detector.observe(done - 1, part[1:])
+            new, cleared = self.detector.observe(done - 1, list(times))
             for f in new:
-                self._event(metrics, bar, f.line(), "named", f.step,
-                            **{k: v for k, v in asdict(f).items() if k != "step"})
-                self._decide(f, metrics, bar)
+                self._event(f.line(), "named", f.step, **{k: v for k, v in asdict(f).items() if k != "step"})
+                self._decide(f)
             for f in cleared:
-                self._event(metrics, bar, f"step {done - 1}: rank {f.rank} on {f.node} is no longer a straggler "
-                            f"(named at step {f.step})", "cleared", done - 1, rank=f.rank, node=f.node)
-        node = int(part[0]) - 1
+                self._event(f"step {done - 1}: rank {f.rank} on {f.node} is no longer a straggler (named at step "
+                            f"{f.step})", "cleared", done - 1, rank=f.rank, node=f.node)
+        node = int(evict) - 1
         if node < 0:
             return None
         ranks = [r for r, n in enumerate(self.node_of) if n == node]
         out = Eviction(done, self.nodes[ranks[0]], ranks, self.comm.rank in ranks, len(set(self.node_of)) - 1)
         if self.detector:
-            self._event(metrics, bar, f"step {done}: evicting {out.node} (ranks {ranks}) after this step's snapshot; "
-                        f"the job goes on with {_nodes(out.nodes_left)}", "evicted", done, node=out.node, ranks=ranks)
+            self._event(f"step {done}: evicting {out.node} (ranks {ranks}) after this step's snapshot; the job goes "
+                        f"on with {_nodes(out.nodes_left)}", "evicted", done, node=out.node, ranks=ranks)
         return out
 
-    def _decide(self, f: Finding, metrics, bar) -> None:
+    def _decide(self, f: Finding) -> None:
         """Rank 0, on a new finding under ``evict``: the eviction of its node in the next vote, or why not."""
         t = self.cfg.train
         if t.stragglers != "evict" or self.refusal or self.evict_flag:
@@ -341,14 +333,13 @@ class Stragglers:
         else:
             self.evict_flag = float(self.node_of[f.rank] + 1)   # read by every rank with the next vote
             return
-        self._event(metrics, bar, f"step {f.step}: {f.node} not evicted: {why}", "not evicted", f.step, node=f.node)
+        self._event(f"step {f.step}: {f.node} not evicted: {why}", "not evicted", f.step, node=f.node)
 
-    def _event(self, metrics, bar, line: str, event: str, step: int, **fields) -> None:
+    def _event(self, line: str, event: str, step: int, **fields) -> None:
         """Rank 0: the line, and the event in metrics.jsonl and RUN/stragglers.jsonl."""
-        (bar.write if bar is not None else self.say)(line)
+        self.say(line)
         rec = dict(event=event, step=step, **fields, line=line, time=time.time())
-        if metrics is not None:
-            metrics.write({"step": step, "straggler": rec, "time": rec["time"]})
+        self.record_event({"step": step, "straggler": rec, "time": rec["time"]})
         try:
             with open(os.path.join(self.cfg.out, EVENTS), "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -1,5 +1,6 @@
-"""Where a training step's time goes: the phases of the trainer's own step, marked by hooks on its parts
-(nothing in step.py changes for it), on the host clock and, on CUDA, on the GPU's (an event per mark).
+"""Where a training step's time goes: the phases of the trainer's own step, marked by hooks on its parts and as
+one of the step's watchers (step.py's marks around each batch and the gradient average), on the host clock and,
+on CUDA, on the GPU's (an event per mark).
 
 A *mark* starts a phase; a phase lasts to the next mark. Per backward pass: ``loader`` (waiting for the
 batch), ``to device`` (the host-to-device copy and the layout change, up to the backbone), ``backbone
@@ -24,7 +25,7 @@ backward to ``synchronize``); exposed = ``gradient wait``. ``profile_trace.overl
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,12 +63,15 @@ class StepMarks:
 
 
 class StepProfiler:
-    """Hooks on a trainer's parts that mark its step's phases (module docstring); ``batches`` wraps the
-    loader's iterator; ``profiling(step)`` brackets one step. ``close()`` takes every hook off."""
+    """Hooks on a trainer's parts that mark its step's phases (module docstring), and a watcher of its step
+    (``step_fn.watched_by(profiler)``: ``mark``); ``run_step(step, ...)`` brackets one step. ``close()`` takes
+    every hook off."""
 
-    def __init__(self, parts, step_fn, device: torch.device):
+    STEP_MARKS = {"wanted": "loader", "arrived": "to device", "sync0": "gradient wait", "sync1": "norms and decision"}
+
+    def __init__(self, parts, device: torch.device):
         self.marks = StepMarks(device)
-        self.parts, self.step_fn = parts, step_fn
+        self.parts = parts
         self.handles: List[Any] = []
         backbone_ids = {id(p) for p in parts.backbone_opt_params()}
         head_ids = {id(p) for p in parts.head_opt_params()}
@@ -97,16 +101,11 @@ class StepProfiler:
                          parts.backbone.register_forward_pre_hook(lambda *a: m("backbone forward")),
                          parts.backbone.register_forward_hook(features_out),
                          parts.head.register_forward_hook(lambda *a: m("head backward"))]
-        self.saved_on_phase = step_fn.on_phase
-        step_fn.on_phase = lambda name: m({"sync0": "gradient wait", "sync1": "norms and decision"}[name])
 
-    def batches(self, it: Iterator) -> Iterator:
-        """``it``'s batches, the wait for each one marked ``loader`` and what follows ``to device``."""
-        while True:
-            self.marks.mark("loader")
-            batch = next(it)
-            self.marks.mark("to device")
-            yield batch
+    def mark(self, name: str) -> None:
+        """The step's own marks (step.py): each wait for a batch (``loader``, then ``to device``) and the gradient
+        average (``gradient wait``, then ``norms and decision``)."""
+        self.marks.mark(self.STEP_MARKS[name])
 
     def run_step(self, step: int, call: Callable[[], Any], profiled: bool) -> Any:
         """``call()`` (one training step), its phases marked when ``profiled``."""
@@ -122,7 +121,6 @@ class StepProfiler:
         for h in self.handles:
             h.remove()
         self.handles = []
-        self.step_fn.on_phase = self.saved_on_phase
 
 
 def step_windows(phases: Dict[int, List[Tuple[str, float, float, Optional[float]]]]) -> Dict[int, Dict[str, float]]:

@@ -13,30 +13,18 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from . import checkpoint as ckpt
-from ..run_files import find_resume, read_meta, resolve_checkpoint
+from ...run_files import find_resume, read_meta, resolve_checkpoint
 from .checkpoint_files import agree_on_resume
-from ..config import ConfigError
-from ..config_io import config_from_dict, diff_configs
-from ..data import class_identity
-from ..classifier.modes import get_mode
-from ..seeds import RESHARD_RESEED, derive_seed
+from ...config import ConfigError, resume_policy
+from ...config_io import config_from_dict, diff_configs
+from ...data import class_identity
+from ...classifier.modes import get_mode
+from ...seeds import RESHARD_RESEED, derive_seed
 
-# Config keys that may change between a checkpoint and its resume (they do not change the numbers; train.device
-# and data.decode change them as a device does: nvJPEG's pixels are within a few levels of PIL's, docs/gpu.md;
-# data.on_bad_sample changes none of a run that would not have stopped: resuming a stopped run with skip is its use).
-RESUME_FREE_KEYS = ("out", "checkpoint", "train.log_every", "train.threads", "train.device", "data.workers",
-                    "data.verify_sha256", "data.decode", "data.shards", "eval.batch_size", "eval.on_error",
-                    "data.on_bad_sample", "data.max_bad_samples",
-                    "train.max_consecutive_skips",
-                    "model.checkpoint_activations", "train.tensorboard", "train.engine",
-                    "train.heartbeat_timeout", "train.collective_timeout", "train.share_gpu", "train.cudnn_benchmark", "train.channels_last",
-                    "head.matmul", "train.allow_host_allreduce", "train.stragglers", "train.straggler_ratio",
-                    "train.straggler_steps", "train.straggler_min_nodes", "train.straggler_cooldown",
-                    "train.compile", "train.compile_mode", "train.compile_head", "train.skip_decision",
-                    "optim.backbone_kernel", "optim.classifier_kernel")
-# Keys that may change to *extend* a run (train longer): allowed, but the lr schedule is then recomputed,
-# so the result is no longer the uninterrupted run's; resume says so.
-RESUME_EXTEND_KEYS = ("train.steps", "train.epochs")
+# Config keys that may change between a checkpoint and its resume (they do not change the numbers), and keys
+# that may change to *extend* a run (the lr schedule is then recomputed; resume says so): each declared, with
+# why, beside the key in config.py (``opt(..., resume="free" | "extend")``, ``section(..., resume="free")``).
+RESUME_FREE_KEYS, RESUME_EXTEND_KEYS = resume_policy()
 
 
 @dataclass(frozen=True)
@@ -166,10 +154,11 @@ def check_restarts_resume(resume_from: str, environ: Mapping[str, str]) -> None:
 
 
 def resume(cfg, comm, parts, layout, data: DataIdentity, memory=None) -> Optional[Dict[str, Any]]:
-    """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any, or a newer memory
-    snapshot: memory_recover.py), agree on it across ranks, and load it; the resume point (path, step, world
-    size, ``memory``: whether node memory gave it), or None for a fresh start. A collective: each stage is
-    agreed, so a rank's error stops every rank."""
+    """Find the checkpoint named by checkpoint.resume ('auto': the run's latest, if any, or the newer snapshot
+    that node memory offers, ``memory.newest``: snapshots/node_memory.py), agree on it across ranks, and load it;
+    the resume point (path, step, world size, ``memory``: whether node memory gave it), or None for a fresh
+    start. A collective: each stage is agreed, so a rank's error stops every rank. Nothing is called back: what
+    an offer leaves on the nodes is the snapshots' own to tidy."""
     error, path = None, None
     try:
         path = find_resume(cfg.out) if cfg.checkpoint.resume == "auto" \
@@ -177,21 +166,14 @@ def resume(cfg, comm, parts, layout, data: DataIdentity, memory=None) -> Optiona
     except Exception as e:
         error = f"cannot resume from {cfg.checkpoint.resume} (run {cfg.out}): {type(e).__name__}: {e}"
     comm.agree(error, name="resume.find")
-    from_memory = None
-    if memory is not None:
-        from . import memory_recover
-        if cfg.checkpoint.resume == "auto":
-            path, from_memory = memory_recover.recover(
-                memory, comm, path, [(s.start, s.end) for s in layout.slices], parts.mode.replicated_rows,
-                log=lambda m: comm.is_main and print(m, flush=True))
-        try:
-            point = _load_agreed(cfg, comm, parts, layout, data, path)
-        finally:
-            memory_recover.after_resume(memory, comm, from_memory)
-        if point is not None and from_memory is not None:
-            point.update(path=f"the memory snapshot of step {from_memory[1]}", memory=True)
-        return point
-    return _load_agreed(cfg, comm, parts, layout, data, path)
+    offer = None
+    if memory is not None and cfg.checkpoint.resume == "auto":
+        offer = memory.newest(path, [(s.start, s.end) for s in layout.slices], parts.mode.replicated_rows,
+                              log=lambda m: comm.is_main and print(m, flush=True))
+    point = _load_agreed(cfg, comm, parts, layout, data, offer.path if offer else path)
+    if point is not None and offer is not None:
+        point.update(path=f"the memory snapshot of step {offer.step}", memory=True)
+    return point
 
 
 def _load_agreed(cfg, comm, parts, layout, data: DataIdentity, path: Optional[str]) -> Optional[Dict[str, Any]]:

@@ -1,0 +1,1 @@
+"""Checkpoints, resume, re-sharding, format upgrade."""

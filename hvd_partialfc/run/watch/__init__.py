@@ -1,0 +1,1 @@
+"""What watches a run."""
