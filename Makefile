@@ -6,8 +6,8 @@ STAMP := $(VENV)/.installed
 .PHONY: install test test-unit test-multirank test-bigbuild demo clean-venv
 
 # Re-run the installer when its inputs change; it skips what is already there.
-$(STAMP): launch/install.sh launch/build_horovod.sh launch/horovod_build_env.py setup.cfg pyproject.toml
-	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash launch/install.sh --test-fonts
+$(STAMP): scripts/setup/install.sh scripts/setup/build_horovod.sh scripts/setup/horovod_build_env.py setup.cfg pyproject.toml
+	HVD_PARTIALFC_VENV=$(abspath $(VENV)) bash scripts/setup/install.sh --test-fonts
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -45,7 +45,7 @@ test-bigbuild: install
 # The main job on the embedded default data (fonts): data, training on 2 ranks, evaluation, report.
 demo: install
 	$(DOCTOR) --engine horovod --out runs/demo
-	bash launch/demo.sh
+	bash scripts/demo.sh
 
 clean-venv:
 	rm -rf $(VENV)

@@ -4,7 +4,7 @@
 #
 #   launch/horovodrun.sh SHARDS RUN [NP] [HOSTS]        e.g. launch/horovodrun.sh data/s runs/a 2
 #   HOSTS like "node1:8,node2:8" for two nodes of 8 GPUs (then NP=16).
-# GPU clusters: Horovod must be built with NCCL (HOROVOD_GPU_OPERATIONS=NCCL launch/install.sh).
+# GPU clusters: Horovod must be built with NCCL (HOROVOD_GPU_OPERATIONS=NCCL scripts/setup/install.sh).
 set -euo pipefail
 SHARDS=${1:?shard set dir}; RUN=${2:?run dir}; NP=${3:-2}; HOSTS=${4:-localhost:$NP}
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -157,7 +157,7 @@ def simulate_cli(capsys, ranks, shards, out, sets=(), steps=20):
     return rc, text.out + text.err if text else ""
 
 
-NO_HOROVOD = ("Horovod is not installed (a torch-only install: launch/install.sh --no-horovod, or pip install .): "
+NO_HOROVOD = ("Horovod is not installed (a torch-only install: scripts/setup/install.sh --no-horovod, or pip install .): "
               "the tests of the Horovod engine and horovodrun skip")
 
 
@@ -188,7 +188,7 @@ def horovodrun_env():
 
 
 # The first lines of a script run as ``python -c``: every import of horovod fails, as on an install without it
-# (``launch/install.sh --no-horovod``).
+# (``scripts/setup/install.sh --no-horovod``).
 BLOCK_HOROVOD = """
 import sys
 class Block:

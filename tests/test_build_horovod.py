@@ -1,6 +1,6 @@
-"""The Horovod build's decisions (launch/horovod_build_env.py) on fake inputs: ``horovodrun --check-build`` as
+"""The Horovod build's decisions (scripts/setup/horovod_build_env.py) on fake inputs: ``horovodrun --check-build`` as
 Horovod 0.28.1 prints it, nvcc's version and architecture lists, a fake pip NCCL and system NCCL, fake
-device capabilities; launch/build_horovod.sh's refusals; and the engine's refusal of a Horovod without NCCL
+device capabilities; scripts/setup/build_horovod.sh's refusals; and the engine's refusal of a Horovod without NCCL
 on a CUDA run. No GPU, no toolkit, no build: seconds."""
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import horovod_build_env as hb  # noqa: E402
+from scripts.setup import horovod_build_env as hb
 
 # `horovodrun --check-build` of this project's CPU build (Horovod 0.28.1, Gloo + MPI), captured.
 CPU_BUILD = """Horovod v0.28.1:
@@ -68,7 +66,7 @@ def test_check_build_marks_are_read_per_section():
 
 
 def test_check_build_command_reads_stdin_and_fails_on_what_is_missing():
-    script = os.path.join(ROOT, "launch", "horovod_build_env.py")
+    script = os.path.join(ROOT, "scripts", "setup", "horovod_build_env.py")
     run = lambda text, *flags: subprocess.run([sys.executable, script, "check-build", *flags], input=text,
                                               capture_output=True, text=True)
     assert run(CPU_BUILD, "--mpi").returncode == 0
@@ -196,7 +194,7 @@ def test_cpu_builds_and_the_choice_of_gpu_operations(tmp_path):
 
 
 def test_build_script_refuses_bad_arguments_loudly(tmp_path):
-    script = os.path.join(ROOT, "launch", "build_horovod.sh")
+    script = os.path.join(ROOT, "scripts", "setup", "build_horovod.sh")
     for args, msg in [([], "--wheel-dir is required"), (["--wheel-dir", str(tmp_path), "--sdist", "/nonexistent"],
                                                          "no such file"), (["--frobnicate"], "unknown option")]:
         r = subprocess.run(["bash", script, *args], capture_output=True, text=True, timeout=30)

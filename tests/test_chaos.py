@@ -1,4 +1,4 @@
-"""The chaos run's short version (launch/chaos.py --short): elastic torchrun over three network-namespace nodes,
+"""The chaos run's short version (scripts/faults/chaos.py --short): elastic torchrun over three network-namespace nodes,
 three faults at seeded random steps: a node lost, the node joining back, a sample made undecodable (the rest
 of the kinds and the Horovod wrapper are the long runs'; the preemption and the full disk also have tests of
 their own in test_elastic.py, test_checkpoints.py and test_full_disk.py), recovered by torchrun's restarts;
@@ -10,16 +10,13 @@ are on (every 5 steps): the lost node's slice comes back from its buddy's copy, 
 The long runs (12 faults under torchrun, 6 under the Horovod wrapper, compared bitwise with a fault-free
 run) and their tables: docs/reliability.md."""
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, launch_env
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import twonode  # noqa: E402
+from scripts.faults import twonode
 
 pytestmark = pytest.mark.multirank
 
@@ -29,7 +26,7 @@ def test_short_chaos_run(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "chaos.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "chaos.py"), "--short", "--seed", "3",
+    p = subprocess.run([sys.executable, "-m", "scripts.faults.chaos", "--short", "--seed", "3",
                         "--memory-every", "5", "--json", str(out), "--work", str(tmp_path / "work")],
                        env=launch_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     if p.returncode == 2:

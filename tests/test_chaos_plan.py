@@ -1,17 +1,12 @@
-"""The chaos run's plan (launch/chaos.py ``plan``), in one process: every seed plans, fast, and every plan is one
+"""The chaos run's plan (``scripts.faults.chaos.plan``), in one process: every seed plans, fast, and every plan is one
 the run can follow. Before, the kinds were drawn once and then only shuffled, and 50 of the seeds 11-199 had no
 possible order ("no order of 12 faults ... is possible on 3 nodes", seed 77 among them)."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 
-from conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import chaos  # noqa: E402
+from scripts.faults import chaos
 
 
 def test_every_seed_plans_a_possible_even_order_fast():

@@ -21,7 +21,7 @@ from helpers_recordio import write_rec
 WQY = "/usr/share/fonts/truetype/wqy"
 needs_wqy = pytest.mark.skipif(
     not all(os.path.isfile(os.path.join(WQY, f)) for f in ("wqy-zenhei.ttc", "wqy-microhei.ttc")),
-    reason="fonts-wqy-zenhei or fonts-wqy-microhei is not installed (bash launch/install.sh --test-fonts)")
+    reason="fonts-wqy-zenhei or fonts-wqy-microhei is not installed (bash scripts/setup/install.sh --test-fonts)")
 
 
 def png(arr: np.ndarray) -> bytes:

@@ -25,9 +25,7 @@ import pytest
 from conftest import (BIN, ROOT, SMALL_RUN, free_port, launch_env, require_horovod, run_job, simulate_here,
                       small_run_argv as train_cmd)
 import pins
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import twonode  # noqa: E402
+from scripts.faults import twonode
 
 pytestmark = pytest.mark.multirank
 TORCHRUN = os.path.join(BIN, "torchrun")
@@ -244,13 +242,17 @@ def test_the_wrappers_decision(tmp_path):
     """How an attempt ended, from horovodrun's exit and the ranks' files (written by the exit path every rank
     takes, ``cli_support.record_exit``; the preemption test above runs it under horovodrun): a user's error
     (2) is not restarted (before: ``--max-restarts`` + 1 runs of a config every rank refuses)."""
+    import importlib.util
     from hvd_partialfc.cli_support import EXIT_DIR_ENV, record_exit
-    sys.path.insert(0, os.path.join(ROOT, "launch"))
-    from horovod_restarts import _read_codes
+    # launch/ holds launchers, not a package: the wrapper is loaded from its file
+    spec = importlib.util.spec_from_file_location("horovod_restarts",
+                                                  os.path.join(ROOT, "launch", "horovod_restarts.py"))
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    _read_codes, outcome = wrapper._read_codes, wrapper.outcome
     record_exit(2, {EXIT_DIR_ENV: str(tmp_path), "HOROVOD_RANK": "1"})
     record_exit(2, {EXIT_DIR_ENV: str(tmp_path / "absent"), "HOROVOD_RANK": "0"})     # not on this host: nothing
     assert _read_codes(str(tmp_path)) == {1: 2}
-    from horovod_restarts import outcome
     assert outcome(0, {}) == 0
     assert outcome(1, {0: 75, 1: 75}) == 75 and outcome(1, {0: 75}) == 75     # one rank's file is enough
     assert outcome(1, {0: 2, 1: 2}) == 2 and outcome(1, {0: 75, 1: 2}) == 2

@@ -23,7 +23,7 @@ SUNG = "/usr/share/fonts/truetype/arphic-gbsn00lp/gbsn00lp.ttf"          # fonts
 needs_fonts = pytest.mark.skipif(
     not all(os.path.isfile(p) for p in (DROID, VL, SUNG)),
     reason="fonts-droid-fallback, fonts-vlgothic or fonts-arphic-gbsn00lp is not installed "
-           "(bash launch/install.sh --test-fonts)")
+           "(bash scripts/setup/install.sh --test-fonts)")
 TEXT30 = "永和九年岁在癸丑暮春之初会于会稽山阴兰亭修禊事也群贤毕至少长咸集此地有崇岭茂林修竹"
 
 

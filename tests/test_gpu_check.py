@@ -1,4 +1,4 @@
-"""launch/gpu_check.sh's CPU path (GPU_CHECK_TINY=1): every stage the GPU check runs, at toy sizes, so the
+"""scripts/gpu/gpu_check.sh's CPU path (GPU_CHECK_TINY=1): every stage the GPU check runs, at toy sizes, so the
 script cannot rot between the days a GPU is lent. It measures nothing worth keeping on CPU."""
 import json
 import os
@@ -15,7 +15,7 @@ def test_gpu_check_cpu_path(tmp_path):
     require_horovod()        # the check builds and runs Horovod's stage too
     out = tmp_path / "out"
     env = dict(launch_env(), OUT=str(out), GPU_CHECK_TINY="1", PYTHON=os.path.join(BIN, "python"))
-    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", "scripts/gpu/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     report = json.loads((out / "face_check.json").read_text())
@@ -37,20 +37,20 @@ def test_gpu_check_cpu_path(tmp_path):
 def test_gpu_check_fails_loudly(tmp_path):
     """A stage that fails ends the script non-zero, naming the stage (it used to end with `echo`, exit 0)."""
     env = dict(launch_env(), OUT=str(tmp_path), GPU_CHECK_TINY="1", PYTHON="false")   # every python call fails
-    p = subprocess.run(["bash", "launch/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", "scripts/gpu/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode != 0
     assert "FAILED in stage env" in p.stderr
 
 
 def test_the_speed_run_packs_what_it_has_when_the_check_overruns(tmp_path):
-    """launch/gpu_speed_run.sh packs $OUT only after the check: its cap ends a check that overruns (here at
+    """scripts/gpu/gpu_speed_run.sh packs $OUT only after the check: its cap ends a check that overruns (here at
     3 s, in the prepare stage) and the packing still runs, so a device call is never cut with $OUT empty."""
     out = tmp_path / "out"
     out.mkdir()
     env = dict(launch_env(), OUT=str(out), GPU_CHECK_TINY="1", GPU_SPEED_RUN_CAP_S="3",
                PYTHON=os.path.join(BIN, "python"))
-    p = subprocess.run(["bash", "launch/gpu_speed_run.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run(["bash", "scripts/gpu/gpu_speed_run.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 124, p.stdout[-2000:] + p.stderr[-2000:]
     listed = subprocess.run(["tar", "tzf", str(out / "gpu_check.tgz")], capture_output=True, text=True).stdout

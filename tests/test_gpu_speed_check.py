@@ -1,19 +1,14 @@
-"""launch/gpu_speed_check.py's bookkeeping around the GPU's cells, on CPU with stand-ins for the steps: what
+"""scripts/gpu/gpu_speed_check.py's bookkeeping around the GPU's cells, on CPU with stand-ins for the steps: what
 a device call brings back when the stage is cut, what stays allocated between contenders, and the count
 that says whether reduce-overhead ran CUDA graphs. tests/test_gpu_check.py runs the real cells at toy sizes."""
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import weakref
 
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import gpu_speed_check as gsc  # noqa: E402
+from scripts.gpu import gpu_speed_check as gsc
 
 
 class _Parts:

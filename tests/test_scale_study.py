@@ -1,11 +1,10 @@
-"""launch/studies/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
+"""scripts/studies/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
 a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
 classes-per-rank series)."""
-import importlib.util
+import importlib
 import json
 import os
 import re
-import sys
 
 import h5py
 import numpy as np
@@ -29,12 +28,8 @@ def _strings(obj):
 
 
 def _launch_script(name: str):
-    """launch/studies/NAME.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", "studies", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod             # scale_study's dataclass looks its module up
-    spec.loader.exec_module(mod)
-    return mod
+    """scripts/studies/NAME.py as a module (``python -m scripts.studies.NAME`` runs the same)."""
+    return importlib.import_module(f"scripts.studies.{name}")
 
 
 def _study():

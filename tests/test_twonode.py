@@ -1,4 +1,4 @@
-"""Two nodes on one machine (launch/twonode.py: each a network namespace with its own hostname): 4 ranks
+"""Two nodes on one machine (scripts/faults/twonode.py: each a network namespace with its own hostname): 4 ranks
 train across them under torchrun (c10d rendezvous on node 1) and horovodrun (Gloo; ``ssh`` = the launch
 agent), and agree; mpirun starts a Horovod job across them (``plm_rsh_agent``); a cut link ends every rank
 within the heartbeat's timeout, naming a lost peer. A node lost under elastic torchrun (three nodes; the run
@@ -18,10 +18,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "launch"))
-import twonode  # noqa: E402
-from conftest import SMALL_RUN, require_horovod, simulate_here, small_run_argv as _train  # noqa: E402
+from conftest import ROOT, SMALL_RUN, require_horovod, simulate_here, small_run_argv as _train
+from scripts.faults import twonode
 
 pytestmark = pytest.mark.multirank
 
@@ -235,8 +233,8 @@ def test_the_command_line_keeps_its_state_in_a_private_folder(tmp_path):
     if reason:
         pytest.skip(reason)
     suffix = f"-c{os.getpid()}"
-    cli = [sys.executable, os.path.join(ROOT, "launch", "twonode.py"), f"--suffix={suffix}"]
-    up = subprocess.run(cli + ["--nodes", "3", "up"], capture_output=True, text=True, timeout=60)
+    cli = [sys.executable, "-m", "scripts.faults.twonode", f"--suffix={suffix}"]
+    up = subprocess.run(cli + ["--nodes", "3", "up"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     try:
         if up.returncode == 2:
             pytest.skip(up.stderr.strip())
@@ -245,10 +243,10 @@ def test_the_command_line_keeps_its_state_in_a_private_folder(tmp_path):
         state = os.path.dirname(os.path.dirname(ssh))
         assert os.stat(state).st_mode & 0o777 == 0o700 and not state.endswith("-cli")
         assert os.stat(ssh).st_mode & 0o077 == 0
-        r = subprocess.run(cli + ["exec", "3", "--", "hostname"], capture_output=True, text=True, timeout=30)
+        r = subprocess.run(cli + ["exec", "3", "--", "hostname"], cwd=ROOT, capture_output=True, text=True, timeout=30)
         assert r.stdout.strip() == "node3", r.stderr
     finally:
-        subprocess.run(cli + ["down"], capture_output=True, timeout=60)
+        subprocess.run(cli + ["down"], cwd=ROOT, capture_output=True, timeout=60)
     assert not os.path.exists(state)
     assert f"hpfc-n1{suffix}" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 

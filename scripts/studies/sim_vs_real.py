@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Issue 14 part 1: does `hvd-partialfc simulate` predict a real run's held-out accuracy? One table from two
-`launch/studies/accuracy.py` outputs, the real runs (horovodrun) and the same cells on the simulator (--simulate):
+`scripts/studies/accuracy.py` outputs, the real runs (horovodrun) and the same cells on the simulator (--simulate):
 
-    .venv/bin/python launch/studies/accuracy.py --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \
+    .venv/bin/python -m scripts.studies.accuracy --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \
         --heldout data/demo-fonts/heldout --out runs/simacc --np 8 4 --seeds 0 1 --every 50 --share 1024 \
         --simulate
-    .venv/bin/python launch/studies/sim_vs_real.py docs/accuracy/accuracy.json runs/simacc/accuracy.json
+    .venv/bin/python -m scripts.studies.sim_vs_real docs/accuracy/accuracy.json runs/simacc/accuracy.json
 
 For each (variant, N, seed) present in both: the real and simulated all-pairs TAR at FAR 1e-3 / 1e-4 and
 10-fold accuracy, their difference, and, where the real runs have two seeds, the seed-to-seed difference

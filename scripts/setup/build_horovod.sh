@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the Horovod 0.28.1 wheel this project uses, against the torch of --python; the one recipe, used by
-# launch/install.sh (which caches the wheel) and by the GPU check.
+# scripts/setup/install.sh (which caches the wheel) and by the GPU check (scripts/gpu/gpu_check.sh).
 #
-#   bash launch/build_horovod.sh --python PY --wheel-dir DIR [--sdist FILE] [--cpu-only]
+#   bash scripts/setup/build_horovod.sh --python PY --wheel-dir DIR [--sdist FILE] [--cpu-only]
 #
 # The last line on stdout is the built wheel's path (everything else goes to stderr). Without --sdist the
 # pinned sdist is downloaded with pip. Fails loudly (non-zero, one "error:" line) on anything unexpected.
@@ -12,7 +12,7 @@
 #   (nvcc) is found; never with --cpu-only or HVD_PARTIALFC_HOROVOD_CPU_ONLY=1. The toolkit's major version
 #   must be torch's; NCCL comes from HOROVOD_NCCL_*, else the pip package nvidia-nccl, else the system; the
 #   kernels' compute capabilities from HOROVOD_BUILD_CUDA_CC_LIST, else the visible GPUs, else a default list.
-#   launch/horovod_build_env.py decides all of this (and is what the tests exercise).
+#   scripts/setup/horovod_build_env.py decides all of this (and is what the tests exercise).
 # - MPI when mpicc is found, else HOROVOD_WITHOUT_MPI (Gloo only).
 # - Patches on the sdist, each checked after it is applied (and skipped when already there):
 #   * C++14 -> 17 in the root and horovod/torch CMakeLists.txt: torch >= 2.1 headers need C++17 (upstream

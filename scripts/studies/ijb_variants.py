@@ -1,6 +1,6 @@
 """The IJB protocol's options and two alignment mistakes, side by side, on one backbone and IJB folder.
 
-    python launch/studies/ijb_variants.py --backbone backbone.pt --ijb data/demo-fonts/ijb [--name IJBC] [--flip]
+    python -m scripts.studies.ijb_variants --backbone backbone.pt --ijb data/demo-fonts/ijb [--name IJBC] [--flip]
 
 Rows: the protocol as given (``--flip``: mirror embedding on; glyphs: leave it off), the flip toggled,
 norm-score and detector-score off, the 112 px template used on a smaller input (not scaled), and no

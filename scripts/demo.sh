@@ -21,7 +21,7 @@ NP="${DEMO_NP:-2}"
 SIZE="${DEMO_SIZE:-32}"
 t0=$(date +%s)
 
-bash launch/install.sh --fonts
+bash scripts/setup/install.sh --fonts
 t_setup=$(date +%s)
 
 if [ ! -f "$DATA/train/manifest.json" ]; then

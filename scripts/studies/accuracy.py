@@ -2,7 +2,7 @@
 """The accuracy table of docs/accuracy.md: what local-only softmax loses against exact global softmax, and
 what cross-shard negatives win back, by world size (classes per rank), and their trade-off against K and S.
 
-    .venv/bin/python launch/studies/accuracy.py --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \
+    .venv/bin/python -m scripts.studies.accuracy --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \
         --heldout data/demo-fonts/heldout --out runs/accuracy --np 2 4 8 --seeds 0 1 --every 50 --share 1024
     # trade-off points: --np 8 --variants local+negatives --every 10 200   (or --share 100 25)
 

@@ -1,4 +1,4 @@
-"""The pieces of the chaos run (launch/chaos.py): its data, its watch over the run, its jobs, its checks.
+"""The pieces of the chaos run (scripts/faults/chaos.py): its data, its watch over the run, its jobs, its checks.
 
 * ``tiny_faces``: an encoded JPEG shard set (32x32 faces of class templates plus noise), so that a sample can
   be made undecodable;
@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 BIN = os.path.dirname(sys.executable)
 RESUMED = re.compile(r"resumed from (.+?) at step (\d+) \(written by (\d+) ranks\)")
 
@@ -134,7 +134,7 @@ class Watch:
         return out
 
     def resumed_from_memory(self, step: int, since: float) -> bool:
-        """Whether the resume at ``step`` after ``since`` restored a memory snapshot (run/memory_recover.py)."""
+        """Whether the resume at ``step`` after ``since`` restored a memory snapshot (run/snapshots/memory_recover.py)."""
         return any(m and m.group(2) == str(step) and "memory snapshot" in m.group(1)
                    for m in (RESUMED.search(line) for t, line in self.lines if t >= since))
 
@@ -185,7 +185,7 @@ class TorchrunJob:
         self.extra_env = env or {}   # more variables for a node's agent (a planned fault)
 
     def fault_file(self, node: int) -> str:
-        """The node's fault file (run/faults.py ``HVD_PARTIALFC_FAULT_FILE``), read by its ranks at every step."""
+        """The node's fault file (run/watch/faults.py ``HVD_PARTIALFC_FAULT_FILE``), read by its ranks at every step."""
         return os.path.join(self.log_dir, f"faults-node{node}")
 
     def make_slow(self, node: int, slow: bool) -> None:
@@ -281,7 +281,7 @@ class WrapperJob:
         self.launches = 0
 
     def start(self) -> None:
-        argv = [sys.executable, os.path.join(HERE, "horovod_restarts.py"), "--max-restarts", "1000",
+        argv = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "1000",
                 "--discovery", self.discovery, "--horovodrun", os.path.join(BIN, "horovodrun"),
                 f"--horovodrun-args=--gloo --network-interface {self.nodes.ifname} --disable-cache", "--",
                 *self.train_argv]

@@ -2,9 +2,9 @@
 # The GPU check: one machine with one NVIDIA GPU and no network (docs/gpu.md says what it needs and what
 # its figures mean). Fails loudly: any stage that fails ends the script with a non-zero exit naming the stage.
 #
-#   OUT=results HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz [ARCFACE_DIR=DIR] bash launch/gpu_check.sh
-#   OUT=results GPU_CHECK_TINY=1 bash launch/gpu_check.sh     # CPU: toy sizes, the installed Horovod (its test)
-#   GPU_CHECK_SKIP=build,horovod ...                          # those stages left out: the speed stage gets their time
+#   OUT=results HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz [ARCFACE_DIR=DIR] bash scripts/gpu/gpu_check.sh
+#   OUT=results GPU_CHECK_TINY=1 bash scripts/gpu/gpu_check.sh     # CPU: toy sizes, the installed Horovod (its test)
+#   GPU_CHECK_SKIP=build,horovod ...                               # those stages left out: the speed stage gets their time
 #
 # Stages (each timed, in OUT/stages.tsv):
 #   env       torch, CUDA, the GPU, nvcc, NCCL: what the build and the runs will use (OUT/env.txt)
@@ -12,12 +12,12 @@
 #             data.decode=gpu against PIL and both decodes' rates (OUT/gpu_decode.json)
 #   torch     the trainer under torchrun (torch.distributed + NCCL; needs no build): iresnet50, batch 128,
 #             fp16 and bf16, a 125k-class local head against a 1k-class one, peak memory per precision
-#   speed     issue 50's table (launch/gpu_speed_check.py): ours against arcface_torch (ARCFACE_DIR: an
+#   speed     issue 50's table (scripts/gpu/gpu_speed_check.py): ours against arcface_torch (ARCFACE_DIR: an
 #             InsightFace checkout; without it ours alone, said), the step profile, the fast-path keys on
 #             and off, nvJPEG in the trainer, the largest batch; as many cells as fit SPEED_BUDGET_S
 #             (default: what the 9-minute budget leaves after the stages still to come), the rest named
 #             with the command that runs them (OUT/speed.json, OUT/speed_table.md, OUT/speed/)
-#   build     Horovod from its sdist with NCCL (launch/build_horovod.sh); horovod.torch.nccl_built() must
+#   build     Horovod from its sdist with NCCL (scripts/setup/build_horovod.sh); horovod.torch.nccl_built() must
 #             be non-zero; the GPU smoke tests (pytest -m gpu, torch engine) run beside it
 #   horovod   the same trainer runs under horovodrun -np 1, and the smoke tests that need Horovod
 #   report    OUT/face_check.json and face_check.txt; exit 1 when a run is missing or looks wrong
@@ -25,7 +25,7 @@
 # at size 1 (the smoke tests check them on CUDA tensors). Everything goes to mktemp -d folders.
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 TINY="${GPU_CHECK_TINY:-0}"
 PY="${PYTHON:-python3}"
@@ -58,14 +58,14 @@ if [ "$TINY" != 1 ]; then
 fi
 
 stage prepare
-"$PY" launch/gpu_face_check.py prepare "$WORK" "${TINY_ARG[@]}"
+"$PY" -m scripts.gpu.gpu_face_check prepare "$WORK" "${TINY_ARG[@]}"
 
 if [ "$TINY" != 1 ]; then   # data.decode=gpu: nvJPEG's distance to PIL, and the loader's rate with either decode
   "$PY" -m data_tools.bench_loader --gpu-decode "$OUT" --workers "$(( $(nproc) > 10 ? 8 : 1 ))" --seconds 5 --device cuda
 fi
 
 stage torch
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 launch/gpu_face_check.py measure "$WORK" \
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m scripts.gpu.gpu_face_check measure "$WORK" \
   --engine torch "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/torch.log"
 
 stage speed
@@ -75,7 +75,7 @@ RESERVE=230; skipped build >/dev/null && RESERVE=5
 BUDGET="${SPEED_BUDGET_S:-$(( 510 - ($(date +%s) - T0) - RESERVE ))}"
 [ "$BUDGET" -ge 30 ] || BUDGET=30
 speed_cells() {   # cells start while their estimate fits the budget; one that overruns is cut 60 s past it
-  timeout -k 10 "$(( BUDGET + 60 ))" "$PY" launch/gpu_speed_check.py "$WORK" "$OUT" --budget "$BUDGET" \
+  timeout -k 10 "$(( BUDGET + 60 ))" "$PY" -m scripts.gpu.gpu_speed_check "$WORK" "$OUT" --budget "$BUDGET" \
     ${ARCFACE_DIR:+--arcface-dir "$ARCFACE_DIR"} "${TINY_ARG[@]}" 2>&1 | tee "$OUT/speed.log"
   echo "${PIPESTATUS[0]}" > "$WORK/speed.rc"
 }
@@ -95,7 +95,7 @@ else
   # The smoke tests that need no Horovod run on the GPU while Horovod compiles on the CPUs.
   HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k "not horovod" tests -p no:cacheprovider \
     > "$OUT/smoke_torch.log" 2>&1 & SMOKE=$!
-  WHEEL="$(bash launch/build_horovod.sh --python "$PY" --wheel-dir "$WORK/wheel" --sdist "$HOROVOD_SDIST" \
+  WHEEL="$(bash scripts/setup/build_horovod.sh --python "$PY" --wheel-dir "$WORK/wheel" --sdist "$HOROVOD_SDIST" \
            2> "$OUT/build.log" | tail -1)" || { tail -40 "$OUT/build.log" >&2; false; }
   "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/hvd" "$WHEEL"
   export PYTHONPATH="$PYTHONPATH:$WORK/hvd" PATH="$WORK/hvd/bin:$PATH"
@@ -116,7 +116,7 @@ ENGINES=torch
 if ! skipped horovod; then
 ENGINES=torch,horovod
 stage horovod
-"$PY" "$HOROVODRUN" -np 1 --gloo "$PY" launch/gpu_face_check.py measure "$WORK" --engine horovod \
+"$PY" "$HOROVODRUN" -np 1 --gloo "$PY" -m scripts.gpu.gpu_face_check measure "$WORK" --engine horovod \
   "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/horovod.log"
 if [ "$TINY" != 1 ]; then
   HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k horovod tests -p no:cacheprovider 2>&1 \
@@ -125,7 +125,7 @@ fi
 fi
 
 stage report
-"$PY" launch/gpu_face_check.py report "$WORK" "$OUT" --engines "$ENGINES"
+"$PY" -m scripts.gpu.gpu_face_check report "$WORK" "$OUT" --engines "$ENGINES"
 stage done
 TOTAL=$(( $(date +%s) - T0 ))
 # Its budget: 9 minutes, the build included (a device command may run 10; the rest is for a rerun)

@@ -1,5 +1,6 @@
-"""The decisions of the Horovod build (launch/build_horovod.sh) and of its install check (launch/install.sh),
-in one place so both agree and the tests can try them with fake inputs (no GPU, no toolkit, no build).
+"""The decisions of the Horovod build (scripts/setup/build_horovod.sh) and of its install check
+(scripts/setup/install.sh), in one place so both agree and the tests can try them with fake inputs (no GPU, no
+toolkit, no build).
 
 Standard library only: the install runs it with the venv's Python, and it imports torch only to read
 ``torch.version.cuda`` and the visible GPUs' compute capabilities.
@@ -21,10 +22,10 @@ What it decides:
 
 Commands (exit 2 with one ``error:`` line when the build cannot be done as asked):
 
-    python launch/horovod_build_env.py gpu-ops            # NCCL | none: what a build here would have
-    python launch/horovod_build_env.py key                # the GPU part of the wheel cache key ("" on CPU)
-    python launch/horovod_build_env.py env --link-dir D [--mpi] [--cpu-only]   # export lines for the build
-    horovodrun --check-build | python launch/horovod_build_env.py check-build [--mpi] [--nccl]
+    python scripts/setup/horovod_build_env.py gpu-ops     # NCCL | none: what a build here would have
+    python scripts/setup/horovod_build_env.py key         # the GPU part of the wheel cache key ("" on CPU)
+    python scripts/setup/horovod_build_env.py env --link-dir D [--mpi] [--cpu-only]   # export lines for the build
+    horovodrun --check-build | python scripts/setup/horovod_build_env.py check-build [--mpi] [--nccl]
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 """How long until every rank has exited after one rank is SIGKILLed: N training processes of the torch engine
 on this machine, each with a DataLoader worker (``data.workers=1``), one killed mid-training.
 
-    python launch/studies/heartbeat_kill.py --ranks 8 16 --timeout 5 --json heartbeat_kill.json
-    python launch/studies/heartbeat_kill.py --ranks 8 16 --code OLD_CHECKOUT     # the same, another checkout's code
+    python -m scripts.studies.heartbeat_kill --ranks 8 16 --timeout 5 --json heartbeat_kill.json
+    python -m scripts.studies.heartbeat_kill --ranks 8 16 --code OLD_CHECKOUT     # the same, another checkout's code
 
 The ranks are started by hand (torch.distributed's variables, rank 0 hosting the store), not by a launcher:
 horovodrun or torchrun would end the others themselves, and this measures what the ranks do on their own
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python launch/studies/heartbeat_kill.py " + " ".join(argv or sys.argv[1:]), "rows": rows},
+            json.dump({"command": "python -m scripts.studies.heartbeat_kill " + " ".join(argv or sys.argv[1:]), "rows": rows},
                       f, indent=1)
     return 0 if all(r["met"] for r in rows) else 1
 

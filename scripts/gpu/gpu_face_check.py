@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""The face workload measured through the trainer itself, for launch/gpu_check.sh (GPU) and its CPU test.
+"""The face workload measured through the trainer itself, for scripts/gpu/gpu_check.sh (GPU) and its CPU test.
+Run from the repository root:
 
-    python launch/gpu_face_check.py prepare WORK [--tiny]     # shard sets + the loader's sustained rate
-    torchrun --standalone --nproc-per-node 1 launch/gpu_face_check.py measure WORK --engine torch [--tiny]
-    horovodrun -np 1 python launch/gpu_face_check.py measure WORK --engine horovod [--tiny]
-    python launch/gpu_face_check.py report WORK OUT          # table + face_check.json; exit 1 if incomplete
+    python -m scripts.gpu.gpu_face_check prepare WORK [--tiny]     # shard sets + the loader's sustained rate
+    torchrun --standalone --nproc-per-node 1 -m scripts.gpu.gpu_face_check measure WORK --engine torch [--tiny]
+    horovodrun -np 1 python -m scripts.gpu.gpu_face_check measure WORK --engine horovod [--tiny]
+    python -m scripts.gpu.gpu_face_check report WORK OUT          # table + face_check.json; exit 1 if incomplete
 
 What is measured (GPU; ``--tiny`` is the same code at toy sizes on the CPU, so the script cannot rot):
 
@@ -35,7 +36,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from data_tools.bench_loader import measure_loader_rate, write_face_shards  # noqa: E402

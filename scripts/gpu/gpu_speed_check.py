@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""The ``speed`` stage of launch/gpu_check.sh: issue 50's table measured in one budgeted pass (docs/gpu.md).
+"""The ``speed`` stage of scripts/gpu/gpu_check.sh: issue 50's table measured in one budgeted pass (docs/gpu.md).
 
-    python launch/gpu_speed_check.py WORK OUT [--arcface-dir DIR] [--budget 150] [--only NAME,...] [--tiny]
+    python -m scripts.gpu.gpu_speed_check WORK OUT [--arcface-dir DIR] [--budget 150] [--only NAME,...] [--tiny]
 
 WORK holds the ``prepare`` stage's shard sets (``head125k``); results go to ``OUT/speed.json`` (rewritten after
 every cell, so a cut-short run keeps what it measured), ``OUT/speed/`` (each profile's and comparison's own
@@ -40,7 +40,7 @@ import traceback
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
@@ -277,6 +277,11 @@ def main(argv=None) -> int:
     if a.tiny:
         from hvd_partialfc.run import speed
         speed.COMPILE_BACKEND = "eager"      # the plumbing without inductor's minutes of CPU compiling
+        # The dry run's switches run channels_last on the CPU, where torch 2.13's oneDNN weight gradient of a 1x1
+        # stride-2 convolution in that layout corrupts the heap on some CPUs (an AMD EPYC, AVX2: "free(): invalid
+        # size", or a hang with 2 threads; fine with oneDNN off). A GPU never takes that path; the dry run checks
+        # the script's plumbing, not the kernels.
+        torch.backends.mkldnn.enabled = False
     os.makedirs(os.path.join(a.out, "speed"), exist_ok=True)
     result: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": a.budget, "tiny": a.tiny,
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -285,7 +290,7 @@ def main(argv=None) -> int:
         print(f"speed: arcface_torch skipped: {'no ARCFACE_DIR given' if not a.arcface_dir else a.arcface_dir + ' is not a folder'}"
               " (ours alone in the comparisons)", flush=True)
     only = set(filter(None, a.only.split(",")))
-    from speed_table import table   # launch/speed_table.py: the issue's table from speed.json
+    from scripts.gpu.speed_table import table   # the issue's table from speed.json
 
     def save() -> None:
         """speed.json and the table after every cell: a stage cut at its budget (gpu_check.sh's timeout) ends
@@ -299,7 +304,7 @@ def main(argv=None) -> int:
         used = time.perf_counter() - t0
         if not only and not a.tiny and used + cost > a.budget:
             reason = (f"budget: {used:.0f} s used of {a.budget:.0f}, about {cost} s needed; run it alone with "
-                      f"python launch/gpu_speed_check.py WORK OUT --only {name}")
+                      f"python -m scripts.gpu.gpu_speed_check WORK OUT --only {name}")
             result["cells"].append({"name": name, "status": "skipped", "reason": reason})
             print(f"speed: {name} skipped ({reason})", flush=True)
             save()

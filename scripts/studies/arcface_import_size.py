@@ -1,6 +1,6 @@
 """Time and peak memory of ``hvd-partialfc import-arcface`` per million classes (docs/migrate.md, "Measured").
 
-    .venv/bin/python launch/studies/arcface_import_size.py --classes 1000000 --dim 512 --ranks 8 --work /tmp/aimp
+    .venv/bin/python -m scripts.studies.arcface_import_size --classes 1000000 --dim 512 --ranks 8 --work /tmp/aimp
 
 Writes a shard set of C classes (one 16-d feature each), an arcface_torch run of W ranks over them (this
 package's small mlp backbone, so the figures are the classifier's: rows and momentum, C x D x 4 bytes each,

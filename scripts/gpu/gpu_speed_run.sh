@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 50's GPU run in one device call: launch/gpu_check.sh with its Horovod build and stage left out (both
+# Issue 50's GPU run in one device call: scripts/gpu/gpu_check.sh with its Horovod build and stage left out (both
 # passed on the H200 twice, docs/gpu.md), so that the speed stage gets their ~3.5 minutes; then the results
 # packed into the device tool's $OUT, which brings back at most 8 files (docs/gpu.md, "The speed run").
 #
-#   bash launch/gpu_speed_run.sh                       # ARCFACE_DIR defaults to .dev/insightface/recognition/arcface_torch
-#   GPU_CHECK_SKIP= HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz bash launch/gpu_speed_run.sh    # the whole check too
+#   bash scripts/gpu/gpu_speed_run.sh                  # ARCFACE_DIR defaults to .dev/insightface/recognition/arcface_torch
+#   GPU_CHECK_SKIP= HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz bash scripts/gpu/gpu_speed_run.sh    # the whole check too
 #
 # $OUT gets: speed_table.md (issue 50's table), speed.json, face_check.json, gpu_check.tgz (every result and log
 # but the kernel traces) and traces.tgz (the step and kernel traces, Chrome's format), and the exit status of
@@ -12,7 +12,7 @@
 # the rest of 510 s).
 set -uo pipefail
 : "${OUT:?set OUT to the folder the results go to (the device tool sets it)}"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
 WORKDIR="$(mktemp -d)"
@@ -25,7 +25,7 @@ ARCFACE_DIR="${ARCFACE_DIR:-$ROOT/.dev/insightface/recognition/arcface_torch}"
 # holds whatever overruns that (the budget's 30 s floor after slow stages, a hung report) to leave the packing
 # its 10 s or so (580 s + 5 to its kill). Exit 124 when it cut.
 GPU_CHECK_SKIP="${GPU_CHECK_SKIP-build,horovod}" OUT="$R" ARCFACE_DIR="$ARCFACE_DIR" \
-  timeout -k 5 "${GPU_SPEED_RUN_CAP_S:-580}" bash launch/gpu_check.sh 2>&1 | tee "$WORKDIR/gpu_check.log"
+  timeout -k 5 "${GPU_SPEED_RUN_CAP_S:-580}" bash scripts/gpu/gpu_check.sh 2>&1 | tee "$WORKDIR/gpu_check.log"
 rc=${PIPESTATUS[0]}
 for f in speed_table.md speed.json face_check.json; do
   [ -f "$R/$f" ] && cp "$R/$f" "$OUT/"

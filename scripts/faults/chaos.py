@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """The chaos run: many faults at random steps of one training run, on network-namespace nodes
-(launch/twonode.py), recovered by the project's own launch paths, with a table of what each fault cost.
+(scripts/faults/twonode.py), recovered by the project's own launch paths, with a table of what each fault cost.
+Run from the repository root:
 
-    python launch/chaos.py --seed 1                    # both runs, the figures in docs/reliability.md
-    python launch/chaos.py --seed 1 --short            # the suite's version: 3 faults, under a minute
-    python launch/chaos.py --seed 2 --only torchrun --steps 1500 --faults 12 --json chaos.json
+    python -m scripts.faults.chaos --seed 1            # both runs, the figures in docs/reliability.md
+    python -m scripts.faults.chaos --seed 1 --short    # the suite's version: 3 faults, under a minute
+    python -m scripts.faults.chaos --seed 2 --only torchrun --steps 1500 --faults 12 --json chaos.json
 
 Needs root (network namespaces, a tmpfs); exit 0 when every check holds, 1 otherwise, 2 when it cannot run.
 
@@ -18,8 +19,8 @@ Two runs, each seeded (fault steps, kinds, nodes, the damaged sample all come fr
     then the job started again (``--resume auto``); ``disk-full``: the run folder's tmpfs filled just after
     a checkpoint, so the next one fails, then emptied; ``bad-sample``: a sample of a shard truncated (found
     when its rank next opens the shard, skipped and named: ``data.on_bad_sample: skip``); ``slow``: a node's
-    ranks made twice as slow by work on their step's path (run/faults.py, through the node's fault file), named
-    as a straggler and evicted (run/stragglers.py): the others go on without it; the node, repaired, may join
+    ranks made twice as slow by work on their step's path (run/watch/faults.py, through the node's fault file), named
+    as a straggler and evicted (run/watch/stragglers.py): the others go on without it; the node, repaired, may join
     again.
   - Checked: the run ends with its budget of samples consumed to within one global batch (run/progress.py),
     every checkpoint left is complete and loads, ``latest`` was valid after every fault, the damaged sample
@@ -51,15 +52,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import twonode  # noqa: E402
-from chaos_parts import (ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_ok, digests, fill_disk,  # noqa: E402
-                         kill, make_undecodable, tiny_faces)
-from chaos_report import found_damaged, row_line, table, tails, unexplained_stragglers  # noqa: E402
-from hvd_partialfc.run.stragglers import read_events  # noqa: E402
+from hvd_partialfc.run.watch.stragglers import read_events
+from scripts.faults import twonode
+from scripts.faults.chaos_parts import (ROOT, ChaosError, TorchrunJob, Watch, WrapperJob, checkpoint_ok, digests,
+                                        fill_disk, kill, make_undecodable, tiny_faces)
+from scripts.faults.chaos_report import found_damaged, row_line, table, tails, unexplained_stragglers
 
 TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-full", "bad-sample", "node-joins",
                "slow")
@@ -391,7 +388,7 @@ def final_checks(run: Run, codes: Dict[int, int], argv: List[str], work: str) ->
         ref = os.path.join(work, "horovod", "reference")
         cmd = [sys.executable, "-m", "hvd_partialfc.cli", "simulate", "--ranks", "2"] + \
             [a if a != run.run_dir else ref for a in argv[3:]]
-        p = subprocess.run(cmd, cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=600)
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
         if p.returncode != 0:
             checks["reference_error"] = p.stderr[-2000:]
         mine, theirs = digests(run.run_dir), (digests(ref) if p.returncode == 0 else {})

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Memory snapshots (checkpoint.memory_every) measured on network-namespace nodes (launch/twonode.py), one rank
-a node, the torch engine under torchrun; the figures in docs/reliability.md "Memory snapshots".
+"""Memory snapshots (checkpoint.memory_every) measured on network-namespace nodes (scripts/faults/twonode.py), one
+rank a node, the torch engine under torchrun; the figures in docs/reliability.md "Memory snapshots". Run from the
+repository root:
 
-    python launch/studies/memory_recovery.py --nodes 2 3 --json memory_recovery.json
-    python launch/studies/memory_recovery.py --show memory_recovery.json
+    python -m scripts.studies.memory_recovery --nodes 2 3 --json memory_recovery.json
+    python -m scripts.studies.memory_recovery --show memory_recovery.json
 
 For each node count N:
 
@@ -35,9 +36,8 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(HERE))
-import twonode  # noqa: E402
 from hvd_partialfc.run_files import folder_bytes  # noqa: E402
+from scripts.faults import twonode  # noqa: E402
 
 RANK_FILE = "memory snapshot (one rank's file)"      # estimate's host terms
 BASE = ["model.name=mlp", "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.resume=auto",

@@ -4,17 +4,18 @@
 # their resume at the same and at another world size, the run's length across world sizes. Horovod is not
 # built against that torch: its tests skip with one reason, as on any torch-only install.
 #
-#   bash launch/torch_versions.sh 2.6.0          # a venv in $HVD_PARTIALFC_CACHE/venv-torch-2.6.0, then the subset
-#   bash launch/torch_versions.sh 2.13.0 --all   # a new user's torch-only install: pip sees only the public
-#                                                # index (this machine's wheel folder and pip config ignored),
-#                                                # pip install .[test], no Horovod; the whole suite
+#   bash scripts/setup/torch_versions.sh 2.6.0         # a venv in $HVD_PARTIALFC_CACHE/venv-torch-2.6.0, then
+#                                                      # the subset
+#   bash scripts/setup/torch_versions.sh 2.13.0 --all  # a new user's torch-only install: pip sees only the
+#                                                      # public index (this machine's wheel folder and pip config
+#                                                      # ignored), pip install .[test], no Horovod; the whole suite
 #
 # The venv is kept (a second run only re-runs the tests). PyPI's Linux torch wheel is a CUDA build (about
 # 3 GB with its NVIDIA libraries); it runs on the CPU. docs/usage.md has the measured times.
 set -euo pipefail
-VERSION="${1:?usage: launch/torch_versions.sh TORCH_VERSION [--all]}"
+VERSION="${1:?usage: scripts/setup/torch_versions.sh TORCH_VERSION [--all]}"
 ALL="${2:-}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CACHE="${HVD_PARTIALFC_CACHE:-$HOME/.cache/hvd_partialfc}"
 VENV="$CACHE/venv-torch-$VERSION"
 PIPENV=()

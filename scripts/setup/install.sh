@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything hvd_partialfc needs, on a fresh Debian machine or a CI clone.
 #
-#   launch/install.sh               # both engines: Debian Open MPI + cmake (for the Horovod build), .venv, torch,
-#                                   # deps, Horovod (built once, cached), the package (editable)
-#   launch/install.sh --no-horovod  # the torch.distributed engine only (torchrun): .venv, torch, deps, the package
-#                                   # (editable); no Open MPI/cmake packages, no Horovod build. The torch engine
-#                                   # needs no Horovod. An already installed Horovod is left in place.
-#   launch/install.sh --fonts       # also the Debian CJK font packages used by the `fonts` data set (combines
-#                                   # with --no-horovod)
-#   launch/install.sh --test-fonts  # also the four small font packages the suite's font tests render with
-#                                   # (make test passes it: the demo's data path is tested in CI)
+#   bash scripts/setup/install.sh               # both engines: Debian Open MPI + cmake (for the Horovod build),
+#                                               # .venv, torch, deps, Horovod (built once, cached), the package
+#                                               # (editable)
+#   bash scripts/setup/install.sh --no-horovod  # the torch.distributed engine only (torchrun): .venv, torch, deps,
+#                                               # the package (editable); no Open MPI/cmake packages, no Horovod
+#                                               # build. The torch engine needs no Horovod. An already installed
+#                                               # Horovod is left in place.
+#   bash scripts/setup/install.sh --fonts       # also the Debian CJK font packages used by the `fonts` data set
+#                                               # (combines with --no-horovod)
+#   bash scripts/setup/install.sh --test-fonts  # also the four small font packages the suite's font tests render
+#                                               # with (make test passes it: the demo's data path is tested in CI)
 #
 # The venv is $HVD_PARTIALFC_VENV (default .venv in the repository root, the Makefile's VENV).
 #
 # Why Horovod is built by hand: Horovod 0.28.1 (its last release) sets CMAKE_CXX_STANDARD 14 in its root and
 # horovod/torch CMakeLists.txt, torch >= 2.1 headers need C++17, and gcc >= 13 needs includes that upstream
-# added after the release. launch/build_horovod.sh fetches the sdist, patches it and builds the wheel (about
-# 5 minutes on 2 cores). The wheel is kept in a cache folder outside the repository ($HVD_PARTIALFC_CACHE,
+# added after the release. scripts/setup/build_horovod.sh fetches the sdist, patches it and builds the wheel
+# (about 5 minutes on 2 cores). The wheel is kept in a cache folder outside the repository ($HVD_PARTIALFC_CACHE,
 # default ~/.cache/hvd_partialfc), so a fresh clone installs it in seconds.
 #
 # GPUs (docs/gpu.md, "Building Horovod for GPUs"): when torch has CUDA and a CUDA toolkit of the same major
@@ -27,7 +29,7 @@
 # and the compute capabilities, so a CPU wheel is never reused for a GPU build, nor one GPU's for another.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 VENV="${HVD_PARTIALFC_VENV:-$ROOT/.venv}"
 CACHE="${HVD_PARTIALFC_CACHE:-$HOME/.cache/hvd_partialfc}"
 PYTHON="${PYTHON:-python3}"
@@ -152,10 +154,11 @@ elif ! "$PY" -c "import torchvision, sys; sys.exit(torchvision.__version__.split
 fi
 
 # --- Horovod (skipped with --no-horovod) -----------------------------------------------------------
-# The build itself is launch/build_horovod.sh (the one recipe, also the GPU check's); launch/horovod_build_env.py
-# decides its GPU operations, and reads `horovodrun --check-build` for the check below.
+# The build itself is scripts/setup/build_horovod.sh (the one recipe, also the GPU check's);
+# scripts/setup/horovod_build_env.py decides its GPU operations, and reads `horovodrun --check-build` for the
+# check below.
 HAVE_MPI=0; command -v mpicc >/dev/null && HAVE_MPI=1
-HVD_ENV="$ROOT/launch/horovod_build_env.py"
+HVD_ENV="$ROOT/scripts/setup/horovod_build_env.py"
 
 horovod_ok() {
   # True when the installed Horovod has PyTorch + Gloo (+ MPI when mpicc exists, + NCCL when a build here
@@ -189,7 +192,7 @@ else
     WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -1 || true)"
     if [ -z "$WHEEL" ]; then
       log "building Horovod $HOROVOD_VERSION with $HVD_WHAT from source (about 5 minutes on 2 cores); cache: $WHEEL_DIR"
-      WHEEL="$(bash "$ROOT/launch/build_horovod.sh" --python "$PY" --wheel-dir "$WHEEL_DIR" | tail -1)"
+      WHEEL="$(bash "$ROOT/scripts/setup/build_horovod.sh" --python "$PY" --wheel-dir "$WHEEL_DIR" | tail -1)"
     else
       log "installing cached Horovod wheel $WHEEL"
     fi

@@ -1,4 +1,4 @@
-"""The chaos run's report (launch/chaos.py): a fault's row, a run's table, the logs' last lines."""
+"""The chaos run's report (scripts/faults/chaos.py): a fault's row, a run's table, the logs' last lines."""
 from __future__ import annotations
 
 import os

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The `cjk-20k` data set (docs/data.md §4.1): CJK Unified Ideographs + Extension A rendered from the Debian
-# font packages of `launch/install.sh --fonts`; every character with distinct renderings from >= 5 font
+# font packages of `scripts/setup/install.sh --fonts`; every character with distinct renderings from >= 5 font
 # family keys, 10% of the characters held out, >= 20 samples per class; then 6,000 verification pairs
 # from the held-out characters. Deterministic (same fonts, same options: same shard sha256).
 #
-#   bash launch/studies/build_cjk20k.sh [OUT]          # default OUT: data/cjk-20k; extra build options via $BUILD_ARGS
+#   bash scripts/studies/build_cjk20k.sh [OUT]          # default OUT: data/cjk-20k; extra build options via $BUILD_ARGS
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 OUT="${1:-$ROOT/data/cjk-20k}"

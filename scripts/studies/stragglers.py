@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Stragglers (train.stragglers, run/stragglers.py) measured on network-namespace nodes (launch/twonode.py): elastic
-torchrun, one rank a node, CPU; the figures of docs/reliability.md "Stragglers", against issue 52's goals.
+"""Stragglers (train.stragglers, run/watch/stragglers.py) measured on network-namespace nodes
+(scripts/faults/twonode.py): elastic torchrun, one rank a node, CPU; the figures of docs/reliability.md
+"Stragglers", against issue 52's goals. Run from the repository root:
 
-    python launch/studies/stragglers.py --json stragglers.json [--chaos chaos.json]
-    python launch/studies/stragglers.py --show stragglers.json
+    python -m scripts.studies.stragglers --json stragglers.json [--chaos chaos.json]
+    python -m scripts.studies.stragglers --show stragglers.json
 
 Runs (``--steps`` steps at 3 ranks, an MLP on feature shards, memory snapshots every 10 steps):
 
@@ -18,7 +19,7 @@ Runs (``--steps`` steps at 3 ranks, an MLP on feature shards, memory snapshots e
   a step after step 20 (the vote carries N more numbers, every rank times its step, rank 0 reads them); and the
   watch's own work a step measured in this process (timing, the vote's part, rank 0's reading) at N = 3 and 512.
 * **false alarms**: the stragglers named in every run but the slowed ones, and in a chaos run's JSON (``--chaos``:
-  ``launch/chaos.py --only torchrun --json FILE``, every other fault kind in 1,500 steps).
+  ``python -m scripts.faults.chaos --only torchrun --json FILE``, every other fault kind in 1,500 steps).
 
 Needs root (namespaces). This machine: 2 cores shared by the 3 nodes.
 """
@@ -38,11 +39,10 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(HERE))
-import twonode  # noqa: E402
-from chaos_parts import TorchrunJob  # noqa: E402
-from memory_recovery import shards  # noqa: E402
-from hvd_partialfc.run.stragglers import read_events  # noqa: E402
+from hvd_partialfc.run.watch.stragglers import read_events  # noqa: E402
+from scripts.faults import twonode  # noqa: E402
+from scripts.faults.chaos_parts import TorchrunJob  # noqa: E402
+from scripts.studies.memory_recovery import shards  # noqa: E402
 
 BATCH = 32
 PORTS = itertools.count(29500 + 10 * (os.getpid() % 40))
@@ -111,16 +111,23 @@ def watch_cost(n: int, steps: int = 3000) -> float:
     import torch
     from hvd_partialfc.config_io import load_config
     from hvd_partialfc.engine.local import LocalComm
-    from hvd_partialfc.run.stragglers import Stragglers
+    from hvd_partialfc.engine.vote import Agreed, Ballot, StepVote
+    from hvd_partialfc.run.watch.stragglers import Stragglers
     cfg = load_config(None, ["data.shards=x", f"out={tempfile.mkdtemp()}"])
     watch = Stragglers(cfg, LocalComm(0, n), 0, lambda line: None, False, [f"n{i}" for i in range(n)], list(range(n)))
+    vote = StepVote(watch.comm, [watch])
     times = [0.01 + 1e-5 * i for i in range(n)]
     t0 = time.perf_counter()
     for s in range(steps):
-        watch.timed(s, lambda: {"data_time": 0.0})
-        part = watch.vote_part()
-        torch.tensor([0.0, 0.0, 0.0] + part, dtype=torch.float64)   # what the vote sends (its 3 flags: there anyway)
-        watch.read(s + 1, part[:1] + times)
+        watch.begin(s)
+        watch.end(s, {"data_time": 0.0})
+        ballot = Ballot(vote.places, vote.length, 0)
+        watch.cast(ballot, s + 1)
+        torch.tensor([0.0, 0.0, 0.0] + ballot.values, dtype=torch.float64)   # what the vote sends (its 3 flags: there anyway)
+        values = list(ballot.values)
+        times_at = vote.places["times"].start
+        values[times_at:times_at + n] = times                                 # every rank's times, as the vote's max
+        watch.heard(Agreed(vote.places, values), s + 1)
     return (time.perf_counter() - t0) / steps
 
 
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-from", type=int, default=100)
     ap.add_argument("--factor", type=float, default=2.0, help="the slow node's ranks take this many times their work")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--chaos", metavar="JSON", help="a chaos run's report (launch/chaos.py --json): its false alarms")
+    ap.add_argument("--chaos", metavar="JSON", help="a chaos run's report (scripts.faults.chaos --json): its false alarms")
     twonode.study_options(ap)
     a = ap.parse_args(argv)
     done = twonode.study_preamble(a, "stragglers", table)
@@ -228,7 +235,7 @@ def main(argv=None) -> int:
     work = a.work or tempfile.mkdtemp(prefix="hpfc-stragglers-")
     os.makedirs(work, exist_ok=True)
     report = study(a, work)
-    report["command"] = " ".join(["python", "launch/studies/stragglers.py", *(argv or sys.argv[1:])])
+    report["command"] = " ".join(["python", "-m", "scripts.studies.stragglers", *(argv or sys.argv[1:])])
     report["date"] = time.strftime("%Y-%m-%d")
     report = json.loads(json.dumps(report, default=str))
     twonode.study_report(a, report, table)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Issue 14 part 3: does local-only softmax hold at 64-256 ranks? The study driver, resumable run by run.
 
-    .venv/bin/python launch/studies/scale_study.py --shards data/cjk-20k/train --heldout data/cjk-20k/heldout \
+    .venv/bin/python -m scripts.studies.scale_study --shards data/cjk-20k/train --heldout data/cjk-20k/heldout \
         --pairs data/cjk-20k/pairs.h5 --out runs/scale --max-cells 2      # a bounded chunk; run again later
-    .venv/bin/python launch/studies/scale_study.py ... --dry-run                  # the cells, in order, and commands
-    .venv/bin/python launch/studies/scale_study.py ... --report-only              # rebuild the tables from OUT
+    .venv/bin/python -m scripts.studies.scale_study ... --dry-run                  # the cells, in order, and commands
+    .venv/bin/python -m scripts.studies.scale_study ... --report-only              # rebuild the tables from OUT
 
 Every cell is one `hvd-partialfc simulate --ranks N` run (docs/simulate.md: a real N-rank run's numbers in
 one process) with the same steps, global batch and schedule; only N, the seed, the classifier variant and,

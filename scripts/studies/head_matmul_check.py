@@ -3,10 +3,10 @@
 and ``head.matmul=bf16`` for each seed, each final backbone verified over every pair of a held-out set.
 
     # the demo's run (configs/demo.yaml, 2 ranks; on the GPU day add --set train.device=cuda):
-    .venv/bin/python launch/studies/head_matmul_check.py --shards data/demo-fonts/train \
+    .venv/bin/python -m scripts.studies.head_matmul_check --shards data/demo-fonts/train \
         --heldout data/demo-fonts/heldout --config configs/demo.yaml --np 2 --seeds 0 1 --out runs/matmul
     # the small CPU check (a synthetic feature set, built here):
-    .venv/bin/python launch/studies/head_matmul_check.py --synthetic --steps 300 --seeds 0 1 2 3 --out runs/matmul-cpu
+    .venv/bin/python -m scripts.studies.head_matmul_check --synthetic --steps 300 --seeds 0 1 2 3 --out runs/matmul-cpu
 
 Every run goes through ``hvd-partialfc simulate --ranks NP`` (one process). On CPU, bf16 products are the
 bf16-rounded operands multiplied in float32 (classifier/margins.py): the same rounding as the GPU's bf16

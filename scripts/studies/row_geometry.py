@@ -6,7 +6,7 @@ Used by the scale study (docs/accuracy.md, "At 64-256 ranks") to see what sample
 rank does to its slices' centres: a row is pushed away from other classes only when it is scored, and at
 r = 0.1 of 97 rows a row is a scored negative in about 5 of 97 steps, by the rank's 4 samples.
 
-    python launch/studies/row_geometry.py runs/scale/local-n256-seed1 runs/scale/local_sampled-n256-seed1 \
+    python -m scripts.studies.row_geometry runs/scale/local-n256-seed1 runs/scale/local_sampled-n256-seed1 \
         --json runs/row_geometry.json
 
 Per run (its latest checkpoint, or a checkpoint folder): the rows' mean norm; within a slice, the mean

@@ -1,4 +1,4 @@
-"""Issue 50's table from the speed stage's results (launch/gpu_speed_check.py writes speed.json; the prepare
+"""Issue 50's table from the speed stage's results (scripts/gpu/gpu_speed_check.py writes speed.json; the prepare
 stage writes gpu_decode.json beside it). ``table(result, out)`` returns the markdown; a figure whose cell did
 not run says so, with the cell's reason."""
 from __future__ import annotations
@@ -94,7 +94,8 @@ REASONS = {0: ("compare-r50-125k", "switches"), 1: ("compare-r100-125k",), 2: ("
 
 def table(result: Dict[str, Any], out: str) -> str:
     f = figures(result, out)
-    lines = [f"Measured {result['date']} on {result['device']} (torch {result['torch']}); launch/gpu_speed_check.py",
+    lines = [f"Measured {result['date']} on {result['device']} (torch {result['torch']}); "
+             "scripts/gpu/gpu_speed_check.py",
              "", "| figure | before | goal | measured |", "|---|---|---|---|"]
     for i, (name, before, goal) in enumerate(GOALS):
         why = "; ".join(w for w in (_why(result, n) for n in REASONS[i]) if w)

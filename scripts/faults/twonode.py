@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Two or more "nodes" on one machine, each with its own network stack, for multi-node tests of torchrun,
-horovodrun and mpirun jobs (tests/test_twonode.py) and the chaos run (launch/chaos.py).
+horovodrun and mpirun jobs (tests/test_twonode.py) and the chaos run (scripts/faults/chaos.py).
 
     with TwoNodes(suffix="-t1") as nodes:                # namespaces hpfc-n1-t1, hpfc-n2-t1, switch hpfc-sw-t1
         p = nodes.popen(2, nodes.torchrun_argv(2, ["job.py"], port=29500), env=nodes.launch_env(2))
@@ -8,9 +8,9 @@ horovodrun and mpirun jobs (tests/test_twonode.py) and the chaos run (launch/cha
     with Nodes(3, suffix="-t2") as nodes:                # node1 .. node3; cut(node=3) partitions node 3
         ...
 
-    python launch/twonode.py [--suffix=S] [--nodes N] up   # set up, for poking by hand
-    python launch/twonode.py [--suffix=S] exec N -- CMD    # run CMD in node N of a set up by `up`
-    python launch/twonode.py [--suffix=S] down             # tear it down
+    python -m scripts.faults.twonode [--suffix=S] [--nodes N] up   # set up, for poking by hand (repository root)
+    python -m scripts.faults.twonode [--suffix=S] exec N -- CMD    # run CMD in node N of a set up by `up`
+    python -m scripts.faults.twonode [--suffix=S] down             # tear it down
 
 Choices, and why:
 
@@ -28,10 +28,10 @@ Choices, and why:
   6 ms per start idle, 28 ms loaded). ``ip netns exec`` bind-mounts /etc/netns/NS/hosts over /etc/hosts, which maps
   node1/node2 to their addresses: Open MPI and horovodrun recognise the local node by name/address, and
   torchrun's workers resolve the names.
-* Launch agent (launch/netns_rsh): one script for mpirun's ``plm_rsh_agent`` and, as ``ssh`` (a wrapper in
-  the state dir put first on PATH), for horovodrun. It finds a host's namespace in HPFC_NETNS_HOSTS
-  (``ALIAS=NS:HOSTNAME`` entries), set in launch_env() and baked into the wrapper; it keeps the caller's
-  environment (see the script).
+* Launch agent (scripts/faults/netns_rsh, beside this file): one script for mpirun's ``plm_rsh_agent`` and,
+  as ``ssh`` (a wrapper in the state dir put first on PATH), for horovodrun. It finds a host's namespace in
+  HPFC_NETNS_HOSTS (``ALIAS=NS:HOSTNAME`` entries), set in launch_env() and baked into the wrapper; it keeps
+  the caller's environment (see the script).
 * cut(node=N) sets node N's end of its link down (and the switch's with both=True): a partition with no
   RST/FIN, like a pulled cable: connected peers block in recv until their own timeouts (a gloo allreduce
   loop stalls and nothing exits within 10 s). kill_node() SIGKILLs every process in a namespace (``ip netns
@@ -220,13 +220,13 @@ class Nodes:
 
     @property
     def hosts_map(self) -> str:
-        """HPFC_NETNS_HOSTS for launch/netns_rsh: name and address of each node -> NAMESPACE:HOSTNAME."""
+        """HPFC_NETNS_HOSTS for scripts/faults/netns_rsh: name and address of each node -> NAMESPACE:HOSTNAME."""
         return " ".join(f"{alias}={self.ns(n)}:{self.hostname(n)}"
                         for n in self.node_ids for alias in (self.hostname(n), self.addr(n)))
 
     @property
     def bin_dir(self) -> str:
-        """Folder holding the ``ssh`` wrapper (launch/netns_rsh with the host map baked in)."""
+        """Folder holding the ``ssh`` wrapper (scripts/faults/netns_rsh with the host map baked in)."""
         assert self.state_dir, "not set up"
         return os.path.join(self.state_dir, "bin")
 
