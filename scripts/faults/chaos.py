@@ -396,6 +396,17 @@ def final_checks(run: Run, codes: Dict[int, int], argv: List[str], work: str) ->
     return checks
 
 
+def without_machine_paths(text: str, work: str) -> str:
+    """The report as it may be committed (docs/results/): the work folder, the environment and the repository named
+    by what they are (WORK, VENV, .), not by where they lay on this machine (the logs' tails hold tracebacks)."""
+    places = [(os.path.realpath(work), "WORK"), (work, "WORK")]
+    if not os.path.realpath(sys.prefix).startswith(os.path.realpath(ROOT) + os.sep):
+        places.append((sys.prefix, "VENV"))
+    for path, name in places + [(os.path.realpath(ROOT), "."), (ROOT, ".")]:
+        text = text.replace(path, name)
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -436,7 +447,7 @@ def main(argv=None) -> int:
         reports.append(report)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(reports, f, indent=1, default=str)
+            f.write(without_machine_paths(json.dumps(reports, indent=1, default=str), work))
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["passed"] for r in reports) else 1
