@@ -323,13 +323,25 @@ def test_ranks_resolving_different_checkpoints_stop(np2):
 def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, launcher, sig=signal.SIGTERM):
     """A stop signal to ONE rank of a real launch (horovodrun, torchrun): every rank agrees, checkpoints and
     exits 75; time-based checkpoints appear meanwhile (each written once); the stop's checkpoint resumes (here
-    under ``simulate --ranks 2``: the checkpoint's files, not the engine, are what is under test there)."""
+    under ``simulate --ranks 2``: the checkpoint's files, not the engine, are what is under test there).
+
+    horovodrun runs under launch/horovod_restarts.py, as a scheduler's job runs it: the wrapper exits 75 too,
+    after one attempt, for the scheduler to requeue (before: horovodrun exited 1 and the wrapper restarted the
+    job, "attempt 0 exited 1; restarting from the last checkpoint"). This was test_elastic.py's
+    test_horovod_wrapper_exits_75_when_preempted, a launch of its own (8 s) of the same signal to one rank."""
     run = tmp_path / "run"
     sets = ["checkpoint.every_minutes=0.01", "checkpoint.keep=1000"]
-    cmd = launch_cmd(launcher, 2) + ["-m", "hvd_partialfc.cli", "train", "--shards", shards2,
-                                     "--out", str(run), "--steps", "100000"] + sum((["--set", s] for s in sets + BASE), [])
+    train = ["-m", "hvd_partialfc.cli", "train", "--shards", shards2, "--out", str(run),
+             "--steps", "100000"] + sum((["--set", s] for s in sets + BASE), [])
+    if launcher == "gloo":      # the wrapper's horovodrun: the script itself, with Gloo
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--np", "2",
+               "--horovodrun", os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--horovodrun-args=--gloo",
+               "--", sys.executable] + train
+    else:
+        cmd = launch_cmd(launcher, 2) + train
     rank_var = "RANK" if launcher == "torchrun" else "HOROVOD_RANK"
-    proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         deadline = time.time() + 90
         while len(steps_in(run)) < 2:  # time-based checkpoints (every 0.6 s) appear without checkpoint.every
@@ -339,15 +351,21 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, lau
                  if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get(rank_var) == "1"]
         assert len(ranks) == 1
         ranks[0].send_signal(sig)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)     # the launcher and its ranks (the wrapper's horovodrun too)
+            proc.communicate()
     assert f"[rank 1] stopped by {sig.name}" in out and "[rank 0] stopped by a stop signal on another rank" in out
     assert "exit 75" in out
+    if launcher == "gloo":      # the wrapper: 75 after one attempt
+        assert proc.returncode == 75, out[-3000:]
+        assert "attempt 1" not in out and "preempted: every rank checkpointed" in out, out[-3000:]
     last = latest(run)
     meta = json.load(open(run / "checkpoints" / last / "meta.json"))
     assert 0 < meta["step"] < 100000 and meta["identical"]
+    # the stop's own checkpoint, at or after the last step logged
+    assert meta["step"] >= max(r["step"] for r in read_json_lines(run / "metrics.jsonl") if "step" in r)
     written = [int(s[5:]) for s in steps_in(run)]
     assert len(written) >= 3     # time-based (every 0.6 s), then the stop's
     assert all(b - a > 1 for a, b in zip(written[:-2], written[1:-1]))   # a due checkpoint is written once

@@ -7,14 +7,14 @@ since the last checkpoint, with no command by hand.
   crashed peer; the partition case, a cut link between network stacks, is tests/test_twonode.py): the
   survivor re-forms the group alone, resumes re-sharded from the 2-rank checkpoint, and finishes;
 * Horovod: launch/horovod_restarts.py restarts horovodrun on the hosts its discovery script still lists
-  (2 ranks, then 1), from the last checkpoint, re-sharded.
+  (2 ranks, then 1), from the last checkpoint, re-sharded (a preempted job under it exits 75, for the
+  scheduler to requeue: tests/test_checkpoints.py::test_signal_to_one_rank_checkpoints_every_rank[gloo]).
 Each prints its recovery time (the kill to the first step logged after the resume) and the steps lost.
 """
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -191,56 +191,10 @@ def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path)
     assert meta["step"] == 10 + 2 * 20 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]   # by samples
 
 
-def _wrapper(shards, run, steps, sets=()):
-    return [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--np", "2",
-            "--horovodrun", os.path.join(BIN, "horovodrun"), "--horovodrun-args=--gloo", "--",
-            sys.executable] + train_cmd(shards, run, steps, list(sets))
-
-
-def _trainers(pid):
-    """The training processes under ``pid`` (not horovodrun, not the wrapper)."""
-    out = []
-    for c in psutil.Process(pid).children(recursive=True):
-        try:
-            cmd = c.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        launcher = any(w.endswith(("horovodrun", "horovod_restarts.py")) for w in cmd)
-        if "hvd_partialfc.cli" in cmd and not launcher and "python" in os.path.basename(cmd[0]):
-            out.append(c)
-    return out
-
-
-def test_horovod_wrapper_exits_75_when_preempted(small_run_shards, tmp_path):
-    """SIGTERM to one rank of a running 2-rank job under launch/horovod_restarts.py: every rank checkpoints and
-    exits 75, and so does the wrapper, after one attempt, for the scheduler to requeue. Before: horovodrun
-    exited 1 and the wrapper restarted the job ("attempt 0 exited 1; restarting from the last checkpoint")."""
-    require_horovod()
-    run = tmp_path / "run"
-    p = subprocess.Popen(_wrapper(small_run_shards, run, 100000, ["checkpoint.every=50"]), env=env(), cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while not (os.path.exists(run / "metrics.jsonl") and len(metrics(run)) >= 2):
-            assert time.time() < deadline and p.poll() is None, "no training under the wrapper"
-            time.sleep(0.2)
-        trainers = _trainers(p.pid)
-        assert len(trainers) == 2
-        trainers[1].send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-    assert p.returncode == 75, err[-3000:]
-    assert "attempt 1" not in err and "preempted: every rank checkpointed" in err
-    ckpt, meta = meta_of(run)
-    # the stop's own checkpoint (not one of every 50 steps), at or after the last step logged
-    assert meta["step"] % 50 and meta["step"] >= max(r["step"] for r in metrics(run)) and meta["identical"]
-
-
 def test_the_wrappers_decision(tmp_path):
     """How an attempt ended, from horovodrun's exit and the ranks' files (written by the exit path every rank
-    takes, ``cli_support.record_exit``; the preemption test above runs it under horovodrun): a user's error
+    takes, ``cli_support.record_exit``; the preemption under the wrapper runs it under horovodrun:
+    test_checkpoints.py::test_signal_to_one_rank_checkpoints_every_rank[gloo]): a user's error
     (2) is not restarted (before: ``--max-restarts`` + 1 runs of a config every rank refuses)."""
     import importlib.util
     from hvd_partialfc.cli_support import EXIT_DIR_ENV, record_exit

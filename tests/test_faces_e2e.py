@@ -1,12 +1,16 @@
 """The face workload end to end (issue 13's "done when"): a face recipe with iresnet18 on 3 x 112 x 112 RGB
 shards under ``horovodrun -np 2``, in the recipe's ``head.mode: local`` with cross-shard negatives: it trains
-with flip augmentation, verifies on an LFW-style ``.bin`` during training, checkpoints, is killed, resumes
-bitwise, and exports to ONNX (the CLI's check, the dynamic batch and the embeddings against PyTorch).
+with flip augmentation, verifies on an LFW-style ``.bin`` during training, checkpoints, resumes bitwise from a
+mid-run checkpoint, and exports to ONNX (the CLI's check, the dynamic batch and the embeddings against PyTorch).
 
 The one test that trains an iresnet under real Horovod (its frozen ``features.weight``, PReLU and BatchNorm
 buffers through the averaging optimizer, the broadcast and the buffer averaging before evaluation), so it
 keeps two ranks; everything else is at the smallest size that still runs each part once: embedding 64
-(iresnet18's 112 x 112 trunk unchanged), 2 images per rank per step, 2 steps, one kill and one resume."""
+(iresnet18's 112 x 112 trunk unchanged), 2 images per rank per step, 2 steps, one resume. The kill itself
+(a rank SIGKILLed right after a checkpoint: the job ends, nothing later is written, ``checkpoint.resume=auto``
+goes on in the same folder, its metrics continuing) is tests/test_reliability.py's (a resnet with every random
+stream, bitwise); here the resume starts from the uninterrupted run's own step-1 checkpoint (the same files a
+kill after it leaves: 13 s of a third launch, 2026-12-07)."""
 from __future__ import annotations
 
 import functools
@@ -55,22 +59,21 @@ def _bin(path, templates, pairs=10, seed=1):
     return str(path)
 
 
-def _train(shards, out, sets, fault=None, check=True):
+def _train(shards, out, sets):
     args = ["-m", "hvd_partialfc.cli", "train", "--config", "configs/ms1mv3_r50.yaml", "--shards", shards,
             "--out", out]
     for s in sets:
         args += ["--set", s]
-    env = {"HVD_PARTIALFC_FAULT": fault} if fault else {}
-    return run_hvd(2, args, env=env, check=check, timeout=600)
+    return run_hvd(2, args, timeout=600)
 
 
 def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path, capsys, monkeypatch):
     """Two steps, each checkpointed and verified on the .bin (step 1's mid-run: training goes on after it).
-    The killed run (rank 1 dies right after the step-1 checkpoint) resumed to step 2 must equal the
-    uninterrupted run bitwise (backbone digests, both ranks' classifiers): any iresnet or optimizer state
-    the checkpoint drops, or that the evaluation at step 1 disturbs outside the checkpoint (RNG, train
-    mode, loader position), makes step 2 differ. Then ``export --onnx`` of the resumed run: the CLI's own
-    check (on 4 samples here: 64 of iresnet18 at 112 px cost ~15 s; the default of 64 is checked in
+    A run resumed (in a folder of its own) from the uninterrupted run's step-1 checkpoint and trained to step
+    2 must equal the uninterrupted run bitwise (backbone digests, both ranks' classifiers): any iresnet or
+    optimizer state the checkpoint drops, or that the evaluation at step 1 disturbs outside the checkpoint
+    (RNG, train mode, loader position), makes step 2 differ. Then ``export --onnx`` of the resumed run: the
+    CLI's own check (on 4 samples here: 64 of iresnet18 at 112 px cost ~15 s; the default of 64 is checked in
     tests/test_init_onnx.py::test_cli_export_onnx), a dynamic batch, and embeddings equal to PyTorch's."""
     npz, templates = _faces(tmp_path / "faces.npz")
     shards = build_shards(npz, tmp_path / "shards", 2)
@@ -80,19 +83,18 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
             f"eval.pairs=[{lfw}]", "eval.every=1", "eval.batch_size=10"]
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
     _train(shards, whole, sets)
-    p = _train(shards, resumed, sets, fault="kill@1:1", check=False)      # rank 1 dies before step 2
-    assert p.returncode != 0
-    assert not os.path.isdir(os.path.join(resumed, "checkpoints", "step-00000002"))
-    p = _train(shards, resumed, sets + ["checkpoint.resume=auto"])
-    assert "at step 1 (written by 2 ranks)" in p.stdout + p.stderr      # resumed, not started afresh
+    step1 = os.path.join(whole, "checkpoints", "step-00000001")
+    p = _train(shards, resumed, sets + [f"checkpoint.resume={step1}"])
+    assert f"resumed from {step1} at step 1 (written by 2 ranks)" in p.stdout + p.stderr   # not started afresh
 
     cfg = json.load(open(os.path.join(whole, "checkpoints", "step-00000002", "meta.json")))["config"]
     assert cfg["model"]["name"] == "iresnet18" and cfg["data"]["augment"] == ["flip"] and cfg["eval"]["flip"]
     assert cfg["head"]["mode"] == "local" and cfg["head"]["negatives_every"] > 0   # the recipe runs the method
-    for run in (whole, resumed):
-        evals = [r for r in read_json_lines(os.path.join(run, "metrics.jsonl")) if "eval" in r]
-        assert sorted({r["step"] for r in evals}) == [1, 2]              # verified during training, on the .bin
-        assert all(r["eval"]["pairs"] == 10 for r in evals if r["step"] == 2)
+    evals = [r for r in read_json_lines(os.path.join(whole, "metrics.jsonl")) if "eval" in r]
+    assert sorted({r["step"] for r in evals}) == [1, 2]                  # verified during training, on the .bin
+    assert all(r["eval"]["pairs"] == 10 for r in evals if r["step"] == 2)
+    evals = [r for r in read_json_lines(os.path.join(resumed, "metrics.jsonl")) if "eval" in r]
+    assert [r["step"] for r in evals] == [2] and evals[0]["eval"]["pairs"] == 10     # the resumed part's own
     # the resumed run ends bitwise where the uninterrupted one does (backbone, both classifiers)
     ck = [os.path.join(r, "checkpoints", "step-00000002") for r in (whole, resumed)]
     metas = [json.load(open(os.path.join(c, "meta.json"))) for c in ck]

@@ -45,11 +45,26 @@ def test_a_silent_peer_ends_the_waiting_rank_naming_it():
                 p.communicate()
 
 
-def test_a_busy_rank_is_not_taken_for_a_lost_one():
-    procs = _start("busy", 1.0)
-    outs = [p.communicate(timeout=60)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert all(f"[rank {r}] done" in o and "lost peer" not in o for r, o in enumerate(outs))
+@pytest.fixture(scope="module")
+def busy_then_agreed():
+    """ONE job of two ranks for the two tests below (heartbeat_job.py busy,agreed; timeout 1 s): rank 0's main
+    thread busy for 3 s while rank 1 waits in a collective, then an error every rank agrees on. [(exit status,
+    output)] by rank."""
+    procs = _start("busy,agreed", 1.0)
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.communicate()
+    return [(p.returncode, o) for p, o in zip(procs, outs)]
+
+
+def test_a_busy_rank_is_not_taken_for_a_lost_one(busy_then_agreed):
+    outs = [o for _, o in busy_then_agreed]
+    # both ranks went through the collective after the busy spell (then on to the agreed error, below)
+    assert all(f"[rank {r}] busy: done" in o and "lost peer" not in o for r, o in enumerate(outs)), outs
 
 
 def _ends(mode, timeout, mark):
@@ -84,10 +99,9 @@ def test_a_ranks_own_error_leaves_without_a_goodbye():
     assert took < 3.0, took
 
 
-def test_an_agreed_error_says_goodbye():
-    procs = _start("agreed", 1.0)
-    outs = [p.communicate(timeout=60)[0] for p in procs]
-    assert [p.returncode for p in procs] == [2, 2], outs
+def test_an_agreed_error_says_goodbye(busy_then_agreed):
+    codes, outs = [c for c, _ in busy_then_agreed], [o for _, o in busy_then_agreed]
+    assert codes == [2, 2], outs
     assert all("lost peer" not in o and f"[rank {r}] agreed" in o for r, o in enumerate(outs)), outs
 
 

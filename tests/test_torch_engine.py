@@ -21,8 +21,17 @@ def _torchrun(*args, timeout=120):
                     *map(str, args)], launch_env(), timeout)
 
 
-def test_a_collective_waits_as_long_as_the_timeout_says():
-    p = _torchrun("wait", 2, 0.5, 5)    # 2 s allowed: rank 1 arrives 0.5 s late (fine), then 5 s late (not)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """ONE launch of two ranks for both tests below (torch_engine_job.py branch-then-wait): the engine started
+    with a 2 s collective timeout, the buckets' averages written to OUT, then rank 1 arrives 0.5 s late
+    (fine), then 5 s late (not). (The process, OUT)."""
+    out = tmp_path_factory.mktemp("torch_engine")
+    return _torchrun("branch-then-wait", out, 2, 0.5, 5), out
+
+
+def test_a_collective_waits_as_long_as_the_timeout_says(job):
+    p, _ = job
     lines = [x for x in p.stdout.splitlines() if x.startswith("[rank 0]")]
     assert len(lines) == 2 and lines[0].startswith("[rank 0] ok after"), p.stdout + p.stderr[-2000:]
     assert lines[1].startswith("[rank 0] failed after"), p.stdout + p.stderr[-2000:]
@@ -40,11 +49,11 @@ def test_the_config_key_reaches_the_engine():
         load_config(None, ["train.collective_timeout=0"], {"data": {"shards": "x"}})
 
 
-def test_buckets_pair_alike_when_one_rank_skips_a_branch(tmp_path):
-    p = _torchrun("branch", tmp_path)
+def test_buckets_pair_alike_when_one_rank_skips_a_branch(job):
+    p, out = job
     assert p.returncode == 0, p.stderr[-3000:]
     for r in (0, 1):
-        got = torch.load(tmp_path / f"rank-{r}.pt", weights_only=True)
+        got = torch.load(out / f"rank-{r}.pt", weights_only=True)
         assert got["buckets"] == 3
         for name, want in got["offline"].items():
             assert torch.equal(got["averaged"][name], want), (r, name, (got["averaged"][name] - want).abs().max())

@@ -1,7 +1,8 @@
 """The method's claims under real horovodrun (Gloo, and MPI): no mocked Horovod.
 
 Each launch has a timeout, so a hang shows as a failure, not a stuck CI. The ``hvd-partialfc train`` runs
-that tests only inspect afterwards share one launch (the ``runs`` fixture: one Horovod start-up for all).
+that tests only inspect afterwards share one launch with the core scenario (the ``runs`` fixture: one Horovod
+start-up for all; under MPI the ``runs_mpi`` fixture).
 """
 import json
 import os
@@ -25,9 +26,10 @@ def _ranks(out, n):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_np2_identity_averaged_update_no_leakage(image_shards, tmp_path, backend):
-    out = tmp_path / "core"
-    run_hvd(2, [os.path.join(MR, "scenarios.py"), "core", image_shards, out, 4], backend=backend)
+def test_np2_identity_averaged_update_no_leakage(request, backend):
+    """scenarios.py's core scenario (4 steps, image shards) under horovodrun with Gloo and with MPI: in the
+    ``runs`` launch and in the ``runs_mpi`` one, before their ``hvd-partialfc train`` runs."""
+    out = (request.getfixturevalue("runs") if backend == "gloo" else request.getfixturevalue("runs_mpi")).core()
     r0, r1 = _ranks(out, 2)
     # each rank's classifier is exactly as wide as its slice, and starts from its own rows of the global init
     assert r0["slice"] == [0, 6] and r1["slice"] == [6, 12]
@@ -138,6 +140,16 @@ class Runs:
             raise AssertionError(f"run {name!r} left no result: the launch {why}")
         return [dict(json.load(open(f"{p}.json")), log=open(f"{p}.log").read()) for p in paths]
 
+    def core(self):
+        """The folder of the core scenario that ran first in this launch (both ranks' rank-<r>.json)."""
+        out = self.base / "core"
+        if not all((out / f"rank-{r}.json").exists() for r in range(2)):
+            why = "timed out" if self.proc is None else (
+                f"exited {self.proc.returncode}\n--- stdout\n{self.proc.stdout[-3000:]}\n--- stderr\n"
+                f"{self.proc.stderr[-5000:]}")
+            raise AssertionError(f"the core scenario left no result: the launch {why}")
+        return out
+
     def finished(self, name):
         """The folder of run ``name``, which exited 0 on both ranks."""
         for r in self.results(name):
@@ -145,12 +157,34 @@ class Runs:
         return self.folder(name)
 
 
+def _mislabelled(base):
+    """2 shards of 8 classes, a label of rank 0's slice in rank 1's shard."""
+    import h5py
+    shards = build_shards(make_feature_npz(base / "b.npz", [12] * 8), base / "mislabelled-shards", 2)
+    with h5py.File(os.path.join(shards, "shard-00001-of-00002.h5"), "r+") as f:
+        y = f["labels"][:]
+        y[5] = 1  # a class of rank 0 in rank 1's shard
+        f["labels"][:] = y
+    return shards
+
+
+def _launch_runs(base, spec, backend="gloo"):
+    """``horovodrun -np 2 scenarios.py runs SPEC`` (``backend``: gloo or mpi): the Runs of it."""
+    with open(base / "spec.json", "w") as f:
+        json.dump(spec, f)
+    try:
+        proc = run_hvd(2, [os.path.join(MR, "scenarios.py"), "runs", base / "spec.json"], backend=backend,
+                       check=False, timeout=400)
+    except subprocess.TimeoutExpired:
+        proc = None   # the runs that ended before still have their results
+    return Runs(base, proc)
+
+
 @pytest.fixture(scope="module")
 def runs(feature_shards, image_shards, tmp_path_factory):
-    """ONE ``horovodrun -np 2`` launch (gloo) running ``hvd-partialfc train`` for every test below, one run
-    after another (scenarios.py runs: the console script's code, one Horovod start-up). The runs that must
-    fail come last. What each run shows: its test."""
-    import h5py
+    """ONE ``horovodrun -np 2`` launch (gloo) for the core scenario (4 steps: test_np2_identity...[gloo]) and
+    then ``hvd-partialfc train`` for every test below, one run after another (scenarios.py runs: the console
+    script's code, one Horovod start-up). The runs that must fail come last. What each run shows: its test."""
     base = tmp_path_factory.mktemp("runs")
     uneven = build_shards(make_feature_npz(base / "u.npz", [10] * 10 + [30] * 10), base / "uneven-shards", 2)
     rng = np.random.default_rng(0)
@@ -158,11 +192,7 @@ def runs(feature_shards, image_shards, tmp_path_factory):
     pairs = rng.integers(0, 40, size=(60, 2))
     from data_tools.pair_sets import write_pairs_h5
     write_pairs_h5(str(base / "held.h5"), images, pairs, np.arange(60) % 2 == 0)
-    mislabelled = build_shards(make_feature_npz(base / "b.npz", [12] * 8), base / "mislabelled-shards", 2)
-    with h5py.File(os.path.join(mislabelled, "shard-00001-of-00002.h5"), "r+") as f:
-        y = f["labels"][:]
-        y[5] = 1  # a class of rank 0 in rank 1's shard
-        f["labels"][:] = y
+    mislabelled = _mislabelled(base)
     truncated = build_shards(make_feature_npz(base / "t.npz", [12] * 8), base / "truncated-shards", 2)
     path = os.path.join(truncated, "shard-00001-of-00002.h5")
     data = open(path, "rb").read()
@@ -170,7 +200,8 @@ def runs(feature_shards, image_shards, tmp_path_factory):
 
     def run(name, shards, *sets, steps=None, expect_error=False):
         return dict(name=name, args=_train_args(shards, base / name, *sets, steps=steps), expect_error=expect_error)
-    spec = {"results": str(base / "results"), "runs": [
+    return _launch_runs(base, {"results": str(base / "results"),
+                               "core": {"shards": image_shards, "out": str(base / "core"), "steps": 4}, "runs": [
         run("cli", feature_shards, "model.name=mlp", "data.batch_size=16", "train.log_every=5", "head.loss=cosface",
             "head.scale=16", "head.margin=0.2", "train.epochs=3"),
         run("uneven", uneven, "model.name=mlp", "data.batch_size=10", "train.epochs=2.5"),
@@ -180,14 +211,17 @@ def runs(feature_shards, image_shards, tmp_path_factory):
         run("eval-missing", image_shards, *IMAGE, f"eval.pairs=[{base / 'missing.h5'}]", steps=3, expect_error=True),
         run("mislabelled", mislabelled, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
         run("truncated", truncated, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
-    ]}
-    with open(base / "spec.json", "w") as f:
-        json.dump(spec, f)
-    try:
-        proc = run_hvd(2, [os.path.join(MR, "scenarios.py"), "runs", base / "spec.json"], check=False, timeout=400)
-    except subprocess.TimeoutExpired:
-        proc = None   # the runs that ended before still have their results
-    return Runs(base, proc)
+    ]})
+
+
+@pytest.fixture(scope="module")
+def runs_mpi(image_shards, tmp_path_factory):
+    """The same under MPI (``horovodrun --mpi``), ONE launch: the core scenario, then the mislabelled run."""
+    base = tmp_path_factory.mktemp("runs_mpi")
+    args = _train_args(_mislabelled(base), base / "mislabelled", "model.name=mlp", "data.batch_size=8", steps=5)
+    return _launch_runs(base, {"results": str(base / "results"),
+                               "core": {"shards": image_shards, "out": str(base / "core"), "steps": 4},
+                               "runs": [dict(name="mislabelled", args=args, expect_error=True)]}, backend="mpi")
 
 
 def test_cli_train_loss_falls_then_info_and_export(runs, tmp_path, capsys):
@@ -250,17 +284,10 @@ def test_label_outside_slice_fails_on_every_rank(runs):
     _label_outside_slice_reported([r0["code"], r1["code"]], r0["log"] + r1["log"])
 
 
-def test_label_outside_slice_fails_on_every_rank_mpi(tmp_path):
-    """The same under MPI, as a launch of its own (``horovodrun --mpi``)."""
-    import h5py
-    shards = build_shards(make_feature_npz(tmp_path / "b.npz", [12] * 8), tmp_path / "s", 2)
-    with h5py.File(os.path.join(shards, "shard-00001-of-00002.h5"), "r+") as f:
-        y = f["labels"][:]
-        y[5] = 1  # a class of rank 0 in rank 1's shard
-        f["labels"][:] = y
-    args = _train_args(shards, tmp_path / "run", "model.name=mlp", "data.batch_size=8", steps=5)
-    proc = run_hvd(2, ["-m", "hvd_partialfc.cli", "train", *args], backend="mpi", check=False, timeout=90)
-    _label_outside_slice_reported([proc.returncode], proc.stdout + proc.stderr)
+def test_label_outside_slice_fails_on_every_rank_mpi(runs_mpi):
+    """The same under MPI (``horovodrun --mpi``: the runs_mpi launch)."""
+    r0, r1 = runs_mpi.results("mislabelled")
+    _label_outside_slice_reported([r0["code"], r1["code"]], r0["log"] + r1["log"])
 
 
 def test_truncated_shard_on_one_rank_fails_on_every_rank(runs):

@@ -12,6 +12,9 @@ torchrun's variables, so that the test, not a launcher, sees each rank end).
     python heartbeat_job.py agreed TIMEOUT   # an error every rank raises (an agreement): goodbyes, no alarm
     python heartbeat_job.py stray TIMEOUT    # a stray connection and a flood of 200 reach rank 0 before rank 1
                                              # does: they are refused, and the ring forms with rank 1
+    python heartbeat_job.py busy,agreed TIMEOUT   # modes one after the other in one job (one start-up of two
+                                             # ranks); a mode that does not end the job ends in an all-reduce,
+                                             # after which each rank prints "[rank R] MODE: done"
 """
 import os
 import signal
@@ -26,9 +29,9 @@ from hvd_partialfc.engine.base import RankFailure  # noqa: E402
 from hvd_partialfc.engine.heartbeat import Heartbeat  # noqa: E402
 from hvd_partialfc.engine.select import start_engine  # noqa: E402
 
-mode, timeout = sys.argv[1], float(sys.argv[2])
+modes, timeout = sys.argv[1].split(","), float(sys.argv[2])
 comm = start_engine("torch", os.environ)
-if mode == "stray" and comm.rank == 1:
+if "stray" in modes and comm.rank == 1:
     connect = Heartbeat._connect
 
     def stray_first(self, peer):
@@ -49,37 +52,39 @@ if mode == "stray" and comm.rank == 1:
     Heartbeat._connect = stray_first
 hb = Heartbeat.start(comm, timeout)
 print(f"[rank {comm.rank}] ring up at {time.time():.3f}", flush=True)
-if mode == "freeze" and comm.rank == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)
-if mode == "busy" and comm.rank == 0:
-    t0, n = time.time(), 0
-    while time.time() - t0 < 3 * timeout:       # pure Python: holds the GIL but for the switch interval
-        n += sum(range(1000))
-if mode == "forked" and comm.rank == 1:
-    if os.fork() == 0:                          # the child holds whatever the fork left it, for 20 s
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1), os.dup2(devnull, 2)  # but not the test's pipes
-        time.sleep(20)
-        os._exit(0)
-    time.sleep(0.5)
-    print(f"[rank 1] killed at {time.time():.3f}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
-if mode == "crash" and comm.rank == 1:
-    print(f"[rank 1] failed at {time.time():.3f}", flush=True)
-    hb.end(RuntimeError("this rank's own error"))
-    time.sleep(30)
-    sys.exit(1)
-if mode == "agreed":
-    try:
-        comm.agree("a bad shard on rank 1" if comm.rank == 1 else None, name="agreed")
-    except RankFailure as e:
-        hb.end(e)
-        time.sleep(2 * timeout)                 # no alarm while both linger
-        print(f"[rank {comm.rank}] agreed: {e}", flush=True)
-        sys.exit(2)
-if mode == "stray":
-    time.sleep(1.5)                             # past the stranger's leaving
-comm.allreduce_scalar(1.0, "sum", name="after")
+for mode in modes:
+    if mode == "freeze" and comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if mode == "busy" and comm.rank == 0:
+        t0, n = time.time(), 0
+        while time.time() - t0 < 3 * timeout:       # pure Python: holds the GIL but for the switch interval
+            n += sum(range(1000))
+    if mode == "forked" and comm.rank == 1:
+        if os.fork() == 0:                          # the child holds whatever the fork left it, for 20 s
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1), os.dup2(devnull, 2)  # but not the test's pipes
+            time.sleep(20)
+            os._exit(0)
+        time.sleep(0.5)
+        print(f"[rank 1] killed at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "crash" and comm.rank == 1:
+        print(f"[rank 1] failed at {time.time():.3f}", flush=True)
+        hb.end(RuntimeError("this rank's own error"))
+        time.sleep(30)
+        sys.exit(1)
+    if mode == "agreed":
+        try:
+            comm.agree("a bad shard on rank 1" if comm.rank == 1 else None, name="agreed")
+        except RankFailure as e:
+            hb.end(e)
+            time.sleep(2 * timeout)                 # no alarm while both linger
+            print(f"[rank {comm.rank}] agreed: {e}", flush=True)
+            sys.exit(2)
+    if mode == "stray":
+        time.sleep(1.5)                             # past the stranger's leaving
+    comm.allreduce_scalar(1.0, "sum", name=f"after {mode}")
+    print(f"[rank {comm.rank}] {mode}: done", flush=True)
 hb.stop()
 print(f"[rank {comm.rank}] done", flush=True)
 comm.shutdown()

@@ -6,7 +6,8 @@ Each scenario writes ``OUT/rank-<r>.json`` with what it observed; the pytest sid
                                                     # pooled BatchNorm statistics
     python scenarios.py np1   SHARDS OUT STEPS K... # trainer == a plain single-process PyTorch loop, for each
                                                     # backward_passes_per_step K (OUT/k<K>/rank-0.json)
-    python scenarios.py runs  SPEC.json             # several trainings in one launch (see scenario_runs)
+    python scenarios.py runs  SPEC.json             # several trainings in one launch (see scenario_runs), after
+                                                    # the core scenario when SPEC has "core"
 """
 from __future__ import annotations
 
@@ -229,8 +230,9 @@ def scenario_runs(spec_path):
     reports), with one Horovod start-up for them all. The one difference: Horovod is not shut down after a
     run (``Comm.shutdown`` does nothing here), so the next run can use it.
 
-    SPEC.json: ``{"results": DIR, "runs": [{"name": ..., "args": [...], "expect_error": false}, ...]}``.
-    Each run writes ``DIR/<name>-rank-<r>.json`` (``{"code": exit code, "seconds": wall time}``) and
+    SPEC.json: ``{"results": DIR, "runs": [{"name": ..., "args": [...], "expect_error": false}, ...]}``, and
+    optionally ``"core": {"shards": ..., "out": ..., "steps": ...}``: scenario_core first, in the same process
+    (its own trainer, never fit; the runs after it build theirs). Each run writes ``DIR/<name>-rank-<r>.json`` (``{"code": exit code, "seconds": wall time}``) and
     ``DIR/<name>-rank-<r>.log`` (what the run printed on this rank). A run that exits non-zero without
     ``expect_error`` ends the process at once with its code, so the launcher stops the other rank as it stops
     a failed ``train``: nothing waits in a collective."""
@@ -241,6 +243,9 @@ def scenario_runs(spec_path):
         spec = json.load(f)
     comm_lib.Comm.shutdown = lambda self: None
     rank = comm_lib.init().rank
+    if "core" in spec:
+        os.makedirs(spec["core"]["out"], exist_ok=True)
+        scenario_core(spec["core"]["shards"], spec["core"]["out"], int(spec["core"]["steps"]))
     os.makedirs(spec["results"], exist_ok=True)
     for run in spec["runs"]:
         base = os.path.join(spec["results"], f"{run['name']}-rank-{rank}")

@@ -6,6 +6,9 @@
     torchrun --standalone --nproc-per-node 2 torch_engine_job.py branch OUT
         a model with a branch that rank 1 skips, its gradients averaged by the engine's buckets (three, 4 KB
         each); each rank writes the averaged gradients and the ones computed offline to OUT/rank-R.pt
+    torchrun --standalone --nproc-per-node 2 torch_engine_job.py branch-then-wait OUT TIMEOUT SLEEP [SLEEP ...]
+        both in one launch (the test's: one start-up of two ranks): the engine started once with TIMEOUT,
+        ``branch`` first (its collectives meet at once), then ``wait``, which ends the job at its failure
 """
 import os
 import sys
@@ -20,12 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hvd_partialfc.engine import torchdist  # noqa: E402
 from hvd_partialfc.engine.base import backbone_params  # noqa: E402
 
-mode = sys.argv[1]
-if mode == "wait":
-    timeout = float(sys.argv[2])
-    comm = torchdist.init("cpu", timeout_s=timeout)
+
+def wait(comm, sleeps):
     comm.allreduce_scalar(1.0, "sum", name="warm")
-    for sleep in map(float, sys.argv[3:]):
+    for sleep in sleeps:
         if comm.rank == 1:
             time.sleep(sleep)
         t0 = time.time()
@@ -41,11 +42,10 @@ if mode == "wait":
     sys.stdout.flush()
     os._exit(0)
 
-# branch: three layers of 32 x 32 (4 KB each), one bucket each; rank 1 never uses `skipped`
-torch.manual_seed(0)
-
 
 class Net(nn.Module):
+    """Three layers of 32 x 32 (4 KB each), one bucket each; rank 1 never uses ``skipped``."""
+
     def __init__(self):
         super().__init__()
         self.first, self.skipped, self.last = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False), \
@@ -58,23 +58,35 @@ class Net(nn.Module):
         return self.last(h)
 
 
-out = sys.argv[2]
-comm = torchdist.init("cpu")
-net = Net()
-x = torch.randn(4, 32, generator=torch.Generator().manual_seed(comm.rank))
-use = comm.rank == 0
-# offline: this rank's own gradients (a plain backward), every rank's gathered, summed, x 1/N (Horovod's average)
-net(x, use).pow(2).sum().backward()
-mine = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in net.named_parameters()}
-every = [None] * comm.size
-dist.all_gather_object(every, mine)
-offline = {n: sum(e[n] for e in every) * (1.0 / comm.size) for n in mine}
-net.zero_grad(set_to_none=True)
-opt = torch.optim.SGD(net.parameters(), lr=0.1)
-avg = torchdist.BucketAverager(comm, opt, backbone_params(opt, net), False, 1, bucket_mb=4096 / 2 ** 20)
-assert len(avg.buckets) == 3, [len(b) for b in avg.buckets]
-net(x, use).pow(2).sum().backward()
-avg.synchronize()
-torch.save({"averaged": {n: p.grad.clone() for n, p in net.named_parameters()}, "offline": offline,
-            "buckets": len(avg.buckets)}, os.path.join(out, f"rank-{comm.rank}.pt"))
-comm.shutdown()
+def branch(comm, out):
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(comm.rank))
+    use = comm.rank == 0
+    # offline: this rank's own gradients (a plain backward), every rank's gathered, summed, x 1/N (Horovod's average)
+    net(x, use).pow(2).sum().backward()
+    mine = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in net.named_parameters()}
+    every = [None] * comm.size
+    dist.all_gather_object(every, mine)
+    offline = {n: sum(e[n] for e in every) * (1.0 / comm.size) for n in mine}
+    net.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    avg = torchdist.BucketAverager(comm, opt, backbone_params(opt, net), False, 1, bucket_mb=4096 / 2 ** 20)
+    assert len(avg.buckets) == 3, [len(b) for b in avg.buckets]
+    net(x, use).pow(2).sum().backward()
+    avg.synchronize()
+    torch.save({"averaged": {n: p.grad.clone() for n, p in net.named_parameters()}, "offline": offline,
+                "buckets": len(avg.buckets)}, os.path.join(out, f"rank-{comm.rank}.pt"))
+
+
+mode = sys.argv[1]
+if mode == "wait":
+    wait(torchdist.init("cpu", timeout_s=float(sys.argv[2])), map(float, sys.argv[3:]))
+elif mode == "branch":
+    comm = torchdist.init("cpu")
+    branch(comm, sys.argv[2])
+    comm.shutdown()
+else:   # branch-then-wait
+    comm = torchdist.init("cpu", timeout_s=float(sys.argv[3]))
+    branch(comm, sys.argv[2])
+    wait(comm, map(float, sys.argv[4:]))
