@@ -238,6 +238,9 @@ class CheckpointConfig:
                             see="docs/reliability.md#memory-snapshots")
     memory_dir: str = opt("", "each node's folder for memory snapshots, a tmpfs (\"\": /dev/shm; "
                           "$HVD_PARTIALFC_MEMORY_DIR overrides it)", see="docs/reliability.md#memory-snapshots")
+    on_write_error: str = opt("go_on", "a checkpoint no rank could write (a full disk), not the last step's nor a "
+                                       "stop's: say it and train on, trying the next one on schedule, or stop",
+                              choices=("go_on", "stop"), see="docs/reliability.md#a-full-disk")
     lock_wait: float = opt(120.0, "seconds a start waits for the run folder's lock while another job holds it, "
                                   "before it refuses (longer than an NFS lease: a lost node's lock expires)",
                            see="docs/reliability.md#one-job-a-run-folder")

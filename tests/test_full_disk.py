@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import simulate_here
+from conftest import read_json_lines, simulate_here
 
 BASE = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 256}", "data.batch_size=8",
         "train.log_every=50", "data.workers=0", "head.negatives_every=0", "train.threads=1",
@@ -151,18 +151,14 @@ def _state(ckpt):
     return out
 
 
-@pytest.mark.parametrize("when", ["files", "meta"])
-def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_shards, straight, disk,
-                                                                         monkeypatch, when):
-    """``files``: the disk is full before the step's checkpoint (every rank's torch.save fails: RuntimeError);
-    ``meta``: it fills up after the ranks' files were written (rank 0's meta.json fails: OSError, after the
-    first agreement)."""
-    from hvd_partialfc.engine.sim import SimAbort
+def _fill_at_step_4(disk, monkeypatch, when, empty_at=None):
+    """The disk fills up at the checkpoint of step FULL_AT (``when``: ``files``, before it: every rank's
+    torch.save fails, RuntimeError; ``meta``: after the ranks' files were written: rank 0's meta.json fails,
+    OSError, after the first agreement); with ``empty_at``, rank 0 makes room before that step. Returns
+    {rank: the error its fit raised}, filled as the run goes."""
     from hvd_partialfc.run.watch import faults
     from hvd_partialfc.run import simulate as sim_module
-    from hvd_partialfc.run_files import CheckpointError, find_resume, read_meta
-    from hvd_partialfc.run.simulate import SimFailure
-    run, errors, real_start, real_pause = disk.path / "run", {}, sim_module.start_trainer, faults.pause
+    errors, real_start, real_pause = {}, sim_module.start_trainer, faults.pause
 
     def start(cfg, comm):
         trainer = real_start(cfg, comm)
@@ -178,6 +174,8 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
         def train_step(step, batches):
             if when == "files" and comm.rank == 0 and step == FULL_AT - 1:
                 disk.fill(leave=LEAVE)
+            if comm.rank == 0 and step == empty_at:
+                disk.empty()
             return step_fn(step, batches)
         trainer.fit, trainer.train_step = recorded, train_step
         return trainer
@@ -188,8 +186,48 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
         return real_pause(kind, step, rank)
     monkeypatch.setattr(sim_module, "start_trainer", start)
     monkeypatch.setattr(faults, "pause", pause)
+    return errors
+
+
+@pytest.mark.parametrize("when", ["files", "meta"])
+def test_full_disk_at_a_checkpoint_training_goes_on_bitwise(feature_shards, straight, disk, monkeypatch, capsys,
+                                                            when):
+    """The default (``checkpoint.on_write_error=go_on``): the checkpoint of step 4 fails on every rank, the run
+    says so (rank 0's line, a metrics.jsonl record with the folder's free space) and trains on in the same
+    processes; room is made before step 6, whose checkpoint is written, and the run ends bitwise where the
+    uninterrupted run does (the failed write changed no state: the buffers, the RNG streams, the optimizers).
+    Before: every rank stopped, and the job was started again from step 2's checkpoint."""
+    run = disk.path / "run"
+    errors = _fill_at_step_4(disk, monkeypatch, when, empty_at=FULL_AT + 1)
+    done = _sim(2, feature_shards, run)
+    assert errors == {}
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "checkpoint not written" in ln]
+    assert len(said) == 1 and said[0].startswith(f"step {FULL_AT}: checkpoint not written, training goes on"), said
+    assert "step-00000002" in said[0]        # the last one written, named
+    failed = [r for r in read_json_lines(run / "metrics.jsonl") if "checkpoint_failed" in r]
+    assert [r["step"] for r in failed] == [FULL_AT] and " free; " in failed[0]["checkpoint_failed"]
+    assert ("RuntimeError: [enforce fail" if when == "files" else "OSError: [Errno 28]") in failed[0]["checkpoint_failed"]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step-00000006"]
+    want, got = _state(straight), _state(done.checkpoint)
+    assert sorted(want) == sorted(got) and want["digests"] == got["digests"]
+    assert all(torch.equal(want[k], got[k]) for k in want if k != "digests")
+
+
+@pytest.mark.parametrize("when", ["files", "meta"])
+def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_shards, straight, disk,
+                                                                         monkeypatch, when):
+    """``checkpoint.on_write_error=stop`` (the default before): every rank stops with one error, and the job
+    resumes bitwise once there is room. The last step's checkpoint stops the run whatever the key says (no
+    later one would hold the run's end): tests/test_full_disk.py's last test."""
+    from hvd_partialfc.engine.sim import SimAbort
+    from hvd_partialfc.run.watch import faults
+    from hvd_partialfc.run import simulate as sim_module
+    from hvd_partialfc.run_files import CheckpointError, find_resume, read_meta
+    from hvd_partialfc.run.simulate import SimFailure
+    run, real_start, real_pause = disk.path / "run", sim_module.start_trainer, faults.pause
+    errors = _fill_at_step_4(disk, monkeypatch, when)
     with pytest.raises(SimFailure) as failed:
-        _sim(2, feature_shards, run)
+        _sim(2, feature_shards, run, "checkpoint.on_write_error=stop")
     base = str(run / "checkpoints")
     first = failed.value.error
     assert isinstance(first, CheckpointError), f"{type(first).__name__}: {first}"
@@ -215,3 +253,32 @@ def test_full_disk_at_a_checkpoint_stops_every_rank_and_resumes_bitwise(feature_
     want, got = _state(straight), _state(resumed)
     assert sorted(want) == sorted(got) and want["digests"] == got["digests"]
     assert all(torch.equal(want[k], got[k]) for k in want if k != "digests")
+
+
+def test_the_last_steps_checkpoint_on_a_full_disk_stops_the_run(feature_shards, tmp_path, monkeypatch):
+    """With the default ``go_on``, the last step's checkpoint is needed: on a full disk every rank stops with the
+    error and what to do (the run's end is in no file yet; step 4's checkpoint, written, is ``latest``)."""
+    from hvd_partialfc.run.simulate import SimFailure
+    from hvd_partialfc.run_files import CheckpointError, find_resume
+    from hvd_partialfc.run import simulate as sim_module
+    (tmp_path / "disk").mkdir()
+    disk = InjectedDisk(tmp_path / "disk", monkeypatch)
+    real_start = sim_module.start_trainer
+
+    def start(cfg, comm):
+        trainer = real_start(cfg, comm)
+        step_fn = trainer.train_step
+
+        def train_step(step, batches):
+            if comm.rank == 0 and step == STEPS - 1:
+                disk.fill(leave=LEAVE)
+            return step_fn(step, batches)
+        trainer.train_step = train_step
+        return trainer
+    monkeypatch.setattr(sim_module, "start_trainer", start)
+    with pytest.raises(SimFailure) as failed:
+        _sim(2, feature_shards, disk.path / "run")
+    assert isinstance(failed.value.error, CheckpointError)
+    assert f"checkpoint of step {STEPS} not written" in str(failed.value.error)
+    assert "resume with --resume auto" in str(failed.value.error)
+    assert find_resume(str(disk.path / "run")).endswith("step-00000004")

@@ -24,6 +24,7 @@ from ..data.loader import named_stalls
 from ..data.shards import ShardError
 from ..engine.base import gradient_bytes, mark_agreed
 from ..engine.vote import StepVote
+from ..run_files import CheckpointError
 from ..verification.evaluator import EvaluationError
 from .train_log import TrainLog
 from .watch import faults
@@ -147,7 +148,7 @@ class Trainer:
         if save or evaluate:
             self.stragglers.hold(done)
         if save:
-            self.last_checkpoint = self.save_checkpoint(done, averaged=averaged)
+            self._checkpoint(done, averaged, needed=final or stop or too_many)
         if too_many:
             raise mark_agreed(ShardError(f"step {done}: {self.samples.error}; checkpoint {self.last_checkpoint} "
                                          "written"))
@@ -165,6 +166,21 @@ class Trainer:
             self._memory_snapshot(done, averaged)
             self.stragglers.hold(done)
         return False
+
+    def _checkpoint(self, done: int, averaged: bool, needed: bool) -> None:
+        """The checkpoint of step ``done``. One the run can do without (every K steps, the clock's) that no rank
+        could write (a full disk: ``checkpoint.not_written``, agreed) is said, recorded in metrics.jsonl, and the run goes
+        on from its own processes: the next one is tried on schedule, ``latest`` still names the last one
+        written. One it cannot do without (``needed``: the last step's, a stop's, before leaving on bad
+        samples) raises, as does every failure with ``checkpoint.on_write_error=stop`` and diverged backbones."""
+        try:
+            self.last_checkpoint = self.save_checkpoint(done, averaged=averaged)
+        except CheckpointError as e:
+            if needed or self.cfg.checkpoint.on_write_error == "stop" or not hasattr(e, "detail"):
+                raise
+            self.log.record({"step": done, "checkpoint_failed": e.detail})
+            self.log.say(f"step {done}: checkpoint not written, training goes on (checkpoint.on_write_error=go_on; "
+                         f"the next is tried on schedule; the last written: {self.last_checkpoint}): {e.detail}")
 
     def _evaluate_or_stop(self, done: int, saved: bool) -> None:
         """The evaluation of step ``done``; with ``eval.on_error=stop`` a failure ends the run after a checkpoint

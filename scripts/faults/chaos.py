@@ -17,7 +17,7 @@ Two runs, each seeded (fault steps, kinds, nodes, the damaged sample all come fr
     lost node's agent starts again; ``link-cut``: a node's link goes down, the others go on without it,
     the link comes back and the node with it; ``sigterm-requeue``: the scheduler's SIGTERM to every agent,
     then the job started again (``--resume auto``); ``disk-full``: the run folder's tmpfs filled just after
-    a checkpoint, so the next one fails, then emptied; ``bad-sample``: a sample of a shard truncated (found
+    a checkpoint, so the next one fails (training goes on: docs/reliability.md, "A full disk"), then emptied; ``bad-sample``: a sample of a shard truncated (found
     when its rank next opens the shard, skipped and named: ``data.on_bad_sample: skip``); ``slow``: a node's
     ranks made twice as slow by work on their step's path (run/watch/faults.py, through the node's fault file), named
     as a straggler and evicted (run/watch/stragglers.py): the others go on without it; the node, repaired, may join
@@ -62,7 +62,7 @@ TORCH_KINDS = ("kill-rank", "node-lost", "link-cut", "sigterm-requeue", "disk-fu
                "slow")
 HOROVOD_KINDS = ("kill-rank", "link-cut", "sigterm-requeue", "disk-full")
 SHORT_KINDS = ("node-lost", "node-joins", "bad-sample")     # --short: torchrun, 3 faults
-RESTARTING = ("kill-rank", "node-lost", "link-cut", "disk-full", "slow")   # the job restarts from memory or disk
+RESTARTING = ("kill-rank", "node-lost", "link-cut", "slow")   # the job restarts from memory or disk
 DOWN, ALL_UP = {"node-lost": -1, "slow": -1, "node-joins": 1}, ("node-lost", "link-cut", "slow")
 EVERY = 20          # checkpoint.every
 TAIL = 500          # steps after the last fault
@@ -245,13 +245,24 @@ class Run:
         w.wait(lambda: bool(w.said("not written", t0)), 120, "the checkpoint failing on the full disk",
                alive=self.job.alive)
         os.remove(fill)
-        said = re.search(r"checkpoint of step \d+", w.said("not written", t0)[0])
-        row["detail"] = f"the next checkpoint failed ({said.group(0) if said else 'not written'})"
-        if isinstance(self.job, WrapperJob):   # a full disk is not retried (exit 2): room made, the job requeued
-            codes = self.job.wait(90)
-            row["detail"] += f"; the wrapper exited {codes[1]}, requeued"
-            self.job.requeue()
-        self._went_on(row, t0, len(self.up))
+        line = w.said("not written", t0)[0]
+        failed = re.search(r"step (\d+): checkpoint not written", line) or re.search(r"checkpoint of step (\d+)", line)
+        at = int(failed.group(1)) if failed else w.step
+        row["detail"] = f"the checkpoint of step {at} failed"
+        if "training goes on" not in line:     # checkpoint.on_write_error=stop: every rank exits 2, the job requeued
+            if isinstance(self.job, WrapperJob):
+                codes = self.job.wait(90)
+                row["detail"] += f"; the wrapper exited {codes[1]}, requeued"
+                self.job.requeue()
+            self._went_on(row, t0, len(self.up))
+            return
+        # training goes on in the same processes (docs/reliability.md, "A full disk"): the step after the failed
+        # checkpoint, logged after the failure, is where it went on; nothing is done twice
+        w.wait(lambda: w.went_on(at, t0) is not None, 120, f"step {at + 1} after the failed checkpoint",
+               alive=self.job.alive)
+        row.update(resumed=at, world_after=w.world, seconds=round(w.went_on(at, t0)["time"] - t0, 1), lost=0,
+                   source="went on")
+        row["detail"] += ", training went on (no restart)"
 
     def _slow(self, row, t0):
         """A node's ranks made twice as slow from now (its fault file): named, evicted, the job on without it; then

@@ -85,6 +85,18 @@ class TrainingState:
                 "head_state": self.head.extra_state_for_checkpoint()}
 
 
+def not_written(step: int, detail: str) -> CheckpointError:
+    """A checkpoint every rank failed to write (the same error on every rank: ``_agree_written``). ``detail``
+    (an attribute): each failing rank's error, the folder, its free space and the previous checkpoint's size.
+    ``latest`` and the earlier checkpoints are untouched, so a scheduled checkpoint's failure need not end the
+    run: the loop says it and goes on (trainer.py); a checkpoint the run cannot do without (the last step's, a
+    stop's) raises it, with what to do. A CheckpointError (not a subclass): users read that name."""
+    e = CheckpointError(f"checkpoint of step {step} not written: {detail}. The previous checkpoint and {LATEST} "
+                        "are untouched: make room (or move the run folder) and resume with --resume auto")
+    e.detail = detail
+    return e
+
+
 class Checkpointer:
     """Owns when a checkpoint is due (every ``every`` steps, the last step, and every ``every_minutes`` of rank
     0's clock), keep-last-k, the folder's order and the atomic write protocol.
@@ -234,10 +246,9 @@ class Checkpointer:
             if self.comm.is_main:
                 shutil.rmtree(partial, ignore_errors=True)
             self.comm.agree(None, name=f"ckpt.{stage}.{step}.removed")  # every rank measures after that
-            raise mark_agreed(CheckpointError(
-                f"checkpoint of step {step} not written: {failure}\n{room_report(self.base)}. The previous "
-                f"checkpoint and {LATEST} are untouched: make room (or move the run folder) and resume with "
-                "--resume auto")) from None
+            # the clock starts again: a time-based retry waits its interval (not every step on a full disk)
+            self.last_save, self.time_due = time.monotonic(), False
+            raise mark_agreed(not_written(step, f"{failure}\n{room_report(self.base)}")) from None
 
     def meta(self, step: int, state: TrainingState, length, digests: List[str],
              identical: bool) -> Dict[str, Any]:
