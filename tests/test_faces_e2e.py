@@ -10,7 +10,9 @@ keeps two ranks; everything else is at the smallest size that still runs each pa
 (a rank SIGKILLed right after a checkpoint: the job ends, nothing later is written, ``checkpoint.resume=auto``
 goes on in the same folder, its metrics continuing) is tests/test_reliability.py's (a resnet with every random
 stream, bitwise); here the resume starts from the uninterrupted run's own step-1 checkpoint (the same files a
-kill after it leaves: 13 s of a third launch, 2026-12-07)."""
+kill after it leaves: 13 s of a third launch, 2026-12-07). Both runs are ``hvd-partialfc train`` under ONE
+``horovodrun -np 2`` (tests/mr/engines_launch.py: the console script's code, one after the other in one
+process, as test_engines.py's cross-engine resume runs), not a launch each."""
 from __future__ import annotations
 
 import functools
@@ -23,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import build_shards, read_json_lines, run_hvd
+from conftest import MR, build_shards, read_json_lines, run_hvd
 from helpers_face import one_thread  # noqa: F401  (autouse fixture: the in-process export and check)
 
 pytestmark = pytest.mark.multirank
@@ -59,12 +61,21 @@ def _bin(path, templates, pairs=10, seed=1):
     return str(path)
 
 
-def _train(shards, out, sets):
-    args = ["-m", "hvd_partialfc.cli", "train", "--config", "configs/ms1mv3_r50.yaml", "--shards", shards,
-            "--out", out]
+def _train_item(name, shards, out, sets):
+    """``hvd-partialfc train`` of the face recipe as an item of tests/mr/engines_launch.py."""
+    args = ["--config", "configs/ms1mv3_r50.yaml", "--shards", shards, "--out", out]
     for s in sets:
         args += ["--set", s]
-    return run_hvd(2, args, timeout=600)
+    return {"train": name, "args": args}
+
+
+def _launch(base, items):
+    """The items under ONE ``horovodrun -np 2`` (Gloo), one after the other; each item's folder BASE/NAME
+    holds what each rank printed (``rank-<r>.log``)."""
+    base.mkdir()
+    (base / "spec.json").write_text(json.dumps({"out": str(base), "items": items}))
+    p = run_hvd(2, [os.path.join(MR, "engines_launch.py"), base / "spec.json"], timeout=600, check=False)
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
 
 
 def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path, capsys, monkeypatch):
@@ -82,10 +93,11 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
             "train.steps=2", "train.precision=fp32", "train.log_every=1", "checkpoint.every=1",
             f"eval.pairs=[{lfw}]", "eval.every=1", "eval.batch_size=10"]
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
-    _train(shards, whole, sets)
     step1 = os.path.join(whole, "checkpoints", "step-00000001")
-    p = _train(shards, resumed, sets + [f"checkpoint.resume={step1}"])
-    assert f"resumed from {step1} at step 1 (written by 2 ranks)" in p.stdout + p.stderr   # not started afresh
+    _launch(tmp_path / "launch", [_train_item("whole", shards, whole, sets),
+                                  _train_item("resumed", shards, resumed, sets + [f"checkpoint.resume={step1}"])])
+    said = "".join((tmp_path / "launch" / "resumed" / f"rank-{r}.log").read_text() for r in range(2))
+    assert f"resumed from {step1} at step 1 (written by 2 ranks)" in said   # not started afresh
 
     cfg = json.load(open(os.path.join(whole, "checkpoints", "step-00000002", "meta.json")))["config"]
     assert cfg["model"]["name"] == "iresnet18" and cfg["data"]["augment"] == ["flip"] and cfg["eval"]["flip"]
