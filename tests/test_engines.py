@@ -59,10 +59,29 @@ def ckpt(out, name, step=STEPS):
     return out / name / "run" / "checkpoints" / f"step-{step:08d}"
 
 
+def _bad_sha256_args(shards, run):
+    """``train``'s arguments of a run whose rank 1 has bad input (bytes of its shard changed, with
+    ``data.verify_sha256``): a copy of the feature fixture at ``shards``, ``local`` with negatives, 10 steps."""
+    import shutil
+    shutil.copytree(os.path.join(pins.FIXTURES, "data", "features"), shards)
+    with open(sorted(shards.glob("*.h5"))[1], "r+b") as f:
+        f.seek(-64, 2)
+        tail = f.read(64)
+        f.seek(-64, 2)
+        f.write(bytes(255 - b for b in tail))          # every byte differs: the file's sha256 changes
+    case = {"data": "features", "sets": CASES["local_negatives"]["sets"] + ["data.verify_sha256=true"]}
+    args = train_args(case, run, 10)
+    args[1] = str(shards)
+    return args
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     """Both launches of the shared set, then the resumes across engines (Horovod -> torch of the mixed run
-    in the torch launch, torch -> Horovod of ``local`` with negatives in a third, short one)."""
+    in the torch launch, torch -> Horovod of ``local`` with negatives in a third, short one). The torch
+    launch ends with the two refusals at start-up (``engine_mismatch``: train.engine=horovod under torchrun;
+    ``agreed_error``: bad input on rank 1 only), each ``hvd-partialfc train`` (``cli.main``) returning its
+    error on every rank, as a launch of its own would exit with it (one torchrun start-up, not three)."""
     base = tmp_path_factory.mktemp("engines")
     hvd, tor, back = base / "horovod", base / "torch", base / "back"
     items = [{"train": n, "args": train_args(c, hvd / n / "run")} for n, c in CASES.items()]
@@ -72,6 +91,11 @@ def shared(tmp_path_factory):
     items.append({"train": "from_horovod", "args": train_args(
         CASES["mixed_fp16_compression"], tor / "from_horovod" / "run", resume=ckpt(hvd, "mixed_fp16_compression", HALF))})
     items += [{"scenario": "primitives"}, {"scenario": "mismatch"}]
+    # the two refusals at start-up, last (each an error every rank returns from ``train``; nothing runs after)
+    items.append({"train": "engine_mismatch", "args": train_args(CASES["local_negatives"], tor / "engine_mismatch" / "run")
+                  + ["--set", "train.engine=horovod"], "expect_error": True})
+    items.append({"train": "agreed_error", "args": _bad_sha256_args(base / "bad_shards", tor / "agreed_error" / "run"),
+                  "expect_error": True})
     seconds["torchrun"] = launch_items("torchrun", tor, items)
     launch_items("horovodrun", back, [{"train": "from_torch", "args": train_args(
         CASES["local_negatives"], back / "from_torch" / "run", resume=ckpt(tor, "local_negatives", HALF))}])
@@ -134,37 +158,34 @@ def test_engine_follows_the_launcher_and_refuses_a_mismatch():
         choose_engine("torch", {"OMPI_COMM_WORLD_RANK": "0"})
 
 
-def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(tmp_path):
-    """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work (the
-    traceback left is torchrun's own, reporting failed workers)."""
+def _item(tor, name):
+    """What each rank's ``train`` of the item returned and printed: [(code, text)] by rank."""
+    return [(json.loads((tor / name / f"rank-{r}.result.json").read_text())["code"],
+             (tor / name / f"rank-{r}.log").read_text()) for r in range(2)]
+
+
+def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(shared):
+    """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work, and no
+    traceback of ours (the shared torch launch's ``engine_mismatch``: each rank's ``train``)."""
     require_horovod()
-    args = train_args(CASES["local_negatives"], tmp_path / "run") + ["--set", "train.engine=horovod"]
-    p = run_job(launcher("torchrun") + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
-    assert p.returncode != 0
-    assert p.stderr.count("hvd-partialfc train: error: train.engine=horovod does not fit the launcher") == 2
-    assert 'hvd_partialfc/' not in "".join(l for l in p.stderr.splitlines() if 'File "' in l)  # no traceback of ours
-    assert not (tmp_path / "run").exists()
+    _, tor, _ = shared
+    for code, text in _item(tor, "engine_mismatch"):
+        assert code == 2, text[-3000:]
+        assert text.count("hvd-partialfc train: error: train.engine=horovod does not fit the launcher") == 1
+        assert 'hvd_partialfc/' not in "".join(l for l in text.splitlines() if 'File "' in l)  # no traceback of ours
+    assert not (tor / "engine_mismatch" / "run").exists()
 
 
-def test_an_error_on_one_rank_at_start_is_agreed_by_every_rank(tmp_path, which="torchrun"):
-    """Bad input on rank 1 only (bytes of its shard changed; ``data.verify_sha256``): every rank exits on the
-    failure agreed at start-up, well under 60 s, and rank 0 reports it once. Under Horovod (Gloo and MPI) the same agreement
-    is test_train_multirank.py's ``test_label_outside_slice_fails_on_every_rank*``."""
-    import shutil
-    shards = tmp_path / "shards"
-    shutil.copytree(os.path.join(pins.FIXTURES, "data", "features"), shards)
-    with open(sorted(shards.glob("*.h5"))[1], "r+b") as f:
-        f.seek(-64, 2)
-        tail = f.read(64)
-        f.seek(-64, 2)
-        f.write(bytes(255 - b for b in tail))          # every byte differs: the file's sha256 changes
-    case = {"data": "features", "sets": CASES["local_negatives"]["sets"] + ["data.verify_sha256=true"]}
-    args = train_args(case, tmp_path / "run", 10)
-    args[1] = str(shards)
-    p = run_job(launcher(which) + ["-m", "hvd_partialfc.cli", "train", *args], launch_env(), 120)
-    text = p.stdout + p.stderr
-    assert p.returncode != 0      # every rank exits (a hang meets run_job's timeout; how fast: test_reliability)
+def test_an_error_on_one_rank_at_start_is_agreed_by_every_rank(shared):
+    """Bad input on rank 1 only (bytes of its shard changed; ``data.verify_sha256``): every rank ends on the
+    failure agreed at start-up, and rank 0 reports it once (the shared torch launch's ``agreed_error``: each
+    rank's ``train`` returns the error, and the items after it still run on the same engine). Under Horovod
+    (Gloo and MPI) the same agreement is test_train_multirank.py's ``test_label_outside_slice_fails_on_every_rank*``;
+    how fast ranks exit after a failure: test_reliability.py."""
+    _, tor, _ = shared
+    (c0, t0), (c1, t1) = _item(tor, "agreed_error")
+    assert c0 != 0 and c1 != 0      # every rank ends (a hang meets the launch's timeout)
     # agreed: rank 0 prints it, once for the job; every rank exits
-    assert "[rank 0] error: RankFailure: 1 of 2 ranks failed at 'setup'" in text, text[-3000:]
-    assert "[rank 1] error" not in text, text[-3000:]
-    assert "  rank 1: " in text and "sha256" in text
+    assert "[rank 0] error: RankFailure: 1 of 2 ranks failed at 'setup'" in t0, t0[-3000:]
+    assert "[rank 1] error" not in t0 + t1, t1[-3000:]
+    assert "  rank 1: " in t0 + t1 and "sha256" in t0 + t1
