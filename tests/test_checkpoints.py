@@ -209,8 +209,8 @@ def np2(shards2, tmp_path_factory):
     """ONE ``horovodrun -np 2`` launch (gloo) for the two-rank items below, one after another in one process
     (mr/checkpoints_launch.py), each into its own folder: ``hvd-partialfc train`` in replicated mode for 4
     steps (for re-sharding); ``train --resume auto`` from node-local run folders whose ``latest`` differ (the
-    folders prepared here, by one simulated rank); then the ``diverged`` and ``skips`` scenarios of
-    mr/ckpt_scenarios.py. Returns ``folder(name)``: the item's folder, once both ranks finished it."""
+    folders prepared here, by one simulated rank); then the ``diverged``, ``skips`` and ``nonfinite``
+    scenarios of mr/ckpt_scenarios.py. Returns ``folder(name)``: the item's folder, once both ranks finished it."""
     out = tmp_path_factory.mktemp("np2")
     nodes = out / "resolving"
     sim(1, shards2, nodes / "node0", 8, ["checkpoint.every=4", "checkpoint.keep=2"])
@@ -224,7 +224,7 @@ def np2(shards2, tmp_path_factory):
     spec = {"shards": shards2, "out": str(out), "items": [
         train("replicated-run", out / "replicated-run" / "run", 4, *BASE, "head.mode=replicated"),
         train("resolving", nodes / "node{rank}", 12, *BASE, "checkpoint.resume=auto", expect_error=True),
-        {"scenario": "diverged"}, {"scenario": "skips"}]}
+        {"scenario": "diverged"}, {"scenario": "skips"}, {"scenario": "nonfinite"}]}
     with open(out / "spec.json", "w") as f:
         json.dump(spec, f)
     try:
@@ -267,6 +267,24 @@ def test_skips_are_counted_and_a_stuck_run_stops(np2):
     m = [x for x in read_json_lines(out / "run" / "metrics.jsonl") if "loss" in x]
     assert [x["classifier_skipped_steps"] for x in m[:4]] == [0, 1, 2, 2]
     assert [x["skipped_steps"] for x in m] == [0, 0, 0, 0, 0, 1, 2]
+
+
+@pytest.mark.multirank
+def test_nonfinite_loss_stop_and_skip(np2):
+    """skip: a NaN on rank 1 at step 2 -> every rank skips that step and no parameter changes; stop (the
+    default): a NaN on rank 1 -> every rank stops at that step with the reason, quickly (no rank goes on
+    into the next step's collectives). Both in the np2 launch (mr/ckpt_scenarios.py nonfinite; it had a
+    launch of its own in tests/test_reliability.py)."""
+    out = np2("nonfinite")
+    r = [json.load(open(out / f"rank-{i}.json")) for i in range(2)]
+    for x in r:
+        assert x["skipped_steps"] == 1
+        assert x["backbone"][2] == x["backbone"][1] and x["classifier"][2] == x["classifier"][1]
+        assert x["backbone"][3] != x["backbone"][2]
+    assert r[0]["backbone"] == r[1]["backbone"]
+    for i, x in enumerate(r):
+        assert x["stop"] and x["stop"].startswith(f"NonFiniteError: rank {i}: non-finite backbone gradient at step 0")
+        assert x["stop_seconds"] < 60
 
 
 def test_replicated_classifier_gradient_is_clipped(shards2, tmp_path):
