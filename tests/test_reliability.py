@@ -7,7 +7,8 @@ Launches are what cost here (10-40 s each on a busy machine), so a trained run s
 SIGKILL test's runs are also the re-sharding source and the refusals' checkpoint), and what needs the
 trainer's start-up, resume and loop but no Horovod (refusals and other data, the augmentation's effect,
 re-sharding to 1 rank and from a 4-rank source, going on after a re-shard, the resume after a kill during a
-write) runs ``hvd-partialfc simulate`` in this process. Every multi-rank behaviour keeps a real launch."""
+write, the uninterrupted run the SIGKILLed one is compared with) runs ``hvd-partialfc simulate`` in this
+process. Every multi-rank behaviour keeps a real launch."""
 import os
 import re
 import shutil
@@ -146,10 +147,14 @@ def assert_rows_are(new, old, keys):
 def streams(images, tmp_path_factory):
     """STREAMS on 2 ranks for 16 steps, uninterrupted (0 DataLoader workers), and the same run SIGKILLed
     (every process: launcher, ranks, 1 worker each) right after its step-10 checkpoint, then resumed with 2
-    workers: the run folders {"straight", "resumed"}, and the resume's output."""
+    workers: the run folders {"straight", "resumed"}, and the resume's output. The uninterrupted run is
+    ``simulate --ranks 2`` in this process (bitwise a real 2-rank run's: tests/test_simulate.py,
+    tests/test_pins.py), so the resumed real run must also end where the simulator does; it was a launch of
+    its own (12-16 s here, 2026-12-07)."""
     d = tmp_path_factory.mktemp("streams")
     straight, resumed = str(d / "straight"), str(d / "resumed")
-    train(2, images, straight, STREAMS + ["data.workers=0"], steps=16)
+    code, _ = simulate_cli(None, 2, images, straight, list(BASE) + STREAMS + ["data.workers=0"], 16)
+    assert code == 0, f"simulate --ranks 2 exited {code}"
     kill_job_when(2, images, resumed, STREAMS, 16, "pause-after-ckpt@10", lambda: latest(resumed) == "step-00000010")
     killed_at = latest(resumed)
     p = train(2, images, resumed, STREAMS + ["checkpoint.resume=auto", "data.workers=2"], steps=16)
