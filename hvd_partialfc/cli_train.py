@@ -43,9 +43,7 @@ def run_train(args) -> int:
     cfg = train_config(args)
     from .run.ckpt.resume import check_restarts_resume
     check_restarts_resume(cfg.checkpoint.resume, os.environ)   # a ConfigError: one line, exit 2
-    from .engine.heartbeat import Heartbeat
     from .engine.select import start_engine
-    from .run.startup import start_trainer
     from .config import ConfigError
     try:
         comm = start_engine(cfg.train.engine, os.environ, cfg.train.device, share_gpu=cfg.train.share_gpu,
@@ -54,10 +52,47 @@ def run_train(args) -> int:
     except ConfigError as e:   # before any work: the engine does not fit the launcher, is not installed,
         # (Horovod) has no NCCL for a CUDA run, or a rank has no GPU of its own (engine/device.py)
         return report("hvd-partialfc train", e, debug_requested(args))
+    while True:
+        code = _train_once(cfg, comm, args)
+        if code is not REFORM:
+            return code
+        comm = _reform(comm)
+        if comm is None:          # this worker's host left the job: the others go on without it
+            return 0
+        cfg.checkpoint.resume = "auto"    # the run's newest state: a memory snapshot, else its latest checkpoint
+
+
+REFORM = object()   # _train_once: the group failed under this rank; the survivors re-form it in their processes
+
+
+def _reform(comm):
+    """The group re-formed by the survivors (``comm.reform``, engine/base.py), in this process: everything the
+    failed attempt held is let go first (its loader's workers with it), then the engine re-forms. None when this
+    process is no longer part of the job."""
+    import gc
+    import time
+    gc.collect()
+    t0, pid, old = time.monotonic(), os.getpid(), (comm.rank, comm.size)
+    comm = comm.reform()
+    from .run.watch import faults
+    faults.note_reformed()          # an injected fault fires in the first attempt only
+    if comm is not None:
+        print(f"[rank {comm.rank}] went on in this process (pid {pid}): the group re-formed at {comm.size} ranks "
+              f"(was rank {old[0]} of {old[1]}) in {time.monotonic() - t0:.2f} s; resuming the run's newest state",
+              file=sys.stderr, flush=True)
+    return comm
+
+
+def _train_once(cfg, comm, args):
+    """One start of the run in this process on ``comm``: its exit code, or REFORM when the group failed under
+    it (a lost peer, a collective that failed with it) and the engine can re-form it (``comm.reformable``)."""
+    from .engine.heartbeat import Heartbeat
+    from .run.startup import start_trainer
     from .run.snapshots.memory import close_snapshots
     from .run.watch.run_lock import release
-    heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout)
-    error, ended, leave = None, False, None
+    heartbeat = Heartbeat.start(comm, cfg.train.heartbeat_timeout,
+                                on_lost=comm.abort if comm.reformable() else None)
+    error, ended, leave, reform = None, False, None, False
     try:
         trainer = start_trainer(cfg, comm)
         ckpt = trainer.fit()
@@ -66,22 +101,30 @@ def run_train(args) -> int:
             leave.part(comm)
         ended = True
     except Exception as e:
+        reform = comm.reformable() and (bool(heartbeat and heartbeat.lost) or comm.broken(e))
+        if reform:
+            return REFORM
         # An error of this rank's own: every rank reports it with its rank number; an agreed one: rank 0.
         # The non-zero exit makes the launcher stop the others.
         error = e
         return rank_error(e, comm.rank, comm.size, args, reporter=comm.rank == 0)
     finally:
-        # First a goodbye after a normal end or an agreed error; none after this rank's own error, so that its
-        # neighbour ends now, naming it, instead of waiting for it in a collective. First: a rank still letting
-        # go of its snapshots (a landing thread joined) while its neighbour had left would find the neighbour's
-        # end a lost peer, and exit 1 after an agreed stop (seen under load: no requeue on 75).
+        # First a goodbye after a normal end or an agreed error; none after this rank's own error (or when the
+        # group re-forms), so that its neighbour ends (or re-forms) now, naming it, instead of waiting for it in a
+        # collective. First: a rank still letting go of its snapshots (a landing thread joined) while its
+        # neighbour had left would find the neighbour's end a lost peer, and exit 1 after an agreed stop.
         if heartbeat:
-            heartbeat.end(error)
+            heartbeat.abandon() if reform else heartbeat.end(error)
         # Memory snapshots go when the run ends (its last step; a stop, whose checkpoint is as new) and stay
-        # after anything else (an error, Ctrl-C, SystemExit), and on the nodes an eviction leaves: a restart
-        # (or --resume auto) takes them.
+        # after anything else (an error, Ctrl-C, SystemExit, the group re-forming), and on the nodes an eviction
+        # leaves: a restart (or --resume auto, or the re-formed group) takes them.
         close_snapshots(keep=not ended or bool(leave and not leave.mine))
         release()                  # the run folder's lock (run/watch/run_lock.py)
+    return _ended(comm, trainer, ckpt, leave)
+
+
+def _ended(comm, trainer, ckpt, leave) -> int:
+    """The exit code of a run that ended in this process: an eviction's, a stop's (75), or done (0)."""
     if leave:
         return leave.exit_code(comm.rank)
     if trainer.stopped_by:

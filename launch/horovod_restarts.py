@@ -25,14 +25,10 @@ A stop and a user's error are agreed by every rank, so one rank's file suffices:
 host always see the folder, all of them do on a shared file system. Before, a SIGTERM to a rank (both ranks
 exited 75) was restarted: "attempt 0 exited 1; restarting from the last checkpoint".
 
-Why not Horovod elastic (``hvd.elastic.run``): it keeps the training state in memory, commits it, and after
-a change of hosts re-broadcasts rank 0's copy. Here the state that matters is sharded: a lost rank's
-classifier slice exists only in the last checkpoint on disk, and a new world size changes every rank's
-slice, its loader (which shards it reads) and its classifier optimizer state. All of it must be rebuilt
-from the checkpoint, which is what a restart does; elastic's in-memory commit would save the process
-start-up (seconds) and nothing of the steps since the last checkpoint, while each commit would need the
-classifier written to disk to be of use. What a lost host costs is the same with torchrun: the steps since
-the last checkpoint (``checkpoint.every`` / ``checkpoint.every_minutes``) plus a start-up.
+Horovod's elastic mode keeps the survivors' processes instead (``launch/horovodrun_elastic.sh``: they re-form the
+group and resume the run's newest state in place; docs/reliability.md, "Going on in the same processes"). This
+wrapper is for a plain horovodrun, and for what ends every worker even under the elastic mode (a rendezvous that
+timed out, no old host left): it starts the job again from its last checkpoint.
 """
 from __future__ import annotations
 

@@ -99,6 +99,26 @@ class CommBase:
         when it can. Not a collective."""
         return "only elastic torchrun (--nnodes MIN:MAX, --max-restarts > 0) can go on without a node"
 
+    # --- going on in this process after a peer is lost (cli_train.py; docs/reliability.md, "In-process recovery")
+    def reformable(self) -> bool:
+        """Whether the survivors of a lost peer can re-form the group in their own processes (an elastic
+        launcher that re-forms it: Horovod's elastic mode). Not a collective."""
+        return False
+
+    def abort(self) -> None:
+        """Leave the group now, from any thread: a collective this rank waits in raises (the heartbeat calls it
+        when a peer is lost, engines that can re-form only). Not a collective."""
+
+    def broken(self, error: BaseException) -> bool:
+        """Whether ``error`` (or what caused it) is the group failing under this rank (a peer lost inside a
+        collective), not an error of the run's own. Not a collective."""
+        return False
+
+    def reform(self) -> Optional["CommBase"]:
+        """The group re-formed by the survivors (new ranks and size, this process kept); None when this
+        process is no longer part of the job. A collective of the survivors."""
+        raise NotImplementedError(type(self).__name__ + " cannot re-form its group in this process")
+
     def stop_agent(self) -> None:
         """This node leaves the job: its launcher's agent is told to stop without restarting it (the engines
         that can, ``regroup_refusal`` None). Not a collective."""

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 from ..forking import close_sockets_in_child
 from .listener import serve
@@ -119,6 +119,10 @@ class Heartbeat:
         self._stopped = threading.Event()
         self.peers: List[RingPeer] = []
         self.token = ""
+        # set once the ring is up (``start``'s ``on_lost``): called instead of exiting when a peer is lost
+        self.on_lost: Optional[Callable[[], None]] = None
+        self.lost: Optional[str] = None          # which peer, and why, once one was lost (with on_lost)
+        self._lock = threading.Lock()
         _LIVE.add(self)
 
     def sockets(self) -> List[socket.socket]:
@@ -126,8 +130,10 @@ class Heartbeat:
         return [s for s in (self._server, self._out, self._in) if s is not None]
 
     @classmethod
-    def start(cls, comm, timeout_s: float) -> Optional["Heartbeat"]:
-        """Join the ring over ``comm`` (its addresses are all-gathered); None at one rank or when off."""
+    def start(cls, comm, timeout_s: float, on_lost: Optional[Callable[[], None]] = None) -> Optional["Heartbeat"]:
+        """Join the ring over ``comm`` (its addresses are all-gathered); None at one rank or when off.
+        ``on_lost``: once the ring is up, a lost peer calls it (once) and the rank goes on (the group re-forms
+        in this process: cli_train.py), instead of exiting; ``lost`` then says which peer and why."""
         if comm.size == 1 or timeout_s <= 0:
             return None
         hb = cls(comm.rank, comm.size, timeout_s)
@@ -157,6 +163,7 @@ class Heartbeat:
         if not accepted or accepted[0] is None:
             hb._lost((hb.rank - 1) % hb.size, "it never connected")
         hb._in = accepted[0]
+        hb.on_lost = on_lost
         threading.Thread(target=hb._watch, args=(accepted[0],), daemon=True, name="heartbeat-watch").start()
         return hb
 
@@ -219,6 +226,15 @@ class Heartbeat:
 
     def _lost(self, peer: int, why: str) -> None:
         host, addr = (self.peers[peer].host, self.peers[peer].address) if self.peers else ("?", "?")
+        if self.on_lost is not None:      # the group re-forms in this process (cli_train.py): leave it, do not exit
+            with self._lock:
+                first, self.lost = self.lost is None, self.lost or f"lost peer rank {peer} ({host}, {addr}): {why}"
+            if first:
+                sys.stderr.write(f"[rank {self.rank}] {self.lost}; leaving the group to re-form it in this "
+                                 "process\n")
+                sys.stderr.flush()
+                self.on_lost()
+            return
         sys.stderr.write(f"[rank {self.rank}] error: lost peer rank {peer} ({host}, {addr}): {why}; "
                          "ending this rank (train.heartbeat_timeout)\n")
         sys.stderr.flush()
@@ -242,11 +258,12 @@ class Heartbeat:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        try:
-            self._out.shutdown(socket.SHUT_RDWR)
-            self._out.close()
-        except OSError:
-            pass
+        for conn in (self._out, self._in if self.on_lost is not None else None):   # re-forming: both go
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+                conn.close()
+            except (OSError, AttributeError):
+                pass
 
     def end(self, error: Optional[BaseException] = None) -> None:
         """How this rank leaves the ring: a goodbye after a normal end or an error every rank raised

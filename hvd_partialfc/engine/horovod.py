@@ -95,8 +95,8 @@ class Comm(CommBase):
 
     def regroup_refusal(self) -> Optional[str]:
         """horovodrun cannot go on without a host: docs/engines.md, "Stragglers under horovodrun"."""
-        return ("horovodrun cannot drop a host from a running job (Horovod's elastic mode restores rank 0's state, "
-                "and a host's classifier slices are its own; docs/engines.md)")
+        return ("horovodrun cannot drop a host from a running job yet (its elastic mode re-forms the group after a "
+                "lost rank, but leaving on purpose is not built; docs/engines.md)")
 
     def grouped_average(self, tensors: List[torch.Tensor], name: str) -> List[torch.Tensor]:
         """Elementwise mean over ranks of each tensor (one fused allreduce), out of place."""
@@ -104,6 +104,81 @@ class Comm(CommBase):
 
     def shutdown(self) -> None:
         hvd.shutdown()
+
+    def reformable(self) -> bool:
+        """Under horovodrun's elastic mode (``--min-np/--max-np --host-discovery-script``: HOROVOD_ELASTIC=1),
+        whose driver re-forms the group of the workers that call ``hvd.init`` again."""
+        return os.environ.get("HOROVOD_ELASTIC") == "1"
+
+    def abort(self) -> None:
+        """Cut this rank's Gloo connections (the sockets its ``hvd.init`` opened: ``_GLOO``): a collective this
+        rank or a peer waits in fails at once. ``hvd.shutdown`` alone does not: it waits for the background
+        thread, and a survivor blocked in a receive from a rank that has left waits out
+        HOROVOD_GLOO_TIMEOUT_SECONDS for it (measured: 5.0 s at 5 s, 30 s at the default), because Horovod keeps
+        the old Gloo context, connections open, until the next init. Safe from any thread. Not a collective."""
+        _cut(_GLOO)
+
+    def broken(self, error: BaseException) -> bool:
+        from horovod.common.exceptions import HorovodInternalError
+        while error is not None:
+            if isinstance(error, HorovodInternalError):
+                return True
+            error = error.__cause__ or error.__context__
+        return False
+
+    def reform(self) -> Optional["Comm"]:
+        """Leave the failed group (``abort``, then ``hvd.shutdown``) and ``hvd.init`` again: the elastic driver
+        gives the workers that asked again their new ranks (the survivors keep their order, renumbered without
+        gaps; a host added comes last). None when this worker's host was removed from the job (its init fails)."""
+        self.abort()
+        hvd.shutdown()
+        try:
+            _init_counted()
+        except Exception as e:   # noqa: BLE001 ("... has been removed from elastic job")
+            print(f"[rank {self.rank}] not part of the job any more: {type(e).__name__}: {e}", flush=True)
+            return None
+        return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+
+
+_GLOO: Dict[int, str] = {}   # fd -> its socket's identity: the sockets the last hvd.init opened (Gloo's)
+
+
+def _sockets() -> Dict[int, str]:
+    """This process's socket descriptors and their identities (``socket:[inode]``). Not a collective."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+def _init_counted() -> None:
+    """``hvd.init``, noting the sockets it opened (Gloo connects every pair during init): ``abort`` cuts them."""
+    before = _sockets()
+    hvd.init()
+    _GLOO.clear()
+    _GLOO.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
+
+
+def _cut(sockets: Dict[int, str]) -> None:
+    """Shut down (not close: Gloo still owns the descriptors) each socket that is still the one noted."""
+    import socket
+    for fd, link in sockets.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue                      # closed since, the number reused: not Gloo's any more
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
 
 
 # Horovod's background thread negotiates every HOROVOD_CYCLE_TIME ms (default 1). On a CPU-only host the
@@ -142,7 +217,7 @@ def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
-    hvd.init()
+    _init_counted()
     comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
     agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,
                   lambda obj: comm.allgather_object(obj, name="device.gpus"))

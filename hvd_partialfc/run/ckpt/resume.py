@@ -129,7 +129,7 @@ def load_into(path: str, cfg, comm, parts, layout, data: DataIdentity) -> Dict[s
 
 def restarts_of(environ: Mapping[str, str]) -> Optional[str]:
     """The launcher that may restart this process's job, in words (torchrun with ``--max-restarts`` > 0, a
-    torchrun worker already restarted, or launch/horovod_restarts.py), else None."""
+    torchrun worker already restarted, launch/horovod_restarts.py, horovodrun's elastic mode), else None."""
     for var, what in (("TORCHELASTIC_MAX_RESTARTS", "torchrun --max-restarts {}"),
                       ("TORCHELASTIC_RESTART_COUNT", "torchrun (this worker is restart {})")):
         value = environ.get(var, "0")
@@ -137,6 +137,8 @@ def restarts_of(environ: Mapping[str, str]) -> Optional[str]:
             return what.format(value)
     if "HVD_PARTIALFC_RESTART_COUNT" in environ:
         return "launch/horovod_restarts.py"
+    if environ.get("HOROVOD_ELASTIC") == "1":   # the survivors resume in their processes; a newcomer starts
+        return "horovodrun's elastic mode"
     return None
 
 

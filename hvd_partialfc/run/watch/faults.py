@@ -92,10 +92,20 @@ def _configured() -> bool:
     return ENV in os.environ or FILE_ENV in os.environ
 
 
+_REFORMED = [0]   # times this process's group re-formed in it (cli_train.py): later attempts of the same job
+
+
+def note_reformed() -> None:
+    """The group re-formed in this process (cli_train.py): what follows is a later attempt."""
+    _REFORMED[0] += 1
+
+
 def restart_count() -> int:
     """Which attempt of an elastic job this process belongs to: torchrun's ``TORCHELASTIC_RESTART_COUNT``,
-    or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.py); 0 outside them."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("HVD_PARTIALFC_RESTART_COUNT") or 0)
+    or ``HVD_PARTIALFC_RESTART_COUNT`` (set by launch/horovod_restarts.py), plus the group's re-formings in
+    this process; 0 outside them."""
+    return _REFORMED[0] + int(os.environ.get("TORCHELASTIC_RESTART_COUNT")
+                              or os.environ.get("HVD_PARTIALFC_RESTART_COUNT") or 0)
 
 
 def active(kind: str, step: int, rank: int) -> bool:

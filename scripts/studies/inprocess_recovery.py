@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""A killed rank under Horovod: the survivors going on in their own processes (horovodrun's elastic mode,
+launch/horovodrun_elastic.sh) beside today's relaunch (launch/horovod_restarts.py), the same job, the same kill;
+the figures in docs/reliability.md, "Going on in the same processes". Run from the repository root:
+
+    python -m scripts.studies.inprocess_recovery --repeats 3 --json inprocess.json
+
+Each run: 3 ranks on three local host names (one slot each), a disk checkpoint every 2 steps, rank 2 SIGKILLed
+before step ``--kill + 1``; the job goes on at 2 ranks from the step-``--kill`` checkpoint. Figures a run:
+
+* **stall**: from the survivors' last step before the kill to their first step after it (metrics.jsonl, a row a
+  step), what the job loses in wall time besides the steps redone;
+* **kill -> re-formed**: from the kill to the survivors' new group (the "went on" line; relaunch: none);
+* **survivors' PIDs kept**: every rank after the fault runs in a process that ran a rank before it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+from scripts.studies.memory_recovery import shards  # noqa: E402
+
+BIN = os.path.dirname(sys.executable)
+SETS = ["model.name=mlp", "model.embedding_dim=16", "model.kwargs={hidden_dim: 16}", "data.batch_size=8",
+        "train.threads=1", "data.workers=0", "train.log_every=1", "checkpoint.every=2", "checkpoint.keep=3",
+        "train.heartbeat_timeout=5", "head.negatives_every=0"]
+
+
+def local_names() -> List[str]:
+    import psutil
+    other = sorted(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                   if a.family == socket.AF_INET and not a.address.startswith("127."))
+    if not other:
+        sys.exit("this machine has no IPv4 address besides the loopback's: horovodrun needs three local names")
+    return ["127.0.0.1", "localhost", other[0]]
+
+
+def one_run(mode: str, data: str, work: str, steps: int, kill: int) -> Dict:
+    run, names = os.path.join(work, "run"), local_names()
+    hosts, calls = os.path.join(work, "hosts.sh"), os.path.join(work, "calls")
+    if mode == "inprocess":     # the driver removes the failed host itself
+        script = "".join(f"echo {n}:1\n" for n in names)
+    else:                       # the wrapper's second attempt runs on the hosts that are left
+        script = (f"echo x >> {calls}\nif [ $(wc -l < {calls}) -le 1 ]; then\n"
+                  + "".join(f"echo {n}:1\n" for n in names) + "else\n"
+                  + "".join(f"echo {n}:1\n" for n in names[:2]) + "fi\n")
+    with open(hosts, "w") as f:
+        f.write("#!/bin/sh\n" + script)
+    os.chmod(hosts, 0o755)
+    train = ["--shards", data, "--out", run, "--steps", str(steps)] + [a for s in SETS for a in ("--set", s)]
+    env = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+               HVD_PARTIALFC_FAULT=f"kill@{kill}:2", VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo",
+               HOROVODRUN_ARGS="--log-level INFO")
+    if mode == "inprocess":
+        cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), data, run, hosts, "2", "3", "3"] + train[4:]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2",
+               "--discovery", hosts, "--horovodrun", os.path.join(BIN, "horovodrun"),
+               "--horovodrun-args=--gloo --network-interface lo --verbose", "--", os.path.join(BIN, "hvd-partialfc"),
+               "train"] + train
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    text = p.stdout + p.stderr
+    if p.returncode != 0:
+        raise SystemExit(f"{mode}: exit {p.returncode}\n{text[-3000:]}")
+    killed_at = float(re.search(r"injected kill before step \d+ at ([\d.]+)", text).group(1))
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f if x.strip()]
+    resumed = int(re.search(r"resumed from \S+ at step (\d+)", text).group(1))
+    before = max(r["time"] for r in rows if r["time"] <= killed_at)
+    after = min(r["time"] for r in rows if r["time"] > killed_at and r["step"] > resumed)
+    went_on = re.findall(r"went on in this process \(pid (\d+)\).* in ([\d.]+) s", text)
+    started = len(re.findall(r"start worker process:|HOROVOD_RANK=\d", text))
+    return {"mode": mode, "stall_s": round(after - before, 2), "kill_to_first_step_s": round(after - killed_at, 2),
+            "reformed_in_s": max((float(w[1]) for w in went_on), default=None),
+            "survivors_kept": len(went_on) == 2, "processes_started": started,
+            "steps_redone": max(r["step"] for r in rows if r["time"] <= killed_at) - resumed,
+            "wall_s": round(time.time() - t0, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--kill", type=int, default=6)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = shards(tmp, classes=24, per_class=30, dim=32, num_shards=6)
+        for i in range(a.repeats):
+            for mode in ("inprocess", "relaunch"):     # alternated: the same load for both
+                work = tempfile.mkdtemp(dir=tmp)
+                rows.append(one_run(mode, data, work, a.steps, a.kill))
+                print(json.dumps(rows[-1]), flush=True)
+    print("\n| mode | stall (s) | kill -> first step (s) | re-formed in (s) | survivors' processes kept | processes "
+          "started | steps redone |\n|---|---|---|---|---|---|---|")
+    for mode in ("inprocess", "relaunch"):
+        rs = [r for r in rows if r["mode"] == mode]
+        span = lambda k: f"{min(r[k] for r in rs):.2f}-{max(r[k] for r in rs):.2f}"   # noqa: E731
+        print(f"| {mode} | {span('stall_s')} | {span('kill_to_first_step_s')} | "
+              f"{span('reformed_in_s') if rs[0]['reformed_in_s'] is not None else '-'} | "
+              f"{sum(r['survivors_kept'] for r in rs)}/{len(rs)} | {sorted({r['processes_started'] for r in rs})} | "
+              f"{sorted({r['steps_redone'] for r in rs})} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"runs": rows, "repeats": a.repeats, "steps": a.steps, "kill": a.kill}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
