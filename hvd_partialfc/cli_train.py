@@ -54,18 +54,19 @@ def run_train(args) -> int:
         return report("hvd-partialfc train", e, debug_requested(args))
     while True:
         code = _train_once(cfg, comm, args)
-        if code is not REFORM:
+        if code is not REFORM and code is not REGROUP:
             return code
-        comm = _reform(comm)
+        comm = _reform(comm, failed=code is REFORM)
         if comm is None:          # this worker's host left the job: the others go on without it
             return 0
         cfg.checkpoint.resume = "auto"    # the run's newest state: a memory snapshot, else its latest checkpoint
 
 
 REFORM = object()   # _train_once: the group failed under this rank; the survivors re-form it in their processes
+REGROUP = object()  # _train_once: the launcher changed the hosts; every rank checkpointed and leaves the group
 
 
-def _reform(comm):
+def _reform(comm, failed: bool):
     """The group re-formed by the survivors (``comm.reform``, engine/base.py), in this process: everything the
     failed attempt held is let go first (its loader's workers with it), then the engine re-forms. None when this
     process is no longer part of the job."""
@@ -73,7 +74,7 @@ def _reform(comm):
     import time
     gc.collect()
     t0, pid, old = time.monotonic(), os.getpid(), (comm.rank, comm.size)
-    comm = comm.reform()
+    comm = comm.reform(failed)
     from .run.watch import faults
     faults.note_reformed()          # an injected fault fires in the first attempt only
     if comm is not None:
@@ -84,8 +85,9 @@ def _reform(comm):
 
 
 def _train_once(cfg, comm, args):
-    """One start of the run in this process on ``comm``: its exit code, or REFORM when the group failed under
-    it (a lost peer, a collective that failed with it) and the engine can re-form it (``comm.reformable``)."""
+    """One start of the run in this process on ``comm``: its exit code, REGROUP (``_ended``), or REFORM when the
+    group failed under it (a lost peer, a collective that failed with it) and the engine can re-form it
+    (``comm.reformable``)."""
     from .engine.heartbeat import Heartbeat
     from .run.startup import start_trainer
     from .run.snapshots.memory import close_snapshots
@@ -124,7 +126,10 @@ def _train_once(cfg, comm, args):
 
 
 def _ended(comm, trainer, ckpt, leave) -> int:
-    """The exit code of a run that ended in this process: an eviction's, a stop's (75), or done (0)."""
+    """The exit code of a run that ended in this process: an eviction's, a stop's (75), or done (0); REGROUP after
+    the launcher changed the hosts (every rank checkpointed: the group re-forms from there)."""
+    if trainer.regroup:
+        return REGROUP
     if leave:
         return leave.exit_code(comm.rank)
     if trainer.stopped_by:

@@ -1,17 +1,26 @@
-"""Going on in the same processes (docs/reliability.md, "Going on in the same processes"): under horovodrun's
-elastic mode (launch/horovodrun_elastic.sh, the script itself), a rank killed at step 6 of 3 leaves 2 survivors
+"""Going on in the same processes (docs/reliability.md, "Going on in the same processes"), under horovodrun's
+elastic mode (launch/horovodrun_elastic.sh, the script itself).
+
+A rank killed at step 6 of 3 leaves 2 survivors
 that keep their processes: horovodrun starts no worker after the first three, each survivor says it went on in
 its own process (its pid), well inside one Gloo timeout (30 s: the time a survivor would wait in a receive from
 a rank that left the collective without cutting its connections, engine/horovod.py ``abort``), and the run ends
 bitwise where the relaunch path ends: a new process that resumes the same step-6 checkpoint at 2 ranks (``simulate``
 in this process, bitwise a real 2-rank run's: tests/test_simulate.py).
+
+Hosts that the discovery script removes, then adds: every rank checkpoints at the same step and the group re-forms,
+3 -> 2 -> 3, the two old ranks in their processes throughout, the newcomer the only worker started after the first
+three; the 2-rank stretch bitwise the relaunch path's (a new process resuming the 3-rank regroup checkpoint at 2
+ranks), the samples' budget kept.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
+import sys
 
 import psutil
 import pytest
@@ -32,43 +41,112 @@ def local_names():
     return ["127.0.0.1", "localhost", other[0]] if other else None
 
 
-def relaunch_path(shards, run, out):
-    """The relaunch path from the same checkpoint, in this process: the step-6 checkpoint that the 3 ranks wrote
-    (copied alone into a new run folder), resumed by 2 ranks. (The first 6 steps are the same launch's: at 3 ranks
-    Gloo's ring sums in an order of its own, and the simulator is bitwise a real run at 2 ranks only.)"""
+def elastic_job(shards, tmp_path, names, discovery_text, steps, sets, fault=None, np_=3):
+    """launch/horovodrun_elastic.sh on ``names`` (2 to 3 ranks, ``np_`` at the start), the discovery script
+    ``discovery_text``; the finished process."""
+    discovery = tmp_path / "hosts"
+    discovery.write_text(discovery_text)
+    discovery.chmod(0o755)
+    cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), str(shards), str(tmp_path / "run"), str(discovery),
+           "2", "3", str(np_), "--steps", str(steps), *[a for s in SMALL_RUN + sets for a in ("--set", s)]]
+    env = dict(launch_env(fault), VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo",
+               HOROVODRUN_ARGS="--log-level INFO")
+    return run_job(cmd, env, 180)
+
+
+def resumed_at(run, step, ranks, shards, out, steps, sets):
+    """The relaunch path from checkpoint ``step`` of ``run``, in this process: that checkpoint alone in a new run
+    folder, resumed by ``ranks`` virtual ranks; its checkpoints folder."""
     from hvd_partialfc.config_io import load_config
-    step = f"step-{KILLED_AT:08d}"
-    shutil.copytree(os.path.join(run, "checkpoints", step), os.path.join(out, "checkpoints", step))
+    name = f"step-{step:08d}"
+    shutil.copytree(os.path.join(run, "checkpoints", name), os.path.join(out, "checkpoints", name))
     with open(os.path.join(out, "checkpoints", "latest"), "w") as f:
-        f.write(step)
-    sets = [*SMALL_RUN, *SETS, f"data.shards={shards}", f"out={out}", f"train.steps={STEPS}", "checkpoint.resume=auto"]
-    return simulate_here(load_config(os.path.join(ROOT, "configs", "example.yaml"), sets), 2).checkpoint
+        f.write(name)
+    cfg = [*SMALL_RUN, *sets, f"data.shards={shards}", f"out={out}", f"train.steps={steps}", "checkpoint.resume=auto"]
+    simulate_here(load_config(os.path.join(ROOT, "configs", "example.yaml"), cfg), ranks)
+    return os.path.join(out, "checkpoints")
 
 
-def test_a_killed_rank_survivors_go_on_in_their_processes_bitwise(small_run_shards, tmp_path):
+def went_on(text, size):
+    return re.findall(r"\[rank (\d)\] went on in this process \(pid (\d+)\): the group re-formed at "
+                      + str(size) + r" ranks \(was rank (\d) of \d\) in ([\d.]+) s", text)
+
+
+def names_or_skip():
     require_horovod()
     names = local_names()
     if names is None:
         pytest.skip("this machine has no IPv4 address besides the loopback's: horovodrun needs three local names")
-    discovery = tmp_path / "hosts.sh"
-    discovery.write_text("#!/bin/sh\n" + "".join(f"echo {n}:1\n" for n in names))
-    discovery.chmod(0o755)
-    run = tmp_path / "run"
-    sets = [a for s in SETS for a in ("--set", s)]
-    cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), str(small_run_shards), str(run), str(discovery),
-           "2", "3", "3", "--steps", str(STEPS), *[a for s in SMALL_RUN for a in ("--set", s)], *sets]
-    env = dict(launch_env(f"kill@{KILLED_AT}:2"), VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo",
-               HOROVODRUN_ARGS="--log-level INFO")
-    p = run_job(cmd, env, 180)
-    text = p.stdout + p.stderr
+    return names
+
+
+def test_a_killed_rank_survivors_go_on_in_their_processes_bitwise(small_run_shards, tmp_path):
+    names = names_or_skip()
+    p = elastic_job(small_run_shards, tmp_path, names, "#!/bin/sh\n" + "".join(f"echo {n}:1\n" for n in names),
+                    STEPS, SETS, fault=f"kill@{KILLED_AT}:2")
+    text, run = p.stdout + p.stderr, tmp_path / "run"
     assert p.returncode == 0, text[-4000:]
     assert text.count("start worker process:") == 3, text[-4000:]            # no process replaced or added
-    went_on = re.findall(r"\[rank (\d)\] went on in this process \(pid (\d+)\): the group re-formed at 2 ranks "
-                         r"\(was rank (\d) of 3\) in ([\d.]+) s", text)
-    assert sorted(int(w[0]) for w in went_on) == [0, 1], text[-4000:]
-    assert len({w[1] for w in went_on}) == 2 and all(float(w[3]) < 10 for w in went_on), went_on
+    survivors = went_on(text, 2)
+    assert sorted(int(w[0]) for w in survivors) == [0, 1], text[-4000:]
+    assert len({w[1] for w in survivors}) == 2 and all(float(w[3]) < 10 for w in survivors), survivors
     assert f"resumed from {run}/checkpoints/step-{KILLED_AT:08d} at step {KILLED_AT} (written by 3 ranks)" in text
-    ckpt = os.path.join(run, "checkpoints", open(os.path.join(run, "checkpoints", "latest")).read().strip())
-    ref = relaunch_path(small_run_shards, run, tmp_path / "relaunch")
-    assert os.path.basename(ckpt) == os.path.basename(ref) == f"step-{KILLED_AT + (STEPS - KILLED_AT) * 3 // 2:08d}"
-    assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(ref)
+    last = f"step-{KILLED_AT + (STEPS - KILLED_AT) * 3 // 2:08d}"
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == last
+    ref = resumed_at(run, KILLED_AT, 2, small_run_shards, tmp_path / "relaunch", STEPS, SETS)
+    assert pins.checkpoint_digests(os.path.join(run, "checkpoints", last)) == \
+        pins.checkpoint_digests(os.path.join(ref, last))
+
+
+# The discovery script of the hosts test: the third name until the run's step-10 checkpoint, then not (removed),
+# then again once the 2-rank stretch has 2 checkpoints of its own after the regroup (added).
+HOSTS = """#!{python}
+import json, os, sys
+ckpts, state = {ckpts!r}, {state!r}
+print({first!r}); print({second!r})
+now = open(state).read() if os.path.exists(state) else "3"
+steps = sorted(int(n[5:]) for n in os.listdir(ckpts) if n.startswith("step-")) if os.path.isdir(ckpts) else []
+def ranks(step):
+    with open(os.path.join(ckpts, "step-%08d" % step, "meta.json")) as f:
+        return json.load(f)["world_size"]
+if now == "3" and 10 in steps:
+    now = "2"
+elif now == "2" and len([s for s in steps if ranks(s) == 2]) >= 3:
+    now = "back"
+open(state, "w").write(now)
+if now != "2":
+    print({third!r})
+"""
+
+
+def test_hosts_removed_then_added_regroup_in_the_same_processes(small_run_shards, tmp_path):
+    names, steps, sets = names_or_skip(), 300, ["checkpoint.every=10", "checkpoint.keep=100"]
+    run = tmp_path / "run"
+    script = HOSTS.format(python=sys.executable, ckpts=str(run / "checkpoints"), state=str(tmp_path / "state"),
+                          first=f"{names[0]}:1", second=f"{names[1]}:1", third=f"{names[2]}:1")
+    p = elastic_job(small_run_shards, tmp_path, names, script, steps, sets)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text[-4000:]
+    regroups = [int(x) for x in re.findall(r"step (\d+): the launcher changed the hosts; checkpoint", text)]
+    assert len(set(regroups)) == 2, text[-4000:]
+    removed, added = sorted(set(regroups))
+    assert f"step-{removed:08d} at step {removed} (written by 3 ranks)" in text
+    assert f"step-{added:08d} at step {added} (written by 2 ranks)" in text
+    # the two old ranks in their processes throughout; the newcomer the only worker started after the first three
+    to2, to3 = went_on(text, 2), went_on(text, 3)
+    assert len(to2) == 2 and len(to3) == 2 and {w[1] for w in to2} == {w[1] for w in to3}, (to2, to3)
+    assert text.count("start worker process:") == 4, text[-4000:]
+    with open(run / "checkpoints" / open(run / "checkpoints" / "latest").read().strip() / "meta.json") as f:
+        meta = json.load(f)
+    assert meta["world_size"] == 3 and [s["world_size"] for s in meta["length"]["segments"]] == [3, 2, 3]
+    length = meta["length"]
+    assert length["budget_samples"] <= length["samples"] < length["budget_samples"] + length["samples_per_schedule_step"]
+    # the 2-rank stretch: bitwise where a new process resuming the regroup checkpoint at 2 ranks is at each of
+    # the stretch's scheduled checkpoints
+    ref = resumed_at(run, removed, 2, small_run_shards, tmp_path / "relaunch", steps, sets)
+    stretch = [s for s in range(removed + 1, added) if s % 10 == 0]
+    assert stretch
+    for s in stretch:
+        name = f"step-{s:08d}"
+        assert pins.checkpoint_digests(str(run / "checkpoints" / name)) == \
+            pins.checkpoint_digests(os.path.join(ref, name)), name

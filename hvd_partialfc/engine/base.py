@@ -114,9 +114,16 @@ class CommBase:
         collective), not an error of the run's own. Not a collective."""
         return False
 
-    def reform(self) -> Optional["CommBase"]:
+    def hosts_changed(self) -> bool:
+        """Whether the launcher said, since the last call, that hosts were added to the job or removed from it
+        (horovodrun's elastic driver tells rank 0's process only; the loop's vote tells every rank). Not a
+        collective."""
+        return False
+
+    def reform(self, failed: bool = True) -> Optional["CommBase"]:
         """The group re-formed by the survivors (new ranks and size, this process kept); None when this
-        process is no longer part of the job. A collective of the survivors."""
+        process is no longer part of the job. ``failed``: the group failed under the ranks (a peer lost), else
+        every rank left it together (the launcher changed the hosts). A collective of the survivors."""
         raise NotImplementedError(type(self).__name__ + " cannot re-form its group in this process")
 
     def stop_agent(self) -> None:

@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Dict, List, Optional
 
@@ -126,11 +127,16 @@ class Comm(CommBase):
             error = error.__cause__ or error.__context__
         return False
 
-    def reform(self) -> Optional["Comm"]:
-        """Leave the failed group (``abort``, then ``hvd.shutdown``) and ``hvd.init`` again: the elastic driver
-        gives the workers that asked again their new ranks (the survivors keep their order, renumbered without
-        gaps; a host added comes last). None when this worker's host was removed from the job (its init fails)."""
-        self.abort()
+    def hosts_changed(self) -> bool:
+        return _HOSTS.take()
+
+    def reform(self, failed: bool = True) -> Optional["Comm"]:
+        """Leave the group (a failed one: ``abort`` first) with ``hvd.shutdown`` and ``hvd.init`` again: the
+        elastic driver gives the workers that asked again their new ranks (the survivors keep their order,
+        renumbered without gaps; a host added comes last). None when this worker's host was removed from the
+        job and its init raises (it may also end the process: Horovod aborts in C++ there)."""
+        if failed:
+            self.abort()
         hvd.shutdown()
         try:
             _init_counted()
@@ -138,6 +144,36 @@ class Comm(CommBase):
             print(f"[rank {self.rank}] not part of the job any more: {type(e).__name__}: {e}", flush=True)
             return None
         return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+
+
+class _HostUpdates:
+    """The elastic driver's "hosts updated" notices (a host added, removed or back from its blacklist), heard by
+    the notification service that ``hvd.init`` callers start under horovodrun's elastic mode; the driver sends
+    them to the process of rank 0 only."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending = False
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:   # the service's thread
+        with self._lock:
+            self._pending = True
+
+    def take(self) -> bool:
+        with self._lock:
+            pending, self._pending = self._pending, False
+        return pending
+
+
+_HOSTS = _HostUpdates()
+
+
+def _listen_for_hosts() -> None:
+    """Start the notification service (once a process; Horovod's own ``hvd.elastic.run`` does the same) and
+    register ``_HOSTS`` with it."""
+    from horovod.common.elastic import notification_manager
+    notification_manager.init()
+    notification_manager.register_listener(_HOSTS)     # a set: registering again changes nothing
 
 
 _GLOO: Dict[int, str] = {}   # fd -> its socket's identity: the sockets the last hvd.init opened (Gloo's)
@@ -218,6 +254,8 @@ def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     if not torch.cuda.is_available():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     _init_counted()
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        _listen_for_hosts()
     comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
     agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,
                   lambda obj: comm.allgather_object(obj, name="device.gpus"))

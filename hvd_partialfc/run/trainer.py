@@ -28,6 +28,7 @@ from ..run_files import CheckpointError
 from ..verification.evaluator import EvaluationError
 from .train_log import TrainLog
 from .watch import faults
+from .watch.hosts import HostChanges
 from .watch.preempt import StopSignals
 from .watch.sample_watch import SampleWatch
 from .watch.stragglers import Stragglers
@@ -91,6 +92,8 @@ class Trainer:
         self.log: Optional[TrainLog] = None             # open while fit() runs
         self.stragglers: Optional[Stragglers] = None     # built in fit() (a collective)
         self.signals: Optional[StopSignals] = None
+        self.hosts = HostChanges(comm)
+        self.regroup = False   # fit() stopped for the launcher's new set of hosts: the group re-forms (cli_train.py)
 
     def train_step(self, step: int, batches) -> Dict[str, float]:
         """One optimizer step (step.py)."""
@@ -107,7 +110,7 @@ class Trainer:
         with TrainLog(self.cfg, self.comm, self.parts, self.start_step, self.total_steps, self.samples) as log, \
                 StopSignals() as signals:   # before the loader's workers fork: they inherit the handlers
             self._open(log, signals)
-            vote = StepVote(self.comm, [signals, self.checkpointer, self.memory, self.stragglers])
+            vote = StepVote(self.comm, [signals, self.checkpointer, self.memory, self.stragglers, self.hosts])
             batches = named_stalls(iter(self.loader), self.comm.rank,
                                    self.cfg.data.batch_timeout if self.loader.num_workers > 0 else 0)
             with self.step.watched_by(self.stragglers, self.samples):
@@ -141,6 +144,8 @@ class Trainer:
         """What step ``done`` brings besides itself, in this order (the module's docstring); True when the loop
         ends here (a stop, an eviction). Every decision is the same on every rank (the vote, the schedules)."""
         stop, too_many = self.signals.due(done, final), self.samples.due(done, final)
+        regroup = self.hosts.due(done, final) and not stop
+        stop = stop or regroup
         scheduled, evaluate = self.checkpointer.scheduled(done, final), self.evaluator.due(done, final)
         save, averaged = self.checkpointer.due(done, final) or stop or too_many, scheduled or evaluate
         if averaged:   # the run goes on with the averaged buffers
@@ -154,6 +159,11 @@ class Trainer:
                                          "written"))
         if evaluate:
             self._evaluate_or_stop(done, saved=save)
+        if regroup:
+            self.regroup = True
+            self.log.write(f"step {done}: the launcher changed the hosts; checkpoint {self.last_checkpoint} written, "
+                           "the group re-forms")
+            return True
         if stop:
             self.stopped_by = self.signals.stopped_by
             self.log.write(f"step {done}: stopping on {self.stopped_by}; checkpoint {self.last_checkpoint} written, "
