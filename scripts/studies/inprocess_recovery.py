@@ -12,6 +12,11 @@ before step ``--kill + 1``; the job goes on at 2 ranks from the step-``--kill`` 
   step), what the job loses in wall time besides the steps redone;
 * **kill -> re-formed**: from the kill to the survivors' new group (the "went on" line; relaunch: none);
 * **survivors' PIDs kept**: every rank after the fault runs in a process that ran a rank before it.
+
+``--cycles N`` instead: one job whose discovery script drops the third host and lists it again, N re-forms in all
+(one flip every ``--flip-s`` seconds; flips that come faster than the job re-forms count once), the two old ranks
+sampled from outside (psutil, every 0.3 s): their RSS, threads, open descriptors, sockets and child processes before
+the first re-form, before the second, and at the end of training.
 """
 from __future__ import annotations
 
@@ -89,13 +94,99 @@ def one_run(mode: str, data: str, work: str, steps: int, kill: int) -> Dict:
             "wall_s": round(time.time() - t0, 1)}
 
 
+FLIPS = """#!{python}
+import os, time
+state = {state!r}
+print({first!r}); print({second!r})
+flips, since = (open(state).read().split() if os.path.exists(state) else ["0", str(time.time())])
+flips, since = int(flips), float(since)
+if flips < {cycles} and time.time() - since > {flip_s}:
+    flips, since = flips + 1, time.time()
+    open(state, "w").write(f"{{flips}} {{since}}")
+elif not os.path.exists(state):
+    open(state, "w").write(f"0 {{since}}")
+if flips % 2 == 0:
+    print({third!r})
+"""
+
+
+def sample(procs: Dict[int, List[Dict]], stop) -> None:
+    """Every 0.3 s, each training rank's resources (its process found by its command line)."""
+    import psutil
+    while not stop.is_set():
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                if "hvd-partialfc train" not in cmd or "horovodrun" in cmd or cmd.startswith("/bin/sh"):
+                    continue
+                with p.oneshot():
+                    row = {"t": time.time(), "rss_mb": p.memory_info().rss / 2**20, "threads": p.num_threads(),
+                           "fds": p.num_fds(), "sockets": len(p.net_connections("inet")),
+                           "children": len(p.children(recursive=True))}
+                procs.setdefault(p.info["pid"], []).append(row)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        stop.wait(0.3)
+
+
+def cycles_run(data: str, work: str, steps: int, cycles: int, flip_s: float) -> Dict:
+    import threading
+    run, names = os.path.join(work, "run"), local_names()
+    hosts = os.path.join(work, "hosts.py")
+    with open(hosts, "w") as f:
+        f.write(FLIPS.format(python=sys.executable, state=os.path.join(work, "state"), cycles=cycles,
+                             flip_s=flip_s, first=f"{names[0]}:1", second=f"{names[1]}:1", third=f"{names[2]}:1"))
+    os.chmod(hosts, 0o755)
+    env = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
+               VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo", HOROVODRUN_ARGS="--log-level INFO")
+    cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), data, run, hosts, "2", "3", "3", "--steps",
+           str(steps)] + [a for s in SETS + ["checkpoint.every=50"] for a in ("--set", s)]
+    procs: Dict[int, List[Dict]] = {}
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(procs, stop), daemon=True)
+    sampler.start()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
+    stop.set()
+    sampler.join()
+    text = p.stdout + p.stderr
+    if p.returncode != 0:
+        raise SystemExit(f"cycles: exit {p.returncode}\n{text[-3000:]}")
+    lines = re.findall(r"went on in this process \(pid (\d+)\): the group re-formed at (\d) ranks", text)
+    counts = {int(pid): sum(1 for q, _ in lines if q == pid) for pid, _ in lines}
+    old = sorted(pid for pid, n in counts.items() if n == max(counts.values()))   # in the job throughout
+    out = {"reforms": max(counts.values()), "old_pids": old, "processes_started": text.count("start worker process:"),
+           "samples": {str(pid): procs.get(pid, []) for pid in old}}
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        times = {r["step"]: r["time"] for r in map(json.loads, filter(str.strip, f)) if "time" in r}
+    regroups = sorted({int(x) for x in re.findall(r"step (\d+): the launcher changed the hosts", text)})
+    ends = [times[s] for s in regroups] + [max(times.values())]
+    out["regroup_steps"] = regroups
+    for pid in old:   # the last sample before the first re-form, before the second, and before the run's end
+        rows = procs.get(pid, [])
+        at = [max((r for r in rows if r["t"] < t), key=lambda r: r["t"]) for t in (ends[0], ends[1], ends[-1])]
+        out[str(pid)] = {k: [round(r[k], 1) for r in at] for k in ("rss_mb", "threads", "fds", "sockets", "children")}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill", type=int, default=6)
     ap.add_argument("--json")
+    ap.add_argument("--cycles", type=int, default=0, help="one job with this many host flips instead")
+    ap.add_argument("--flip-s", type=float, default=6.0)
     a = ap.parse_args()
+    if a.cycles:
+        with tempfile.TemporaryDirectory() as tmp:
+            data = shards(tmp, classes=24, per_class=30, dim=32, num_shards=6)
+            res = cycles_run(data, tempfile.mkdtemp(dir=tmp), a.steps, a.cycles, a.flip_s)
+        print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1))
+        print("values: the last sample before the first re-form, before the second, before the end of training")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = shards(tmp, classes=24, per_class=30, dim=32, num_shards=6)
