@@ -99,7 +99,7 @@ class CommBase:
         when it can. Not a collective."""
         return "only elastic torchrun (--nnodes MIN:MAX, --max-restarts > 0) can go on without a node"
 
-    # --- going on in this process after a peer is lost (cli_train.py; docs/reliability.md, "In-process recovery")
+    # --- going on in this process after a peer is lost (cli_train.py; docs/reliability.md, "Going on in the same processes")
     def reformable(self) -> bool:
         """Whether the survivors of a lost peer can re-form the group in their own processes (an elastic
         launcher that re-forms it: Horovod's elastic mode). Not a collective."""

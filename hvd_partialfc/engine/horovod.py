@@ -143,7 +143,7 @@ class Comm(CommBase):
         except Exception as e:   # noqa: BLE001 ("... has been removed from elastic job")
             print(f"[rank {self.rank}] not part of the job any more: {type(e).__name__}: {e}", flush=True)
             return None
-        return Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
+        return _agreed_comm()
 
 
 class _HostUpdates:
@@ -256,8 +256,17 @@ def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     _init_counted()
     if os.environ.get("HOROVOD_ELASTIC") == "1":
         _listen_for_hosts()
+    _DEVICE[:] = [device, share_gpu]
+    return _agreed_comm()
+
+
+_DEVICE: List[Any] = ["auto", False]   # init's device and share_gpu: a re-formed group checks them again
+
+
+def _agreed_comm() -> Comm:
+    """The Comm of the group ``hvd.init`` just formed, every rank's GPU checked (``device.agreed_device``)."""
     comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
-    agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,
+    agreed_device(_DEVICE[0], comm.rank, comm.local_rank, comm.size, _DEVICE[1],
                   lambda obj: comm.allgather_object(obj, name="device.gpus"))
     return comm
 
