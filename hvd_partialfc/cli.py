@@ -26,7 +26,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .cli_support import finish_subcommands, offline_user_errors, record_exit, run_command
+from .cli_support import finish_subcommands, freeze_at_exit, offline_user_errors, record_exit, run_command
 from .cli_train import run_simulate as _simulate, run_train as _train, train_config as _train_config
 
 
@@ -325,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        freeze_at_exit()      # the process's exit skips collections over torch's objects (cli_support.py)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd in ("train", "simulate", "profile"):   # before any rank starts: the config; the rest is rank_error's
         from .config import ConfigError
