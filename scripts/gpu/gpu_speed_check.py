@@ -327,4 +327,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from hvd_partialfc.cli_support import freeze_at_exit
+    try:
+        raise SystemExit(main())
+    finally:
+        freeze_at_exit()      # the exit skips the shutdown's collections over torch's objects
