@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hvd_partialfc.cli_support import freeze_at_exit  # noqa: E402
 from hvd_partialfc.engine.base import RankFailure  # noqa: E402
 from hvd_partialfc.engine.heartbeat import Heartbeat  # noqa: E402
 from hvd_partialfc.engine.select import start_engine  # noqa: E402
@@ -88,3 +89,4 @@ for mode in modes:
 hb.stop()
 print(f"[rank {comm.rank}] done", flush=True)
 comm.shutdown()
+freeze_at_exit()          # the exit skips the shutdown's collections over torch's objects (cli_support.py)
