@@ -200,6 +200,8 @@ def scenario_all(shards, out, steps, cases):
 
 
 if __name__ == "__main__":
+    from hvd_partialfc.cli_support import freeze_at_exit
+    freeze_at_exit()      # the exit skips the shutdown's collections over torch's objects (cli_support.py)
     name, args = sys.argv[1], sys.argv[2:]
     out = args[0] if name == "logits" else args[1]
     os.makedirs(out, exist_ok=True)
