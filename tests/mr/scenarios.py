@@ -265,6 +265,8 @@ def scenario_runs(spec_path):
 
 
 if __name__ == "__main__":
+    from hvd_partialfc.cli_support import freeze_at_exit
+    freeze_at_exit()      # the exit skips the shutdown's collections over torch's objects (cli_support.py)
     if sys.argv[1] == "runs":
         scenario_runs(sys.argv[2])
         sys.exit(0)
