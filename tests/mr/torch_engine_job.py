@@ -20,6 +20,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from hvd_partialfc.cli_support import freeze_at_exit  # noqa: E402
 from hvd_partialfc.engine import torchdist  # noqa: E402
 from hvd_partialfc.engine.base import backbone_params  # noqa: E402
 
@@ -80,6 +81,7 @@ def branch(comm, out):
 
 
 mode = sys.argv[1]
+freeze_at_exit()          # the exit skips the shutdown's collections over torch's objects (cli_support.py)
 if mode == "wait":
     wait(torchdist.init("cpu", timeout_s=float(sys.argv[2])), map(float, sys.argv[3:]))
 elif mode == "branch":
