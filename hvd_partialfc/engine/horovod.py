@@ -109,7 +109,7 @@ class Comm(CommBase):
     def reformable(self) -> bool:
         """Under horovodrun's elastic mode (``--min-np/--max-np --host-discovery-script``: HOROVOD_ELASTIC=1),
         whose driver re-forms the group of the workers that call ``hvd.init`` again."""
-        return os.environ.get("HOROVOD_ELASTIC") == "1"
+        return _elastic()
 
     def abort(self) -> None:
         """Cut this rank's Gloo connections (the sockets its ``hvd.init`` opened: ``_GLOO``): a collective this
@@ -143,7 +143,7 @@ class Comm(CommBase):
         except Exception as e:   # noqa: BLE001 ("... has been removed from elastic job")
             print(f"[rank {self.rank}] not part of the job any more: {type(e).__name__}: {e}", flush=True)
             return None
-        return _agreed_comm()
+        return _agreed_comm(*self.device_request)
 
 
 class _HostUpdates:
@@ -254,19 +254,22 @@ def init(device: str = "auto", share_gpu: bool = False) -> Comm:
     if not torch.cuda.is_available():
         os.environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
     _init_counted()
-    if os.environ.get("HOROVOD_ELASTIC") == "1":
+    if _elastic():
         _listen_for_hosts()
-    _DEVICE[:] = [device, share_gpu]
-    return _agreed_comm()
+    return _agreed_comm(device, share_gpu)
 
 
-_DEVICE: List[Any] = ["auto", False]   # init's device and share_gpu: a re-formed group checks them again
+def _elastic() -> bool:
+    """horovodrun's elastic mode (``--min-np/--max-np --host-discovery-script``) started this process."""
+    return os.environ.get("HOROVOD_ELASTIC") == "1"
 
 
-def _agreed_comm() -> Comm:
-    """The Comm of the group ``hvd.init`` just formed, every rank's GPU checked (``device.agreed_device``)."""
+def _agreed_comm(device: str, share_gpu: bool) -> Comm:
+    """The Comm of the group ``hvd.init`` just formed, every rank's GPU checked (``device.agreed_device``); it
+    keeps ``device`` and ``share_gpu`` (``device_request``), which a re-formed group checks again."""
     comm = Comm(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size())
-    agreed_device(_DEVICE[0], comm.rank, comm.local_rank, comm.size, _DEVICE[1],
+    comm.device_request = (device, share_gpu)
+    agreed_device(device, comm.rank, comm.local_rank, comm.size, share_gpu,
                   lambda obj: comm.allgather_object(obj, name="device.gpus"))
     return comm
 
