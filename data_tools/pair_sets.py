@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import h5py
 import numpy as np
 
-from hvd_partialfc.atomic import atomic_path
+from hvd_partialfc.atomic import atomic_file, atomic_path
 from hvd_partialfc.data.pair_files import FORMAT, VERSION, read_pairs
 from hvd_partialfc.data.shards import ShardError, open_shard, read_manifest, read_shard_labels, unreadable_shard
 
@@ -123,5 +123,5 @@ def write_bin(path: str, encoded_images: Sequence[bytes], issame: Sequence[bool]
     atomically: images 2k and 2k+1 form pair k."""
     if len(encoded_images) != 2 * len(issame):
         raise ValueError(f"{len(encoded_images)} images for {len(issame)} pairs (expected 2 per pair)")
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         pickle.dump((list(encoded_images), list(bool(s) for s in issame)), f, protocol=4)

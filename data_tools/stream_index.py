@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hvd_partialfc.atomic import atomic_path
+from hvd_partialfc.atomic import atomic_file
 
 from .stream_restart import INDEX_CACHE
 
@@ -211,6 +211,6 @@ def save_index_cache(folder: str, fmt: str, source: str, index: SampleIndex) -> 
             "rec_path": index.rec_path}
     arrays = {k: getattr(index, k) for k in ("codes", "offsets", "keys", "path_blob", "path_ends")
               if getattr(index, k) is not None}
-    with atomic_path(os.path.join(folder, INDEX_CACHE)) as tmp, open(tmp, "wb") as f:
+    with atomic_file(os.path.join(folder, INDEX_CACHE)) as f:
         np.savez(f, meta=np.array(json.dumps(meta)), classes=np.array(index.classes, dtype=str), **arrays)
 

@@ -9,6 +9,14 @@ at a guessed name is never followed (before: ``.NAME.tmp-PID``, opened with ``O_
 have a checkpoint write overwrite one of the victim's files). Every file this package writes for a user
 (checkpoints, manifests, pair sets, reports) goes through here. Not a collective; no Horovod.
 
+The temporary is written through the descriptor its exclusive create returned (`atomic_file`), in a folder
+opened once as a descriptor, and renamed through that descriptor: it is never opened again by name, so a member
+of a group-writable folder who swaps a link in for the temporary while it is written has nothing written through
+the link, and the swapped name is never published (the write fails). `atomic_path` gives a library that writes
+only by name (h5py) the temporary's name: that reopening stays its window, with the same check before the
+rename. The folder helpers (`open_dir`, `same_entry`, `clear_dir`, `remove_tree_at`) serve the memory snapshot
+store too: they never follow a link and act on the folder a descriptor holds, whatever its name points to now.
+
 A whole folder (a shard set, an IJB-shaped set) is committed the same way, one level up: written in full
 under another name, then renamed into place by `commit_folder`, with `recover_folder` to finish at the
 next start what a crash interrupted. A folder cannot be ``os.replace``d onto a non-empty one, so the old
@@ -16,11 +24,12 @@ folder is first moved aside (never deleted) and removed only once the new one is
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import shutil
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import IO, Any, Iterator, Optional, Tuple
 
 
 def fsync_dir(path: str) -> None:
@@ -45,59 +54,145 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
-_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 
-def _create_temporary(folder: str, name: str, mode: int = 0o666) -> str:
-    """Create an empty file ``.NAME.tmp-PID-RANDOM`` in ``folder`` that no other file or link was at
-    (``O_EXCL``), with the mode a plain ``open`` would give (0666 less the umask; ``mkstemp``'s 0600 would
-    make checkpoints unreadable to the group that shares the run folder), or ``mode`` (less the umask: 0600
-    for what only its owner may read, a memory snapshot, the run's token). The ``.NAME.tmp-`` prefix is what
-    a killed build's clean-up looks for (data_tools/stream_restart.py)."""
-    for _ in range(100):
-        tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+def open_dir(path: str, dir_fd: Optional[int] = None, follow: bool = True) -> int:
+    """A descriptor of the folder ``path`` (a name in the open folder ``dir_fd`` if given); ``follow=False``: a
+    link there is refused (OSError), never followed."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | (0 if follow else _NOFOLLOW), dir_fd=dir_fd)
+
+
+def same_entry(dir_fd: int, name: str, fd: int) -> bool:
+    """Whether ``name`` in the folder ``dir_fd`` is still the file or folder open as ``fd`` (nothing else, a link
+    or another file, put in its place)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def clear_dir(fd: int) -> None:
+    """Remove everything in the open folder ``fd``, never through a link (a link goes, not what it points to);
+    best effort, as ``rmtree(ignore_errors=True)``."""
+    try:
+        entries = list(os.scandir(fd))
+    except OSError:
+        return
+    for e in entries:
         try:
-            os.close(os.open(tmp, _EXCLUSIVE, mode))
-            return tmp
+            if e.is_dir(follow_symlinks=False):
+                remove_tree_at(fd, e.name)
+            else:
+                os.unlink(e.name, dir_fd=fd)
+        except OSError:
+            pass
+
+
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """Remove the folder ``name`` of the open folder ``dir_fd`` and all in it; a link or a file at ``name`` stays.
+    Best effort, as ``rmtree(ignore_errors=True)``."""
+    try:
+        fd = open_dir(name, dir_fd, follow=False)
+    except OSError:
+        return
+    try:
+        clear_dir(fd)
+        if same_entry(dir_fd, name, fd):
+            os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _create_temporary(dir_fd: int, name: str, mode: int = 0o666) -> Tuple[str, int]:
+    """(its name, a write descriptor) of a new empty file ``.NAME.tmp-PID-RANDOM`` in the folder ``dir_fd`` that
+    no other file or link was at (``O_EXCL``), with the mode a plain ``open`` would give (0666 less the umask;
+    ``mkstemp``'s 0600 would make checkpoints unreadable to the group that shares the run folder), or ``mode``
+    (less the umask: 0600 for what only its owner may read, a memory snapshot, the run's token). The
+    ``.NAME.tmp-`` prefix is what a killed build's clean-up looks for (data_tools/stream_restart.py)."""
+    for _ in range(100):
+        tmp = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            return tmp, os.open(tmp, _EXCLUSIVE, mode, dir_fd=dir_fd)
         except FileExistsError:
             continue
-    raise FileExistsError(f"{folder}: no free temporary name for {name} in 100 tries")
+    raise FileExistsError(f"no free temporary name for {name} in 100 tries")
+
+
+@contextmanager
+def _temporary(path: str, mode: int, dir_fd: Optional[int]) -> Iterator[Tuple[str, int]]:
+    """(the temporary's name in the folder, its write descriptor) beside ``path`` (a name in the open folder
+    ``dir_fd`` if given, else the folder is opened once here). On a normal exit: fsynced and renamed onto
+    ``path`` through the folder's descriptor, only if its name still holds the file created (a link or a file
+    swapped in for it is never published), then the folder fsynced. On an exception: removed."""
+    path = os.fspath(path)
+    folder, name = (None, path) if dir_fd is not None else os.path.split(os.path.abspath(path))
+    dfd = dir_fd if dir_fd is not None else open_dir(folder)
+    try:
+        tmp, fd = _create_temporary(dfd, name, mode)
+        try:
+            yield tmp, fd
+            os.fsync(fd)
+            if not same_entry(dfd, tmp, fd):
+                raise OSError(errno.EEXIST, f"{name}: its temporary file {tmp} was replaced while it was written "
+                                            "(by another user of the folder?); nothing was written in its place")
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+        try:
+            os.fsync(dfd)
+        except OSError:
+            pass
+    finally:
+        if dir_fd is None:
+            os.close(dfd)
+
+
+@contextmanager
+def atomic_file(path: str, mode: int = 0o666, text: bool = False, dir_fd: Optional[int] = None) -> Iterator[IO]:
+    """An open file (binary, or UTF-8 ``text``) that becomes ``path``, whole or not at all (see the module's
+    docstring): written through the descriptor of its exclusive create, never reopened by name. ``dir_fd``:
+    ``path`` is a name in that open folder (the snapshot store's)."""
+    with _temporary(path, mode, dir_fd) as (_, fd):
+        with open(fd, "w" if text else "wb", closefd=False, **({"encoding": "utf-8"} if text else {})) as f:
+            yield f
 
 
 @contextmanager
 def atomic_path(path: str, mode: int = 0o666) -> Iterator[str]:
-    """Yield the path of a new empty temporary file beside ``path`` (created exclusively, see the module
-    docstring); write it (any library: h5py, torch, json); on a normal exit it is fsynced and renamed onto
-    ``path``. On an exception the temporary file is removed and ``path`` is left as it was."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = _create_temporary(folder, os.path.basename(path), mode)
-    try:
-        yield tmp
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(folder)
+    """Yield the path of a new empty temporary file beside ``path`` (created exclusively), for a library that
+    writes only by name (h5py): on a normal exit it is fsynced and renamed onto ``path``, if its name still holds
+    the file created. On an exception the temporary file is removed and ``path`` is left as it was. Whatever can
+    write into an open file uses `atomic_file` (no reopening by name)."""
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    with _temporary(path, mode, None) as (tmp, _):
+        yield os.path.join(folder, tmp)
 
 
 def write_bytes(path: str, data: bytes, mode: int = 0o666) -> None:
-    with atomic_path(path, mode) as tmp, open(tmp, "wb") as f:
+    with atomic_file(path, mode) as f:
         f.write(data)
 
 
 def write_text(path: str, text: str, mode: int = 0o666) -> None:
-    with atomic_path(path, mode) as tmp, open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(path, mode, text=True) as f:
         f.write(text)
 
 
 def torch_save(obj: Any, path: str) -> None:
     import torch
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         torch.save(obj, f)
 
 

@@ -180,6 +180,30 @@ def test_atomic_temporaries_are_exclusive(tmp_path, monkeypatch):
     assert (os.stat(tmp_path / "f").st_mode & 0o777) == (0o666 & ~_umask())   # as a plain open() gives
 
 
+def test_a_temporary_swapped_for_a_link_while_it_is_written_overwrites_nothing(tmp_path, monkeypatch):
+    """A member of a group-writable folder swaps a link to the owner's file in for the temporary between its
+    exclusive create and the write (simulated: a hook on the create). The write goes to the file created, the
+    link is never written through nor published, and the write fails in one line (before: the temporary was
+    reopened by name, so the owner's file was overwritten and the link renamed onto the checkpoint's name)."""
+    victim = tmp_path / "thesis.tex"
+    victim.write_bytes(b"years of work")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    real = atomic._create_temporary
+
+    def create_then_swap(*args, **kwargs):
+        made = real(*args, **kwargs)
+        (tmp,) = [p for p in shared.iterdir() if p.name.startswith(".ckpt.pt.tmp-")]
+        tmp.unlink()
+        tmp.symlink_to(victim)
+        return made
+    monkeypatch.setattr(atomic, "_create_temporary", create_then_swap)
+    with pytest.raises(OSError, match="ckpt.pt: its temporary file .* was replaced while it was written"):
+        atomic.write_bytes(str(shared / "ckpt.pt"), b"a checkpoint")
+    assert victim.read_bytes() == b"years of work"
+    assert list(shared.iterdir()) == []                 # the link removed (not what it points to), nothing published
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -58,8 +58,9 @@ class InjectedDisk:
                 self.f.close()
 
         def limited_open(file, mode="r", *args, **kwargs):
-            f = open(file, mode, *args, **kwargs)
-            inside = os.path.abspath(file).startswith(str(path) + os.sep)
+            f = open(file, mode, *args, **kwargs)     # atomic.py writes through the descriptor it created
+            where = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else file
+            inside = os.path.abspath(where).startswith(str(path) + os.sep)
             return Limited(f) if inside and any(c in mode for c in "wax+") else f
         monkeypatch.setattr(atomic, "open", limited_open, raising=False)
 
