@@ -34,7 +34,7 @@ def trainer_user_errors() -> Tuple[Type[BaseException], ...]:
     its traceback): a rank's agreed failure, the config, shard, checkpoint, non-finite and evaluation
     (eval.on_error=stop) errors, and a loader that sent no batch in data.batch_timeout."""
     from .config import ConfigError
-    from .data.loader import LoaderStalled
+    from .data.stalls import LoaderStalled
     from .data.shards import ShardError
     from .engine.base import RankFailure
     from .run_files import CheckpointError

@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import h5py
@@ -242,86 +241,6 @@ def make_loader(dataset: RankShardDataset, batch_size: int, seed: int, workers: 
                         pin_memory=pin_memory, persistent_workers=workers > 0,
                         prefetch_factor=4 if workers > 0 else None, generator=generator)
     return loader, batches.steps_per_epoch
-
-
-class LoaderStalled(RuntimeError):
-    """No batch from the rank's loader workers within ``data.batch_timeout``."""
-
-
-_STATES = {"D": "in uninterruptible I/O (D: a stalled disk or network file system)", "T": "stopped (T)",
-           "t": "stopped by a debugger (t)", "S": "sleeping (S)", "R": "running (R)", "Z": "a zombie (Z)"}
-
-
-def _workers() -> List[Tuple[int, str]]:
-    """This process's multiprocessing children (while it trains: the loader's workers) and their kernel states."""
-    import multiprocessing
-    out = []
-    for child in multiprocessing.active_children():
-        try:
-            with open(f"/proc/{child.pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            state = "?"
-        out.append((child.pid, f"pid {child.pid} {_STATES.get(state, state)}"))
-    return out
-
-
-class _Expired(BaseException):
-    """SIGALRM's: a batch's wait ran over (a BaseException: no ``except Exception`` on the way swallows it)."""
-
-
-def _end_workers(rank: int, timeout: float) -> str:
-    """The stall's line, after SIGKILL to every worker: Python joins its children at exit, which a stopped worker
-    would hold for ever (SIGKILL ends a stopped process at once, one in a killable wait, NFS's, when the wait
-    returns). torch's SIGCHLD handler is set aside first: it would raise its own error for each killed worker
-    wherever this rank then is, its error report included (seen in the test of this)."""
-    import signal
-    workers = _workers()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for pid, _ in workers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return (f"rank {rank}: no batch from its loader workers in {timeout:g} s (data.batch_timeout); workers: "
-            f"{'; '.join(w for _, w in workers) or 'none alive'} (killed). A worker is stuck (a stalled file "
-            "system, a deadlock): this rank stops, so the job ends or restarts from its last checkpoint instead "
-            "of waiting; if one batch can really take this long, raise data.batch_timeout")
-
-
-def named_stalls(batches: Iterator, rank: int, timeout: float) -> Iterator:
-    """``batches`` (a DataLoader's iterator), each wait for one bounded by ``timeout`` seconds (0: none). A
-    worker that is alive but sends nothing (a read stuck on a stalled file system, a lock held across the
-    fork) would otherwise hold the job until a collective's timeout, or for ever under Horovod, which bounds
-    none (docs/engines.md). The bound is SIGALRM's (``setitimer``, armed around each wait): its handler's
-    exception ends the wait wherever it is. DataLoader's own ``timeout`` bounds only its queue's poll, and a
-    batch's tensors are then fetched from the worker that made them (their file descriptors): with that worker
-    stopped, the test of this hung for ever. A thread that killed the workers instead ended the wait, but each
-    killed worker's SIGCHLD then raised torch's error wherever the rank was. The main thread only (signals);
-    elsewhere (``simulate``'s ranks, which have no workers) the wait is not bounded."""
-    import signal
-    if timeout <= 0 or threading.current_thread() is not threading.main_thread():
-        yield from batches
-        return
-
-    def expired(signum, frame):
-        raise _Expired()
-    previous = signal.signal(signal.SIGALRM, expired)
-    try:
-        while True:
-            try:       # the disarm inside the outer try: an alarm that lands in it is still the stall
-                signal.setitimer(signal.ITIMER_REAL, timeout)
-                try:
-                    item = next(batches)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-            except StopIteration:
-                return
-            except _Expired:
-                raise LoaderStalled(_end_workers(rank, timeout)) from None
-            yield item
-    finally:
-        signal.signal(signal.SIGALRM, previous)
 
 
 def resolve_workers(workers: int, local_size: int) -> int:
