@@ -155,8 +155,13 @@ def check_run_folder(out: str) -> List[Check]:
         return [Check(FAIL, f"run folder {out}: cannot write in {probe} ({e.strerror or e})",
                       "pass --out on a writable file system (every node's ranks write there)")]
     where = "" if probe == os.path.abspath(out) else f" (created at the start; {probe} takes files)"
-    from ..run.watch.run_lock import in_use
-    busy = in_use(out)
+    from ..run.watch.run_lock import CannotTell, in_use
+    try:
+        busy = in_use(out)
+    except CannotTell as e:
+        return [Check(NOTE, f"run folder {out}: writable; whether a job trains into it now cannot be told by "
+                      f"this user ({e})", "the lock file's owner's next start there lets the folder's "
+                      "group read it (or: chmod g+r it); until then, ask whoever runs jobs there")]
     if busy:
         return [Check(NOTE, f"run folder {out}: writable, and in use by a job training now ({busy}): a start "
                       "there waits for it (checkpoint.lock_wait), then refuses",
