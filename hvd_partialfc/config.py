@@ -154,6 +154,11 @@ class OptimConfig:
                                  FAST, resume="free")
     backward_passes_per_step: int = opt(1, "gradient accumulation: backward passes per optimizer step (one "
                                            "allreduce)")
+    # match on resume: sum steps k times further than mean. An imported arcface_torch run needs sum (its
+    # train_v2.py backpropagates each batch's loss undivided); the import refuses mean at gradient_acc > 1
+    accumulate: str = opt("mean", "backward_passes_per_step > 1: the step's gradient is the mean of its passes' "
+                                  "(lr means the same at any count) or their sum (arcface_torch's gradient_acc)",
+                          choices=("mean", "sum"), see="docs/migrate.md#gradient-accumulation-a-sum")
     classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
                                               "(lr means the same at any N) or the rank's own (N times larger)",
                                     choices=("global", "local"), see="docs/accuracy.md#what-was-found-and-what-changed")

@@ -417,6 +417,97 @@ def test_a_run_on_uneven_data_goes_on_at_arcface_lr_and_length(tmp_path):
     _continue(tmp_path / "run", cfg, sched, 12, 1, 36, 8)
 
 
+SUM_CONFIG = '''from easydict import EasyDict as edict
+config = edict()
+config.margin_list = (1.0, 0.0, 0.4)
+config.network = "r18"
+config.embedding_size = 16
+config.batch_size = 4
+config.gradient_acc = 2
+config.lr = 0.4
+config.num_image = 8
+config.num_epoch = 2
+config.warmup_epoch = 0
+'''
+
+
+def test_a_gradient_acc_run_goes_on_with_arcface_summed_gradient(tmp_path, monkeypatch):
+    """arcface_torch's train_v2.py backpropagates each of its gradient_acc batches' losses undivided: its step's
+    gradient is their sum, k times this package's mean. A 1-rank run at gradient_acc 2 (8 samples: one optimizer
+    step an epoch, 2 in its scheduler's 4 batches), saved after its first epoch, translated and imported, takes
+    its last step here; arcface's own continuation is computed in the test from the same state and the same two
+    batches (those the step drew): CosFace (s 64, m 0.4) over every class, each batch's mean loss backpropagated
+    and summed, clip_grad_norm_(backbone, 5), one SGD over its two groups at the scheduler's lr. The backbone
+    and the rows after the step agree within float tolerance (under mean they differ by 0.05 and 0.16). The
+    import refuses the config's mean at gradient_acc > 1 with the key to set, and so does the resume of an
+    import written before the key existed."""
+    import torch.nn.functional as F
+    from dataclasses import replace
+    from hvd_partialfc.cli import main
+    from hvd_partialfc.config_io import load_config
+    from hvd_partialfc.models import create_model
+    from hvd_partialfc.run import step as step_module
+    from hvd_partialfc.run.ckpt.resume import check_config
+    from hvd_partialfc.tools.arcface_import import ArcfaceImportError, import_arcface
+    shards = build_shards(make_feature_npz(tmp_path / "f.npz", [1] * 8), tmp_path / "shards", 2)
+    (tmp_path / "acc2.py").write_text(SUM_CONFIG)
+    assert main(["config", "--from-arcface", str(tmp_path / "acc2.py"), "--world-size", "1",
+                 "--out", str(tmp_path / "acc2.yaml")]) == 0
+    cfg = load_config(str(tmp_path / "acc2.yaml"), SMALL_SETS, {"data": {"shards": shards}, "out": str(tmp_path / "out")})
+    assert cfg.optim.accumulate == "sum" and cfg.optim.backward_passes_per_step == 2
+    torch.manual_seed(0)
+    model = create_model("mlp", in_shape=[16], embedding_dim=16, hidden_dim=16)
+    with torch.no_grad():    # the same function (BatchNorm after each layer, the embedding normalised), a gradient
+        for p in model.parameters():     # 1/100 as large: under the clip of 5, so the backbone's step shows it
+            p.mul_(100)
+    write_run(str(tmp_path / "run"), model.state_dict(), [n for n, _ in model.named_parameters()],
+              torch.randn(8, 16), 0.01 * torch.randn(8, 16),
+              {n: 0.01 * torch.randn_like(p) for n, p in model.named_parameters()}, 1, 2, lr=0.4, total=4, power=1.0)
+    src = torch.load(tmp_path / "run" / "checkpoint_gpu_0.pt", weights_only=True)
+    with pytest.raises(ArcfaceImportError, match="set optim.accumulate=sum"):
+        import_arcface(str(tmp_path / "run"), replace(cfg, optim=replace(cfg.optim, accumulate="mean")),
+                       log=lambda m: None)
+    summary = import_arcface(str(tmp_path / "run"), cfg, log=lambda m: None)
+    assert summary["step"] == 1
+    # an import from before the key (its config without it) resumes with the sum, never silently with the mean
+    old = _json(os.path.join(summary["checkpoint"], "meta.json"))
+    del old["config"]["optim"]["accumulate"]
+    check_config(old, cfg, print)
+    with pytest.raises(ValueError, match="optim.accumulate: 'sum' != 'mean'"):
+        check_config(old, replace(cfg, optim=replace(cfg.optim, accumulate="mean")), print)
+    drawn, prepare = [], step_module.prepare_batch
+
+    def recording(*args):
+        drawn.append(prepare(*args))
+        return drawn[-1]
+    monkeypatch.setattr(step_module, "prepare_batch", recording)
+    ours = simulate_here(replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto")), 1).checkpoint
+    assert _json(os.path.join(ours, "meta.json"))["step"] == 2 and len(drawn) == 2
+
+    # arcface_torch's step, from its rank file
+    model.load_state_dict(src["state_dict_backbone"])
+    rows = torch.nn.Parameter(src["state_dict_softmax_fc"]["weight"].clone())
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [rows]}], lr=0.4, momentum=0.9,
+                          weight_decay=5e-4)
+    opt.load_state_dict(src["state_optimizer"])
+    for g in opt.param_groups:
+        g["lr"] = arcface_lrs(src["state_lr_scheduler"], 2, 2, 4)[0]
+    model.train()
+    for x, y in drawn:
+        cos = (F.normalize(model(x)) @ F.normalize(rows).t()).clamp(-1, 1)
+        F.cross_entropy(64 * (cos - 0.4 * F.one_hot(y, 8)), y).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5)
+    opt.step()
+    bb = torch.load(os.path.join(ours, "backbone.pt"), weights_only=True)["state_dict"]
+    got_rows = torch.load(os.path.join(ours, _json(os.path.join(ours, "meta.json"))["classifier_files"][0]),
+                          weights_only=True)["weight"]
+    backbone = max((bb[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
+    row_diff = (got_rows - rows.detach()).abs().max().item()
+    print(f"summed gradient norm {float(norm):.3f} (unclipped); max |ours - arcface_torch's|: backbone "
+          f"{backbone:.2g}, rows {row_diff:.2g}")
+    assert float(norm) < 5 and backbone < 1e-5 and row_diff < 1e-5, (float(norm), backbone, row_diff)
+
+
 PARSED = '''config = edict()
 config.lr, config.batch_size = 0.2, 64
 config.embedding_size: int = 256

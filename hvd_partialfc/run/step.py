@@ -153,6 +153,7 @@ class Step:
 
     def _run(self, step: int, batches: Iterator) -> Dict[str, float]:
         parts, k = self.parts, self.cfg.optim.backward_passes_per_step
+        summed = self.cfg.optim.accumulate == "sum"
         backbone, head, loss_scale = parts.backbone, parts.head, parts.loss_scale
         skips = parts.device_skips                 # train.skip_decision=device (skips.py), else None
         scale = skips.loss_scale_now() if skips else loss_scale.scale
@@ -170,8 +171,10 @@ class Step:
                 x = x.contiguous(memory_format=torch.channels_last)
             with self._autocast():
                 features = backbone(x)                                              # (B, D)
-            loss = head(features.float(), y) / k                                    # the mode's loss
-            (loss * scale).backward()
+            batch_loss = head(features.float(), y)                                  # the mode's loss
+            loss = batch_loss / k                                   # its share of the step's mean (logged)
+            # optim.accumulate: the mean's gradient, or the sum's (arcface_torch's gradient_acc)
+            ((batch_loss if summed else loss) * scale).backward()
             # summed on the device in float64, as Python's float sum of .item()s did: read at log time
             loss_sum = loss.detach().double() if loss_sum is None else loss_sum + loss.detach().double()
         self._tell("mark", "sync0")

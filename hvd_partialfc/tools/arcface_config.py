@@ -15,8 +15,8 @@ sample_rate -> head.sample_rate; interclass_filtering_threshold -> head.intercla
 train.precision; optimizer, lr, momentum, weight_decay -> optim.*, the backbone and the classifier alike;
 batch_size -> data.batch_size (per GPU); num_epoch -> train.epochs; warmup_epoch -> optim.warmup_steps (with
 num_image and --world-size: its batches of batch_size x W, which its scheduler counts, in optimizer steps of
-gradient_acc batches); the poly schedule; gradient_acc ->
-optim.backward_passes_per_step; seed, num_workers, frequent, verbose -> train.seed,
+gradient_acc batches); the poly schedule; gradient_acc -> optim.backward_passes_per_step, with optim.accumulate
+sum (train_v2.py adds its batches' gradients); seed, num_workers, frequent, verbose -> train.seed,
 data.workers, train.log_every, eval.every; rec + val_targets -> eval.pairs (its .bin files), eval.flip;
 train_v2.py's clip_grad_norm_(backbone, 5) and horizontal flip -> optim.clip_grad_norm 5, data.augment.
 ``head.mode`` is ``local`` (this package's method) unless ``--mode global`` (Partial FC's exact softmax).
@@ -246,6 +246,7 @@ def translate(v: Dict[str, Any], world_size: int = 0, mode: str = "local") -> Tu
         o["backbone_momentum"] = o["classifier_momentum"] = float(v.get("momentum", 0.9))
     o["backbone_weight_decay"] = o["classifier_weight_decay"] = float(v.get("weight_decay", 5e-4))
     o["backward_passes_per_step"] = int(v.get("gradient_acc", 1))
+    o["accumulate"] = "sum"        # train_v2.py backpropagates each batch's loss undivided
     cfg["data"]["batch_size"] = int(v.get("batch_size", 128))
     cfg["data"]["workers"] = int(v.get("num_workers", 2))
     if "num_epoch" in v:

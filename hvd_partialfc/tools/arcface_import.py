@@ -18,6 +18,8 @@ samples (a partial accumulation at the save was never applied). Its lr schedule 
 ``PolyScheduler`` with power 2) and goes on as it would have (progress.ImportedSchedule); the config's keys
 must say the same (``optim.schedule`` poly, ``optim.poly_power``, ``optim.warmup_steps`` in optimizer steps,
 the peak lrs, and a length that ends at the scheduler's total), or the import refuses with the key to set.
+Its step's gradient is the sum of its ``gradient_acc`` batches' (each loss backpropagated undivided): at
+``gradient_acc`` > 1 the config must say ``optim.accumulate: sum`` (``config --from-arcface`` writes it).
 
 The labels: a shard set built from the run's ``.rec`` (``hvd-partialfc-shards build recordio``) names its
 classes by the original integer labels, in numeric order: a ``.rec`` of labels 0 ... C-1 keeps every label
@@ -172,6 +174,7 @@ def import_arcface(run_dir: str, cfg, log: Callable[[str], None] = print) -> Dic
     global_step, epoch = int(first["global_step"]), int(first["epoch"])
     step = global_step // cfg.optim.backward_passes_per_step      # optimizer steps (arcface counts batches)
     length = _length(cfg, world, first, files[0], step)
+    _check_accumulation(cfg, files[0])
     comm0 = LocalComm(0, world)
     parts = build_parts(cfg, comm0, layout, list(manifest.sample_shape), torch.device("cpu"))
     names = [n for n, _ in parts.backbone.named_parameters()]
@@ -353,6 +356,15 @@ def _length(cfg, world: int, obj: Dict[str, Any], path: str, step: int) -> progr
         _refuse(path, f"its lr scheduler runs {total:g} batches ({steps} {at}), the config {length.budget // unit} "
                       f"steps ({how}): set train.steps={steps}")
     return length
+
+
+def _check_accumulation(cfg, path: str) -> None:
+    """train_v2.py backpropagates each of its ``gradient_acc`` batches' losses undivided, so its step's gradient
+    is their sum: the resume must sum them too (``optim.accumulate``), or it would step 1/k as far."""
+    k = cfg.optim.backward_passes_per_step
+    if k > 1 and cfg.optim.accumulate != "sum":
+        _refuse(path, f"train_v2.py sums the gradients of its gradient_acc {k} batches, the config's "
+                      f"optim.accumulate {cfg.optim.accumulate} would take 1/{k} of them: set optim.accumulate=sum")
 
 
 def _refuse(path: str, what: str) -> None:

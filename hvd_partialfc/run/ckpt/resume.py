@@ -40,15 +40,17 @@ class DataIdentity:
     classes: Dict[str, Any] = field(default_factory=dict)
 
 
-def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
-    """A config dict saved by an earlier version (a checkpoint's, written at ``world_size`` ranks), completed
-    with what it meant: keys added since take their defaults (they did not exist, so the run had the
-    default's behaviour), except where a new default changed the numbers:
+def saved_config(d: Dict[str, Any], world_size: int, imported: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's, written at ``world_size`` ranks; ``imported``:
+    its ``imported_from``), completed with what it meant: keys added since take their defaults (they did not
+    exist, so the run had the default's behaviour), except where a new default changed the numbers:
 
     * ``head.sampled_step``: a sampled run of a mode with the row-sparse step (``local``) from before it existed ran the ``lazy`` rule;
     * ``head.negatives_pool``: before it, nothing capped the share, which the default cap leaves unchanged
       only while N x share <= the pool (N=8 at the old defaults); otherwise the run had no cap (0);
-    * ``train.loss_scale_growth``: an fp16 run from before it doubled its loss scale every 1,000 steps.
+    * ``train.loss_scale_growth``: an fp16 run from before it doubled its loss scale every 1,000 steps;
+    * ``optim.accumulate``: an arcface_torch import at gradient_acc > 1 (the import's own checkpoint, no step
+      taken here yet) goes on as arcface_torch would, with the sum, so a config that says mean is refused.
 
     Resume compares this against the current config, so upgrading the package never refuses to resume a
     run whose settings did not change, and refuses one whose numbers would."""
@@ -63,12 +65,15 @@ def saved_config(d: Dict[str, Any], world_size: int) -> Dict[str, Any]:
         h["negatives_pool"] = 0
     if "loss_scale_growth" not in train and full["train"]["precision"] == "fp16":
         full["train"]["loss_scale_growth"] = 1000
+    if "accumulate" not in d.get("optim", {}) and (imported or {}).get("gradient_acc", 1) > 1:
+        full["optim"]["accumulate"] = "sum"
     return full
 
 
 def check_config(meta: Dict[str, Any], cfg, log) -> None:
     """Raise ValueError unless ``cfg`` continues the checkpoint's config (``meta``)."""
-    diffs = [d for d in diff_configs(saved_config(meta["config"], meta["world_size"]), cfg.to_dict())
+    diffs = [d for d in diff_configs(saved_config(meta["config"], meta["world_size"], meta.get("imported_from")),
+                                     cfg.to_dict())
              if not any(d.startswith(k + ".") or d.startswith(k + ":") for k in RESUME_FREE_KEYS)]
     extended = [d for d in diffs if any(d.startswith(k + ":") for k in RESUME_EXTEND_KEYS)]
     diffs = [d for d in diffs if d not in extended]
