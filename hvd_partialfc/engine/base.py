@@ -130,6 +130,11 @@ class CommBase:
         """This node leaves the job: its launcher's agent is told to stop without restarting it (the engines
         that can, ``regroup_refusal`` None). Not a collective."""
 
+    def hosts_rendezvous(self) -> bool:
+        """Whether this rank's node serves the launcher's rendezvous, which the job cannot lose (an evicted
+        straggler's node never is: run/watch/stragglers.py). Not a collective."""
+        return False
+
     def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
         """``fn(tensor)`` (a tensor collective), counted in ``sent_bytes`` and ``wait_s``."""
         self.sent_bytes += tensor.numel() * tensor.element_size()

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import torchrun_agent
 from .base import DEFAULT_COLLECTIVE_TIMEOUT_S, CommBase, RankFailure, backbone_params
 from .device import agreed_device, uses_cuda
 from .optimizer import AveragingOptimizer, by_dtype, plan_buckets
@@ -185,21 +186,18 @@ class TorchComm(CommBase):
 
     def stop_agent(self) -> None:
         """This node leaves the elastic job (an evicted straggler): SIGTERM to its torchrun agent, from the node's
-        first rank. An agent that ends normally closes the rendezvous and so ends the whole job; one stopped by a
-        signal leaves it open (torch's launcher), so the other nodes' agents re-form the group without it. The
-        agent stops its workers with SIGTERM: every rank of the node ignores it from here and exits on its own.
-        The parent is the agent only under torchrun (its command line names it): anything else is not signalled."""
+        first rank (torchrun_agent.py; anything but a torchrun agent is not signalled). An agent that ends normally
+        closes the rendezvous and so ends the whole job; one stopped by a signal leaves it open (torch's launcher),
+        so the other nodes' agents re-form the group without it. The agent stops its workers with SIGTERM: every
+        rank of the node ignores it from here and exits on its own."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if self.local_rank != 0 or "TORCHELASTIC_RUN_ID" not in os.environ:
-            return
-        agent = os.getppid()
-        try:
-            with open(f"/proc/{agent}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace")
-        except OSError:
-            argv = ""
-        if "torchrun" in argv or "torch.distributed.run" in argv:
-            os.kill(agent, signal.SIGTERM)
+        if self.local_rank == 0:
+            torchrun_agent.stop_agent()
+
+    def hosts_rendezvous(self) -> bool:
+        """Whether this rank's torchrun agent serves the job's rendezvous store (torchrun_agent.py). Not a
+        collective."""
+        return torchrun_agent.hosts_rendezvous()
 
     def shutdown(self) -> None:
         gc.collect()                   # the Work objects of the last steps, while their tensors can still go
