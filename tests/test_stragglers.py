@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.engine.vote import Agreed, Ballot, StepVote
 from hvd_partialfc.run.watch import faults
 from hvd_partialfc.run.watch.device_clock import DeviceClock
+from hvd_partialfc.run.watch.eviction import Eviction
+from hvd_partialfc.run.watch.preempt import StopSignals
 from hvd_partialfc.run.watch.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
 
 FAST, MID, SLOW = 0.010, 0.012, 0.024     # the lower median of (FAST, MID, SLOW) is MID: SLOW is 2.0x it
@@ -93,7 +96,8 @@ def test_evict_decides_once_in_the_vote_not_below_min_nodes_nor_within_the_coold
     assert _cast(watch).value("evict") == 3.0               # node 2 (index) + 1, for every rank to read
     out = watch.read(done, 3.0, [FAST] * 3)
     assert (out.node, out.ranks, out.mine, out.nodes_left, out.step) == ("n3", [2], False, 2, done)
-    assert [e["event"] for e in read_events(str(tmp_path / "a"))] == ["named", "evicted"]
+    assert [e["event"] for e in read_events(str(tmp_path / "a"))] == ["named"]   # "evicted": once its snapshot is
+    # taken (test_the_eviction_is_recorded_only_once_its_snapshot_is_taken)
     # two nodes and a minimum of two: named, not evicted, said
     watch, lines = _watch(tmp_path / "b", ["n1", "n2"], straggler_min_nodes=2)
     _until_named(watch, 0)
@@ -298,3 +302,97 @@ def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_
     ea.Reload()
     (text,) = ea.Tensors("stragglers/text_summary")
     assert text.step == event["step"] and text.tensor_proto.string_val[0].decode() == lines[0]
+
+
+class _LeaveComm:
+    """The calls an evicted node's rank makes when it leaves, in order (``agree`` stands for the collective)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def agree(self, error, name):
+        self.calls.append(("agree", name.split(".")[1]))
+
+    def stop_agent(self):
+        self.calls.append(("stop_agent",))
+
+
+def test_every_rank_of_the_evicted_node_ignores_sigterm_and_all_agree_before_its_agent_is_stopped(monkeypatch):
+    """The agent, stopped, sends SIGTERM to every rank of its node: each must already ignore it. With two ranks
+    on the node, the one that signals (its first) must wait until the other ignores it too: an agreement of
+    every rank between the ignoring and the stop, and one after (the others restart without the agent)."""
+    calls = []
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: calls.append(("signal", sig, handler)))
+    Eviction(7, "n2", [1, 2], True, 1).part(_LeaveComm(calls))
+    ignore = ("signal", signal.SIGTERM, signal.SIG_IGN)
+    assert calls == [ignore, ("agree", "ignore"), ("stop_agent",), ("agree", "leave")]
+    calls.clear()
+    Eviction(7, "n2", [1, 2], False, 1).part(_LeaveComm(calls))     # a rank of another node: the same agreements
+    assert calls == [("agree", "ignore"), ("agree", "leave")]
+
+
+class _Log:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, line):
+        self.lines.append(line)
+
+    say = write
+
+    def record(self, rec):
+        pass
+
+
+def _loop_with_an_agreed_eviction(tmp_path, done, total=10):
+    """A loop (trainer.Trainer, its parts stubbed) whose vote agreed the eviction of n3 after step ``done``, with
+    disk checkpoints only (no memory snapshots)."""
+    from types import SimpleNamespace as NS
+    from hvd_partialfc.run.trainer import BuiltRun, RunData, Trainer
+    watch, _ = _watch(tmp_path, ["n1", "n2", "n3"], straggler_min_nodes=2)
+    cfg, comm = watch.cfg, watch.comm
+    data = RunData(NS(num_samples=100), NS(slices=[(0, 8)] * 3), None, None, 10)
+    checkpointer = NS(scheduled=lambda d, final: False, due=lambda d, final: final)
+    run = BuiltRun(None, NS(total_steps=total, length=None), data, None, checkpointer, NS(due=lambda d, final: False))
+    loop = Trainer(cfg, comm, run)
+    loop.log, loop.signals, loop.stragglers = _Log(), StopSignals(), watch
+    watch.heard(NS(value=lambda slot: 3.0, per_rank=lambda slot: [FAST] * 3), done)   # the vote's eviction
+    return loop
+
+
+def test_the_eviction_is_recorded_only_once_its_snapshot_is_taken(tmp_path):
+    """A stop at the same step, the last step, or the snapshot failing cancels the agreed eviction: no "evicted"
+    record (it would start the cool-down at the next start). Uncancelled: recorded after its snapshot."""
+    from hvd_partialfc.run_files import CheckpointError
+    run = tmp_path / "stop"
+    loop = _loop_with_an_agreed_eviction(run, 5)
+    loop.signals.requested = True                                   # a stop signal in the same vote
+    loop.save_checkpoint = lambda step, averaged=False: "ckpt-5"
+    assert loop._side_work(5, False) and loop.stopped_by and loop.eviction is None
+    run = tmp_path / "last"
+    loop = _loop_with_an_agreed_eviction(run, 10)
+    loop.save_checkpoint = lambda step, averaged=False: "ckpt-10"
+    assert not loop._side_work(10, True) and loop.eviction is None
+    run = tmp_path / "failed"
+    loop = _loop_with_an_agreed_eviction(run, 5)
+
+    def full_disk(step, averaged=False):
+        raise CheckpointError("no space left on device")
+    loop.save_checkpoint = full_disk
+    with pytest.raises(CheckpointError):
+        loop._side_work(5, False)
+    for run in ("stop", "last", "failed"):
+        assert "evicted" not in [e["event"] for e in read_events(str(tmp_path / run))], run
+    run = tmp_path / "evicted"
+    loop = _loop_with_an_agreed_eviction(run, 5)
+    seen = []
+
+    def snapshot(step, averaged=False):
+        seen.append([e["event"] for e in read_events(str(run))])   # what was recorded while it was taken
+        return "ckpt-5"
+    loop.save_checkpoint = snapshot
+    assert loop._side_work(5, False) and loop.eviction.where == "ckpt-5"
+    assert seen == [[]]
+    (event,) = read_events(str(run))
+    assert (event["event"], event["step"], event["node"], event["ranks"]) == ("evicted", 5, "n3", [2])
+    assert "(ckpt-5)" in event["line"]

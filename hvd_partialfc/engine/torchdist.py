@@ -35,7 +35,6 @@ import atexit
 import gc
 import hashlib
 import os
-import signal
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
@@ -189,8 +188,7 @@ class TorchComm(CommBase):
         first rank (torchrun_agent.py; anything but a torchrun agent is not signalled). An agent that ends normally
         closes the rendezvous and so ends the whole job; one stopped by a signal leaves it open (torch's launcher),
         so the other nodes' agents re-form the group without it. The agent stops its workers with SIGTERM: every
-        rank of the node ignores it from here and exits on its own."""
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        rank of the node ignores it before this is called (stragglers.Eviction.part)."""
         if self.local_rank == 0:
             torchrun_agent.stop_agent()
 

@@ -213,17 +213,17 @@ class Trainer:
     def _snapshot_to_leave(self, done: int, saved: bool, averaged: bool, evict) -> None:
         """The agreed snapshot an eviction leaves from (watch/stragglers.py): the memory snapshot of ``done``,
         settled at once (committed on every node, or dropped), else a disk checkpoint of it (the step's own, if
-        it wrote one). Sets ``self.eviction``."""
+        it wrote one). Then the eviction is certain: recorded, and ``self.eviction`` set."""
         evict.where = "in node memory"
         if not isinstance(self.memory, NoSnapshots):
             self._memory_snapshot(done, averaged)
             self.memory.settle()
-            if self.memory.committed_step == done:
-                self.eviction = evict
-                return
-        if not saved:
-            self.last_checkpoint = self.save_checkpoint(done, averaged=averaged)
-        evict.where, self.eviction = self.last_checkpoint, evict
+        if self.memory.committed_step != done:
+            if not saved:
+                self.last_checkpoint = self.save_checkpoint(done, averaged=averaged)
+            evict.where = self.last_checkpoint
+        self.stragglers.evicting(evict)
+        self.eviction = evict
 
     def startup_notes(self) -> List[str]:
         """The lines rank 0 prints before the first step: the negatives' exchange and its cost against the

@@ -32,13 +32,14 @@ its work and not its waits (``own_time``):
   checkpoint, an evaluation or a memory snapshot (``hold``): a rank slow only while it writes or evaluates is not
   a straggler. A held step neither extends nor breaks a run of slow steps.
 * **Evicted** (``evict``): rank 0 puts the node in the next vote; at the step that reads it every rank takes an
-  agreed snapshot (a memory snapshot, committed, or a disk checkpoint without them: trainer.py), the node's
-  ranks stop their torchrun agent and exit ``EXIT_EVICTED``, and the others exit 75, so that their agents
-  restart them without it, re-sharded, from that snapshot: no step is lost. Never below
-  ``train.straggler_min_nodes``, never within ``train.straggler_cooldown`` steps of the run's last eviction
-  (``RUN/stragglers.jsonl``, read at each start), never where the engine cannot go on without a node
-  (``Comm.regroup_refusal``: horovodrun, the simulator; said once at start, and the run warns instead). The
-  node may join again later, as any node may (torchrun's ``--nnodes MIN:MAX``).
+  agreed snapshot (a memory snapshot, committed, or a disk checkpoint without them: trainer.py), and only then
+  is the eviction recorded (a stop, the last step or an error at that step cancels it); the node's ranks all
+  ignore SIGTERM before its first rank stops their torchrun agent (eviction.py) and exit ``EXIT_EVICTED``, and
+  the others exit 75, so that their agents restart them without it, re-sharded, from that snapshot: no step is
+  lost. Never below ``train.straggler_min_nodes``, never within ``train.straggler_cooldown`` steps of the run's
+  last eviction (``RUN/stragglers.jsonl``, read at each start), never where the engine cannot go on without a
+  node (``Comm.regroup_refusal``: horovodrun, the simulator; said once at start, and the run warns instead).
+  The node may join again later, as any node may (torchrun's ``--nnodes MIN:MAX``).
 """
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import faults
 from .device_clock import DeviceClock
+from .eviction import Eviction, nodes_text
 from ...engine.vote import Slot
 
-EXIT_EVICTED = 76      # the evicted node's ranks; its neighbours exit preempt.EXIT_PREEMPTED, restarted without it
 EVENTS = "stragglers.jsonl"
 WARMUP = 3             # steps after a (re)start that are not counted: start-up work, alike on every rank
 
@@ -123,40 +124,6 @@ class Detector:
         """The mean, over the counted steps since the last call, of the slowest rank's ratio (None: none)."""
         worst, self.worst = self.worst, []
         return sum(worst) / len(worst) if worst else None
-
-
-@dataclass
-class Eviction:
-    """The agreed eviction of ``node`` (its ``ranks``) at ``step``; ``mine``: this rank is one of them."""
-
-    step: int
-    node: str
-    ranks: List[int]
-    mine: bool
-    nodes_left: int
-    where: str = ""          # the snapshot it leaves from (set by trainer.py): node memory, or a checkpoint
-
-    def part(self, comm) -> None:
-        """After the agreed snapshot (a collective): the node's ranks stop their launcher agent first, then
-        every rank agrees, so that the others' agents restart only once that agent is no longer in the job."""
-        if self.mine:
-            comm.stop_agent()
-        comm.agree(None, name=f"stragglers.leave.{self.step}")
-
-    def exit_code(self, rank: int) -> int:
-        """This rank's line and exit status (cli.py)."""
-        from .preempt import EXIT_PREEMPTED
-        if self.mine:
-            print(f"[rank {rank}] evicted: {self.node} is a straggler; this node leaves the job after the snapshot "
-                  f"of step {self.step} ({self.where}); exit {EXIT_EVICTED}", flush=True)
-            return EXIT_EVICTED
-        print(f"[rank {rank}] {self.node} evicted as a straggler after the snapshot of step {self.step} ({self.where}); "
-              f"exit {EXIT_PREEMPTED}: torchrun restarts the group on {_nodes(self.nodes_left)} from it", flush=True)
-        return EXIT_PREEMPTED
-
-
-def _nodes(n: int) -> str:
-    return f"{n} node" + ("s" if n != 1 else "")
 
 
 def node_names(idents: Sequence[Tuple[str, Optional[str]]]) -> Tuple[List[str], List[int]]:
@@ -313,11 +280,16 @@ class Stragglers:
         if node < 0:
             return None
         ranks = [r for r, n in enumerate(self.node_of) if n == node]
-        out = Eviction(done, self.nodes[ranks[0]], ranks, self.comm.rank in ranks, len(set(self.node_of)) - 1)
+        return Eviction(done, self.nodes[ranks[0]], ranks, self.comm.rank in ranks, len(set(self.node_of)) - 1)
+
+    def evicting(self, out: Eviction) -> None:
+        """Rank 0, once the eviction is certain (its snapshot taken: trainer.py): its line and its record. Not at
+        the vote that agreed it: a stop, the last step or an error at that step still cancels it, and a record
+        of an eviction that never happened would start the cool-down (read from ``RUN/stragglers.jsonl``)."""
         if self.detector:
-            self._event(f"step {done}: evicting {out.node} (ranks {ranks}) after this step's snapshot; the job goes "
-                        f"on with {_nodes(out.nodes_left)}", "evicted", done, node=out.node, ranks=ranks)
-        return out
+            self._event(f"step {out.step}: evicting {out.node} (ranks {out.ranks}) after this step's snapshot "
+                        f"({out.where}); the job goes on with {nodes_text(out.nodes_left)}", "evicted", out.step,
+                        node=out.node, ranks=out.ranks)
 
     def _decide(self, f: Finding) -> None:
         """Rank 0, on a new finding under ``evict``: the eviction of its node in the next vote, or why not."""
@@ -326,7 +298,7 @@ class Stragglers:
             return
         left = len(set(self.node_of)) - 1
         if left < t.straggler_min_nodes:
-            why = f"{_nodes(left + 1)}, and train.straggler_min_nodes is {t.straggler_min_nodes}"
+            why = f"{nodes_text(left + 1)}, and train.straggler_min_nodes is {t.straggler_min_nodes}"
         elif self.last_eviction is not None and f.step - self.last_eviction < t.straggler_cooldown:
             why = (f"the last eviction was at step {self.last_eviction}, within train.straggler_cooldown="
                    f"{t.straggler_cooldown} steps")
