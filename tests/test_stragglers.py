@@ -19,9 +19,9 @@ from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.engine.vote import Agreed, Ballot, StepVote
 from hvd_partialfc.run.watch import faults
 from hvd_partialfc.run.watch.device_clock import DeviceClock
-from hvd_partialfc.run.watch.eviction import Eviction
+from hvd_partialfc.run.watch.eviction import Eviction, off_the_store
 from hvd_partialfc.run.watch.preempt import StopSignals
-from hvd_partialfc.run.watch.stragglers import EVENTS, Detector, Stragglers, node_names, read_events
+from hvd_partialfc.run.watch.stragglers import EVENTS, Detector, Finding, Stragglers, node_names, read_events
 
 FAST, MID, SLOW = 0.010, 0.012, 0.024     # the lower median of (FAST, MID, SLOW) is MID: SLOW is 2.0x it
 
@@ -302,6 +302,44 @@ def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_
     ea.Reload()
     (text,) = ea.Tensors("stragglers/text_summary")
     assert text.step == event["step"] and text.tensor_proto.string_val[0].decode() == lines[0]
+
+
+def _named(watch, slow):
+    """Counted steps at ``slow`` (rank: its factor over FAST) until every slow rank is named; the step read after."""
+    for done in range(2, 40):
+        watch.read(done, 0.0, [FAST * slow.get(r, 1.0) for r in range(len(watch.nodes))])
+        if set(watch.detector.named) == set(slow):
+            return done + 1
+    raise AssertionError("never named")
+
+
+def test_the_node_serving_the_rendezvous_store_is_never_evicted_the_next_slowest_is_in_one_line(tmp_path):
+    """The store's node (``store_node``, from ``Comm.hosts_rendezvous``) named: not evicted, and the next slowest
+    named rank's node is, said in one line; named alone: nothing is evicted. Another node named: evicted as
+    before. The pure choice: the slowest off the store's node, by own time over median."""
+    watch, lines = _watch(tmp_path / "a", ["n1", "n2", "n3", "n4"], straggler_min_nodes=2)
+    watch.store_node = 1                                     # n2 serves torchrun's rendezvous store
+    _named(watch, {1: 3.0, 2: 2.0})                          # both named at the same step, n2 the slower
+    assert _cast(watch).value("evict") == 3.0                # n3 (index 2) + 1
+    (said,) = [line for line in lines if "not evicted" in line]
+    assert said.endswith("n2 not evicted: it serves torchrun's rendezvous store (the job ends without it); "
+                         "evicting n3 instead, the next slowest (rank 2, 2.00x)")
+    assert [e["event"] for e in read_events(str(tmp_path / "a"))] == ["named", "not evicted", "named"]
+    watch, lines = _watch(tmp_path / "b", ["n1", "n2", "n3"], straggler_min_nodes=2)
+    watch.store_node = 2
+    _named(watch, {2: 2.0})                                  # the store's node alone named: none
+    assert _cast(watch).value("evict") == 0.0 and lines[-1].endswith("no other straggler to evict")
+    watch, lines = _watch(tmp_path / "c", ["n1", "n2", "n3"], straggler_min_nodes=2)
+    watch.store_node = 0
+    _named(watch, {2: 2.0})                                  # another node: evicted, no line about the store
+    assert _cast(watch).value("evict") == 3.0 and not any("store" in line for line in lines)
+    f = [Finding(9, r, f"n{r + 1}", own, 0.01, 5) for r, own in enumerate([0.03, 0.016, 0.02, 0.025])]
+    node_of = [0, 1, 1, 2]                                   # ranks 1 and 2 share node 1, the store's
+    assert off_the_store(f[3], f, node_of, 1) == (f[3], "")
+    pick, line = off_the_store(f[1], f, node_of, 1)
+    assert pick is f[0] and "evicting n1 instead, the next slowest (rank 0, 3.00x)" in line
+    assert off_the_store(f[1], f[1:3], node_of, 1)[0] is None
+    assert off_the_store(f[1], f, node_of, None) == (f[1], "")
 
 
 class _LeaveComm:

@@ -5,7 +5,7 @@ step), its node evicted (``train.stragglers=evict``, ``straggler_min_nodes=1``):
 of the node's ranks ignore SIGTERM before their agent is stopped and exit 76, the other exits 75 and its agent
 restarts it alone, from that snapshot, re-sharded. No step is lost, the budget of samples is consumed exactly, the
 lr goes on from the samples consumed, every class is in the one classifier left, and ``info`` lists the events.
-The detector's logic and the eviction's order are
+The store's node is found (said at start). The detector's logic and the eviction's order are
 tests/test_stragglers.py; the network-namespace version is the chaos run's ``slow`` fault (scripts/faults/chaos.py)
 and scripts/studies/stragglers.py."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -56,6 +57,8 @@ def test_a_slow_node_is_named_evicted_and_the_job_goes_on_without_it(small_run_s
                          r"memory\); exit 76", slow)
     assert len(evicted) == 2 and len({e[1:] for e in evicted}) == 1, slow[-3000:]   # both ranks, one node, one step
     ranks, node, step = sorted(int(e[0]) for e in evicted), evicted[0][1], int(evicted[0][2])
+    (store,) = set(re.findall(r"evict: (\S+) serves torchrun's rendezvous store: never evicted", kept + slow))
+    assert store != node and store.startswith(socket.gethostname() + "/agent")      # the first agent's (is_host)
     events = [json.loads(line) for line in open(run / "stragglers.jsonl")]
     assert [e["event"] for e in events] == ["named", "evicted"]
     named, rank = events[0], 1

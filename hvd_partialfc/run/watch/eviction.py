@@ -1,11 +1,11 @@
 """An agreed eviction of a straggler's node (run/watch/stragglers.py decides it; docs/reliability.md "Stragglers"):
-how the node's ranks leave the job, and their exit status.
+which node goes, how its ranks leave the job, and their exit status.
 """
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import List
+from typing import Any, List, Optional, Sequence, Tuple
 
 EXIT_EVICTED = 76      # the evicted node's ranks; its neighbours exit preempt.EXIT_PREEMPTED, restarted without it
 
@@ -51,3 +51,18 @@ def nodes_text(n: int) -> str:
     """``n`` node(s), for the lines."""
     return f"{n} node" + ("s" if n != 1 else "")
 
+
+def off_the_store(f, named: Sequence, node_of: Sequence[int],
+                  store_node: Optional[int]) -> Tuple[Optional[Any], str]:
+    """The finding whose node is evicted for the new finding ``f``, and the line that says why not ``f``'s ("":
+    ``f``'s own). Not a node that serves torchrun's rendezvous store (``store_node``, a node index; None: no node
+    does, or none was found): with its agent gone the other agents cannot re-form the group, and the job ends.
+    Then the slowest of the other ``named`` ranks (own time over median) off that node, or none."""
+    if store_node is None or node_of[f.rank] != store_node:
+        return f, ""
+    others = [g for g in named if node_of[g.rank] != store_node]
+    pick = max(others, key=lambda g: g.own_s / g.median_s, default=None)
+    instead = (f"evicting {pick.node} instead, the next slowest (rank {pick.rank}, "
+               f"{pick.own_s / pick.median_s:.2f}x)" if pick else "no other straggler to evict")
+    return pick, (f"step {f.step}: {f.node} not evicted: it serves torchrun's rendezvous store (the job ends "
+                  f"without it); {instead}")

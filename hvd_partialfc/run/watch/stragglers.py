@@ -38,8 +38,10 @@ its work and not its waits (``own_time``):
   the others exit 75, so that their agents restart them without it, re-sharded, from that snapshot: no step is
   lost. Never below ``train.straggler_min_nodes``, never within ``train.straggler_cooldown`` steps of the run's
   last eviction (``RUN/stragglers.jsonl``, read at each start), never where the engine cannot go on without a
-  node (``Comm.regroup_refusal``: horovodrun, the simulator; said once at start, and the run warns instead).
-  The node may join again later, as any node may (torchrun's ``--nnodes MIN:MAX``).
+  node (``Comm.regroup_refusal``: horovodrun, the simulator; said once at start, and the run warns instead),
+  never the node serving torchrun's rendezvous store (``Comm.hosts_rendezvous``: the job ends without it; the
+  next slowest named node instead, or none, in one line). The node may join again later, as any node may
+  (torchrun's ``--nnodes MIN:MAX``).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import faults
 from .device_clock import DeviceClock
-from .eviction import Eviction, nodes_text
+from .eviction import Eviction, nodes_text, off_the_store
 from ...engine.vote import Slot
 
 EVENTS = "stragglers.jsonl"
@@ -163,13 +165,14 @@ class Stragglers:
 
     def __init__(self, cfg, comm, start_step: int, say: Callable[[str], None], cuda: bool = False,
                  nodes: Sequence[str] = (), node_of: Sequence[int] = (), refusal: Optional[str] = None,
-                 record: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 record: Optional[Callable[[Dict[str, Any]], None]] = None, store_node: Optional[int] = None):
         t = cfg.train
         self.comm, self.cfg, self.say, self.cuda = comm, cfg, say, cuda
         self.record_event = record or (lambda rec: None)
         self.active = bool(nodes)
         self.slots = (Slot("evict"), Slot("times", per_rank=True)) if self.active else ()
         self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
+        self.store_node = store_node   # the node serving torchrun's rendezvous store: never evicted (None: none)
         self.own = 0.0
         self._start: Tuple[float, float, float] = (0.0, 0.0, 0.0)
         self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
@@ -194,7 +197,15 @@ class Stragglers:
         refusal = comm.regroup_refusal() if mode == "evict" else None
         if refusal:
             log.say(f"train.stragglers=evict: {refusal}; stragglers are named, not evicted")
-        return cls(cfg, comm, start_step, log.say, cuda, nodes, node_of, refusal, record=log.record)
+        store = None
+        if mode == "evict" and not refusal:   # the same on every rank: the config and the engine
+            hosts = comm.allgather_object(comm.hosts_rendezvous(), name="stragglers.store")
+            if any(hosts):
+                store = node_of[hosts.index(True)]
+                log.say(f"train.stragglers=evict: {nodes[hosts.index(True)]} serves torchrun's rendezvous store: "
+                        "never evicted (the job ends without it)")
+        return cls(cfg, comm, start_step, log.say, cuda, nodes, node_of, refusal, record=log.record,
+                   store_node=store)
 
     # --- a step watcher (step.py): this rank's own time ----------------------------------------------------
 
@@ -303,7 +314,11 @@ class Stragglers:
             why = (f"the last eviction was at step {self.last_eviction}, within train.straggler_cooldown="
                    f"{t.straggler_cooldown} steps")
         else:
-            self.evict_flag = float(self.node_of[f.rank] + 1)   # read by every rank with the next vote
+            pick, line = off_the_store(f, list(self.detector.named.values()), self.node_of, self.store_node)
+            if line:
+                self._event(line, "not evicted", f.step, node=f.node)
+            if pick:
+                self.evict_flag = float(self.node_of[pick.rank] + 1)   # read by every rank with the next vote
             return
         self._event(f"step {f.step}: {f.node} not evicted: {why}", "not evicted", f.step, node=f.node)
 
