@@ -137,8 +137,8 @@ def test_snapshots_that_would_not_fit_fail_as_training_would(capsys, tmp_path, m
     need = estimate(40, 2, 16, 128, "mlp", "local", in_shape=[16], memory_every=10,
                     ranks_per_node=1)["host_bytes"]["memory snapshots per node (host RAM)"]
     assert rc == 0 and f"{human(need)} a node of 1 rank(s)" in _line(out, "ok    memory snapshots every 10 steps"), out
-    from hvd_partialfc.run.snapshots import memory_store   # a node with 1,000 bytes of memory available
-    monkeypatch.setattr(memory_store, "mem_available", lambda: 1000)
+    from hvd_partialfc.run.snapshots import snapshot_root   # a node with 1,000 bytes of memory available
+    monkeypatch.setattr(snapshot_root, "mem_available", lambda: 1000)
     rc, out = _doctor(capsys, *args)
     line = _line(out, "FAIL  checkpoint.memory_every")
     assert rc == 1 and f"snapshots need {human(need)}" in line and "the node has 1000 B of memory available" in line

@@ -13,7 +13,9 @@ import pytest
 from conftest import ROOT, SMALL_RUN, launch_env
 from hvd_partialfc.run.snapshots.memory_plan import Plan
 from hvd_partialfc.run.snapshots.memory_recover import Held, Holding, choose, holders, needed_files
-from hvd_partialfc.run.snapshots.memory_store import NodeStore, room_error
+from hvd_partialfc.run.snapshots.memory_store import NodeStore
+from hvd_partialfc.run.snapshots.node_memory import read_segments, write_segments
+from hvd_partialfc.run.snapshots.snapshot_root import room_error
 from hvd_partialfc.run_files import classifier_file
 
 
@@ -67,8 +69,21 @@ def test_a_node_that_rejoins_with_an_old_start_s_snapshots_is_never_restored_fro
     everyone = [Holding("a", "", 0, new), Holding("b", "", 0, new), Holding("c", "", 0, old)]
     assert choose(everyone, 0, ["0000000b"]) == (("0000000b", 30), None)
     assert holders(everyone, ("0000000b", 30), classifier_file(1, 2)) == [0, 1]
-    # the segment the last start restored from is still one to take: its snapshot of 40, if newest, is whole
+    # a record of an earlier version (segments only): the segment the last start restored from, whole
     assert choose(everyone, 0, ["0000000a", "0000000b"]) == (("0000000a", 40), None)
+
+
+def test_a_rejoining_node_s_old_segment_gives_only_the_step_restored_from_it(tmp_path):
+    """Three starts. Start 1 (segment a) committed steps 30 and 40. Start 2 (b), without node c, restored a's 30,
+    the newest it saw (its record written as take_over writes it), and failed before its first snapshot. Start 3: node c
+    rejoins with a's 40, whole and newer: an abandoned start's state, never taken (before: the record listed
+    segment a whole, and 40 was restored); a's 30, which start 2 restored, is."""
+    write_segments(str(tmp_path), "0000000b", ("0000000a", 30))
+    admitted = read_segments(str(tmp_path))
+    kept = _listing(30, True, _files(0, 1, world=2), world=2)                  # keep_only left 30 on a and b
+    rejoined = {**kept, **_listing(40, True, _files(0, 1, world=2), world=2)}
+    everyone = [Holding("a", "", 0, kept), Holding("b", "", 0, kept), Holding("c", "", 0, rejoined)]
+    assert choose(everyone, 0, admitted) == (("0000000a", 30), None)
 
 
 def test_a_new_rank_reads_only_the_old_files_its_slice_overlaps():

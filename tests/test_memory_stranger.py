@@ -7,10 +7,12 @@ process each (no training but the one start refused); the flood during a real ru
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
+import pwd
 import shutil
 import socket
 import stat
@@ -24,6 +26,7 @@ import types
 import pytest
 
 from conftest import MR, ROOT, SMALL_RUN, launch_env
+from hvd_partialfc import atomic
 from hvd_partialfc.run.snapshots.memory import MemorySnapshots
 from hvd_partialfc.run.snapshots.node_memory import NodeMemory, Peer, run_token
 from hvd_partialfc.run.snapshots.memory_plan import Plan
@@ -97,6 +100,108 @@ def test_a_root_that_lets_others_rename_its_folders_is_refused(tmp_path):
     os.chmod(root, 0o777)                          # world-writable, no sticky bit: a folder could be swapped
     with pytest.raises(StoreError, match="lets other users rename what is in it"):
         NodeStore(str(root), "tok", str(tmp_path / "run")).open()
+
+
+@AS_ROOT
+def test_a_root_owned_by_another_user_is_refused_in_one_line(tmp_path):
+    """A shared scratch folder made like /dev/shm (1777) but owned by nobody: its owner may rename this user's
+    folder in it, sticky bit or not, and put a link in its place. Refused, one line, nothing made in it."""
+    root = tmp_path / "scratch"
+    root.mkdir()
+    nobody = pwd.getpwnam("nobody")
+    os.chown(root, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(root, 0o1777)
+    with pytest.raises(StoreError) as e:
+        NodeStore(str(root), "tok", str(tmp_path / "run"), SEG).open()
+    assert str(e.value) == (f"checkpoint.memory_every: the snapshot folder {root} is owned by uid {nobody.pw_uid} "
+                            "(nobody), who may rename what is in it: point HVD_PARTIALFC_MEMORY_DIR (or "
+                            "checkpoint.memory_dir) at a folder of root's (as /dev/shm) or your own")
+    assert os.listdir(root) == []
+
+
+def _tree(top):
+    return sorted((os.path.relpath(os.path.join(d, f), top), open(os.path.join(d, f), "rb").read())
+                  for d, _, fs in os.walk(top) for f in fs) + sorted(d for d, _, _ in os.walk(top))
+
+
+def test_a_folder_swapped_for_a_link_after_open_has_nothing_written_or_removed_through_it(tmp_path):
+    """Whoever may rename in the root (root, on a root of root's) moves the open store folder away and puts a link
+    to the user's home in its place, with folders named as the store's are. The store's writes, commits and
+    removals act on the folder it opened (moved), never through the link (before: by path, keep_only removed
+    every folder of the link's target)."""
+    store = NodeStore(str(tmp_path / "shm"), "tok", str(tmp_path / "run"), SEG)
+    os.makedirs(store.root)
+    store.open()
+    store.write(8, classifier_file(0, 2), b"rows of step 8")
+    store.commit(8)
+    home = tmp_path / "home"
+    for d in ("thesis", f"step-00000008.{SEG}", f"step-00000012.{SEG}.partial", "recover-rank-00000"):
+        (home / d).mkdir(parents=True)
+        (home / d / "notes.txt").write_text("years of work")
+    before = _tree(home)
+    os.rename(store.path, tmp_path / "moved")
+    os.symlink(home, store.path)
+    store.write(12, classifier_file(0, 2), b"rows of step 12")
+    store.commit(12)
+    moved = tmp_path / "moved"
+    assert (moved / f"step-00000012.{SEG}" / classifier_file(0, 2)).read_bytes() == b"rows of step 12"
+    store.remove_folder("recover-rank-00000")
+    store.keep_only(None)
+    store.remove()
+    assert _tree(home) == before and os.path.islink(store.path)
+    assert os.listdir(moved) == []                     # what it opened was emptied, where it was moved to
+
+
+def test_a_signed_get_is_refused_a_segment_that_names_a_path(tmp_path):
+    """A rank of the job (the start's key) asks a segment that climbs out of the store (``..``, slashes): refused,
+    nothing read (before: the file two folders above the store was served)."""
+    store, link = _serving(tmp_path)
+    store.write(8, classifier_file(0, 2), b"rank 0's rows")            # step-00000008.<SEG>.partial exists
+    (tmp_path / "secret.txt").write_bytes(b"not a snapshot")
+    climb = (f"{SEG}.partial/../../..", 8)                            # store/step-...partial/../../.. = tmp_path
+    assert store.find(climb, "secret.txt") is None
+    peer, got = _client(tmp_path, link.secret, rank=1), io.BytesIO()
+    with pytest.raises(LinkError, match=r"a get needs a segment \(8 hex digits\)"):
+        peer.get(link.address, climb, "secret.txt", got)
+    assert got.getvalue() == b""
+    peer.get(link.address, (SEG, 8), classifier_file(0, 2), got)         # the segment's own form: served
+    assert got.getvalue() == b"rank 0's rows"
+    for x in (peer, link):
+        x.close()
+
+
+def test_a_failed_first_start_leaves_nothing_that_refuses_the_next(tmp_path, monkeypatch):
+    """A root without room for the snapshots: refused before anything is made in it. A root that fills up while
+    owner.json is written (a 64 MB /dev/shm): what was made goes, and the next start opens. A folder a killed
+    start left without owner.json: taken by the next start of the run (its name), swept once stale (another
+    name) (before: each refused every later start, and no sweep removed it)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    sizes = {"rank": 1 << 60, "backbone": 0, "limit": 0}
+    comm = types.SimpleNamespace(rank=0, size=1, is_main=True)
+    store = NodeStore(str(root), "tok", str(tmp_path / "run"), SEG)
+    node = NodeMemory(4, comm, store, types.SimpleNamespace(close=lambda: None), Plan(["a"]),
+                      [Peer("a", "", 0, sizes)], [SEG])
+    assert "this node's snapshots need" in node._open_folder(str(root), "a")
+    assert os.listdir(root) == []
+    node.close(keep=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(atomic, "_create_temporary", full)
+        with pytest.raises(OSError, match="No space left"):
+            NodeStore(str(root), "tok", str(tmp_path / "run"), SEG).open()
+    assert os.listdir(root) == []
+    killed = NodeStore(str(root), "tok", str(tmp_path / "run"), SEG)
+    os.mkdir(killed.path, 0o700)                                  # killed between its mkdir and its owner.json
+    killed.open()
+    assert json.loads((root / killed.name / "owner.json").read_text())["token"] == "tok"
+    old, young = root / (killed.name[:-1] + "0"), root / (killed.name[:-1] + "1")
+    for d in (old, young):
+        d.mkdir(mode=0o700)
+    os.utime(old, (time.time() - 120, time.time() - 120))
+    assert killed.sweep_stale() == [str(old)] and sorted(os.listdir(root)) == sorted([killed.name, young.name])
 
 
 @AS_ROOT

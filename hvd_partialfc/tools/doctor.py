@@ -176,7 +176,8 @@ def check_memory_snapshots(configured: str) -> List[Check]:
     (owner.json). A missing or read-only root is a note, not a failure: snapshots are off by default. Folders
     are a note too: a run that ended removed its own, so these are a running run's or a failed one's, and
     they hold the node's memory until removed by hand."""
-    from ..run.snapshots.memory_store import ENV_DIR, PREFIX, mem_available, memory_root
+    from ..run.snapshots.memory_store import PREFIX
+    from ..run.snapshots.snapshot_root import ENV_DIR, mem_available, memory_root
     from ..run_files import folder_bytes
     from ..sizes import human
     root = memory_root(configured)
@@ -275,7 +276,7 @@ def _snapshot_room(manifest, world_size: int, cfg) -> List[Check]:
     if every <= 0:
         return []
     import torch
-    from ..run.snapshots.memory_store import memory_root, room_error
+    from ..run.snapshots.snapshot_root import memory_root, room_error
     from ..sizes import human
     from .estimate import estimate
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

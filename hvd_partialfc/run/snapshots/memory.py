@@ -27,17 +27,16 @@ The snapshots are removed when the run ends (its last step, or a stop on a signa
 new); any other end (an error, Ctrl-C) keeps them for the restart, or for a ``--resume auto`` once its cause
 is fixed (cli.py). A run's token (``RUN/run_id``, 0600) and its run folder name the node's folder; another
 folder of the same run folder is stale, ignored and removed. Each start is a *segment* (8 hex digits drawn
-by rank 0): its snapshots carry it, and ``RUN/memory_segments`` lists the segments a restart may restore
-from: this start's, and the one whose snapshot it restored (written when the snapshots take the node over,
-``take_over``, once the run knows where it starts). A node that rejoins with an older start's snapshots is
-never restored from. The link between ranks is keyed by a secret drawn at each start and passed through the
-collectives only (memory_link.py).
+by rank 0): its snapshots carry it, and ``RUN/memory_segments`` says what a restart may restore from: any
+snapshot of this start's segment, and the one snapshot it restored (written when the snapshots take the node
+over, ``take_over``, once the run knows where it starts). A node that rejoins with an older start's snapshots
+is never restored from, nor with the restored start's other snapshots. The link between ranks is keyed by a
+secret drawn at each start and passed through the collectives only (memory_link.py).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any, Dict, Optional
@@ -45,11 +44,10 @@ from typing import Any, Dict, Optional
 import torch
 
 from ..watch import faults
-from ... import atomic
 from ...run_files import classifier_file
 from ...engine.vote import Slot
 from .memory_recover import VIEW
-from .node_memory import LIVE, SEGMENTS, NodeMemory
+from .node_memory import LIVE, SEGMENTS, NodeMemory, write_segments
 
 LATE_S = 1.0            # a snapshot still landing when the next is due, the step waiting longer than this: said
 
@@ -109,19 +107,18 @@ class MemorySnapshots:
         """Once the run knows where it starts (a collective): each rank's folder of an offer goes, each node keeps
         the snapshot this start restored (committed here too: it was committed on some node, so it landed
         everywhere; a newer one, landing when the run failed, is stale) and nothing else of the run, and rank 0
-        records the segments a restart may restore from: the restored one's, and this start's."""
-        shutil.rmtree(os.path.join(node.store.path, VIEW.format(node.comm.rank)), ignore_errors=True)
+        records what a restart may restore from: the restored snapshot, and this start's segment."""
+        node.store.remove_folder(VIEW.format(node.comm.rank))
         node.comm.agree(None, name="memory.resumed")        # every rank read its folder before a node is tidied
         if node.is_writer:
             node.store.keep_only(node.restored)
         error = None
         if node.comm.is_main:
-            keep = ([node.restored[0]] if node.restored else []) + [node.store.segment]
-            path = os.path.join(node.store.run_dir, SEGMENTS)
             try:
-                atomic.write_text(path, json.dumps({"segments": keep}) + "\n")
+                write_segments(node.store.run_dir, node.store.segment, node.restored)
             except OSError as e:
-                error = f"checkpoint.memory_every: cannot write {path}: {e.strerror}"
+                error = f"checkpoint.memory_every: cannot write {os.path.join(node.store.run_dir, SEGMENTS)}: " \
+                        f"{e.strerror}"
         node.comm.agree(error, name="memory.segments")
         return cls(node, start_step)
 

@@ -29,7 +29,8 @@ Operations, one a connection (the header, the answer, and a put's payload and fi
 
 * ``put`` (segment, step, name, size): once accepted, the bytes, written into the landing snapshot of
   ``step``, then answered ``{"ok": true}``: the sender knows the copy is in the buddy's memory;
-* ``get`` (segment, step, name): the file's bytes from the node's snapshot, committed or landing;
+* ``get`` (segment, step, name): the file's bytes from the node's snapshot, committed or landing (a segment of
+  exactly 8 hex digits, a plain name: a header can never name a path outside the snapshot's folder);
 * ``note``: a small message for the rank's ``on_note`` (a landing told to rank 0, its commit told to a node).
 
 Forked children (DataLoader workers) close their copy of the listening socket, so a dead rank's port closes
@@ -51,7 +52,7 @@ from typing import Callable, Optional, Tuple
 from ...engine.heartbeat import advertised_address
 from ...engine.listener import HANDSHAKE_S, serve
 from ...forking import close_sockets_in_child
-from .memory_store import NodeStore
+from .memory_store import SEGMENT, NodeStore
 
 TIMEOUT_S = 300.0          # one file: 128 MB (a 31k-row slice with momentum, D 512) needs ~1 s at 1 Gb/s
 ATTEMPTS = 5               # a request whose connection closed before its answer (a flood evicted it first)
@@ -83,12 +84,16 @@ def answer_mac(secret: str, nonce: bytes, i: int, body: dict) -> str:
     return _mac(secret, b"answer %d:" % i + nonce, body)
 
 
-def file_sha256(path: str) -> str:
+def _sha256(f) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(4 << 20), b""):
-            h.update(chunk)
+    for chunk in iter(lambda: f.read(4 << 20), b""):
+        h.update(chunk)
     return h.hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return _sha256(f)
 
 
 def _is_digest(v) -> bool:
@@ -107,8 +112,9 @@ def malformed(h: dict) -> Optional[str]:
     op = h.get("op")
     if op not in ("put", "get", "note") or not count("rank"):
         return f"unknown request {op!r}"
-    if op in ("put", "get") and not (count("step") and isinstance(h.get("segment"), str) and _plain_name(h.get("name"))):
-        return f"a {op} needs a segment, a step and a plain file name"
+    if op in ("put", "get") and not (count("step") and isinstance(h.get("segment"), str)
+                                     and SEGMENT.fullmatch(h["segment"]) and _plain_name(h.get("name"))):
+        return f"a {op} needs a segment (8 hex digits), a step and a plain file name"
     if op == "put" and not (count("size") and _is_digest(h.get("sha256"))):
         return "a put needs its size and its SHA-256"
     if op == "note" and not (h.get("what") in ("landed", "commit") and count("step")):
@@ -231,12 +237,13 @@ class Link:
                         self.on_note(h)
                     answer({"ok": True})
                 else:
-                    path = self.store.find((h["segment"], h["step"]), h["name"])
-                    if path is None:
+                    f = self.store.open_file((h["segment"], h["step"]), h["name"])
+                    if f is None:
                         answer({"ok": False, "error": f"no {h['name']} of step {h['step']} here"})
                         return
-                    with open(path, "rb") as f:
-                        size, digest = os.fstat(f.fileno()).st_size, file_sha256(path)
+                    with f:
+                        size, digest = os.fstat(f.fileno()).st_size, _sha256(f)
+                        f.seek(0)
                         answer({"ok": True, "size": size, "sha256": digest})
                         conn.sendfile(f)
             except Exception as e:  # noqa: BLE001 (a rank's request that failed here: said to it, never raised)

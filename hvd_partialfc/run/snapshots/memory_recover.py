@@ -3,12 +3,12 @@ Pure choices and file placement: the collectives are node_memory.py's.
 
 1. Every rank says what its node holds (``Holding``: steps, committed or landing, the files of each) and where
    it serves.
-2. Every rank computes the same choice (``choose``): the newest snapshot of a segment the run may restore from
-   (rank 0 read them from ``RUN/memory_segments``: the last start's, and the one it restored; a node that
-   rejoins with an older start's snapshots is ignored) that some node committed (so every copy of it had
-   landed everywhere: a landing copy of it elsewhere is then complete too), whose meta.json, backbone and every
-   old rank's classifier file survive on some node, and that is not older than the disk checkpoint. Files of
-   two segments are never combined, even at the same step.
+2. Every rank computes the same choice (``choose``): the newest snapshot the run may restore from (rank 0
+   read ``RUN/memory_segments``: any of the last start's segment, and the one snapshot it restored; a node
+   that rejoins with an older start's snapshots, or the restored start's others, is ignored) that some node
+   committed (so every copy of it had landed everywhere: a landing copy of it elsewhere is then complete too),
+   whose meta.json, backbone and every old rank's classifier file survive on some node, and that is not older
+   than the disk checkpoint. Files of two segments are never combined, even at the same step.
 3. Each rank builds a checkpoint folder of its own in its node's store (``gather``): meta.json from one node for
    all (``agree_on_resume`` compares its bytes), the backbone, and the old files its new label slice needs:
    linked when its node holds them, else fetched from a rank of a node that does. ``checkpoint.load``
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ...run_files import classifier_file, read_meta
@@ -53,7 +52,8 @@ def node_listing(store) -> Dict[Key, Held]:
         meta = None
         if "meta.json" in files:
             try:
-                m = json.loads(open(store.find(key, "meta.json")).read())
+                with store.open_file(key, "meta.json") as f:
+                    m = json.loads(f.read())
                 meta = {"world_size": m["world_size"], "slices": m["slices"], "replicated": m.get("replicated")}
             except (OSError, ValueError, KeyError):
                 files = [f for f in files if f != "meta.json"]
@@ -61,13 +61,15 @@ def node_listing(store) -> Dict[Key, Held]:
     return out
 
 
-def choose(everyone: List[Holding], disk_step: int, segments: List[str]) -> Tuple[Optional[Key], Optional[str]]:
+def choose(everyone: List[Holding], disk_step: int, segments: List) -> Tuple[Optional[Key], Optional[str]]:
     """(the snapshot to restore from memory or None, the one line when a newer one cannot be restored).
-    ``everyone``: every rank's Holding; ``segments``: those a restore may take; the same answer on every rank."""
+    ``everyone``: every rank's Holding; ``segments``: what a restore may take (node_memory.read_segments: a
+    segment, any of its snapshots; a (segment, step), that one); the same answer on every rank."""
     nodes: Dict[str, Dict[Key, Held]] = {}
     for h in everyone:
         nodes.setdefault(h.node, h.listing)
-    committed = sorted({k for lst in nodes.values() for k, held in lst.items() if held.committed and k[0] in segments},
+    committed = sorted({k for lst in nodes.values() for k, held in lst.items()
+                        if held.committed and (k[0] in segments or k in segments)},
                        key=lambda k: k[1], reverse=True)
     missed = None
     for snap in committed:
@@ -107,7 +109,7 @@ def gather(node, everyone: List[Holding], snap: Key, view: str, slices: List[Tup
            fetched: List[str]) -> None:
     """This rank's folder ``view`` of the snapshot ``snap`` for its slice of ``slices`` (node_memory.NodeMemory
     ``node``: its store and link); the names of the files fetched from other nodes are appended to ``fetched``."""
-    shutil.rmtree(view, ignore_errors=True)
+    node.store.remove_folder(os.path.basename(view))      # never through a link in the store's place
     os.makedirs(view, 0o700)
     meta_from = holders(everyone, snap, "meta.json")[0]
     _place(node, everyone, snap, "meta.json", view, prefer=meta_from, fetched=fetched)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ... import atomic
@@ -26,7 +25,8 @@ from ...sizes import human
 from .memory_link import Link, new_secret
 from .memory_plan import Plan, put_limit, snapshot_bytes
 from .memory_recover import VIEW, Holding, choose, gather, node_listing
-from .memory_store import NodeStore, StoreError, memory_root, node_key, room_error
+from .memory_store import NodeStore, StoreError
+from .snapshot_root import memory_root, node_key, room_error
 
 RUN_ID = "run_id"
 SEGMENTS = "memory_segments"
@@ -72,13 +72,25 @@ def run_token(run_dir: str, keep: bool) -> str:
     return token
 
 
-def read_segments(run_dir: str) -> List[str]:
-    """The segments whose snapshots a restart may restore (``RUN/memory_segments``); none when missing."""
+def write_segments(run_dir: str, segment: str, restored: Optional[Tuple[str, int]]) -> None:
+    """``RUN/memory_segments``: what a restart may restore from: any snapshot of this start's ``segment`` and, of
+    the start it resumed from, only the snapshot ``restored`` (that start's others, on a node that rejoins, are an
+    abandoned start's state)."""
+    record = {"segments": [segment], **({"restored": list(restored)} if restored else {})}
+    atomic.write_text(os.path.join(run_dir, SEGMENTS), json.dumps(record) + "\n")
+
+
+def read_segments(run_dir: str) -> List:
+    """What a restart may restore from (``RUN/memory_segments``): a segment (str), any of its snapshots; a
+    (segment, step), that snapshot only. None when missing; a file of an earlier version lists segments only."""
     try:
         with open(os.path.join(run_dir, SEGMENTS)) as f:
-            return [s for s in json.load(f)["segments"] if isinstance(s, str)]
-    except (OSError, ValueError, KeyError, TypeError):
+            record = json.load(f)
+        out: List = [s for s in record["segments"] if isinstance(s, str)]
+        seg, step = record.get("restored") or (None, None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
+    return out + ([(seg, step)] if isinstance(seg, str) and isinstance(step, int) else [])
 
 
 class NodeMemory:
@@ -88,7 +100,7 @@ class NodeMemory:
                  segments: List[str]):
         self.every, self.comm, self.store, self.link, self.plan = every, comm, store, link, plan
         self.peers = peers                          # every rank's Peer
-        self.segments = segments                    # the segments a restore may take (RUN/memory_segments)
+        self.segments = segments                    # what a restore may take (RUN/memory_segments)
         self.is_writer = plan.writer(comm.rank) == comm.rank
         self.restored: Optional[Tuple[str, int]] = None   # the snapshot this start resumes from (``newest``)
         link.authorize = self._authorize
@@ -129,17 +141,18 @@ class NodeMemory:
         return node
 
     def _open_folder(self, root: str, key: str) -> Optional[str]:
-        """The node's first rank: its folder opened (stale ones of the run folder removed), its room checked;
-        why not, else None."""
+        """The node's first rank: stale folders of the run folder removed, the room checked, then its folder
+        opened (nothing is made in a root without room: a tmpfs filled by owner.json would refuse the next
+        start); why not, else None."""
         try:
-            self.store.open()
             for path in self.store.sweep_stale():
                 print(f"[rank {self.comm.rank}] memory snapshots: removed {path}: another snapshot folder of this "
-                      "run folder (an earlier run's, or an earlier version's)", flush=True)
+                      "run folder (an earlier run's, or an earlier version's), or an empty one a failed start left",
+                      flush=True)
             node = self.plan.node_of[self.comm.rank]
             need = 2 * (sum(self.peers[r].sizes["rank"] for r in self.plan.hosted(node))
                         + self.peers[self.comm.rank].sizes["backbone"])
-            return room_error(root, need, len(self.plan.nodes[node])) or self.store.mark_node(key)
+            return room_error(root, need, len(self.plan.nodes[node])) or self.store.open() or self.store.mark_node(key)
         except (StoreError, OSError) as e:
             return str(e) if isinstance(e, StoreError) else \
                 f"checkpoint.memory_every: the snapshot folder {root} cannot be used: {e}"
@@ -180,7 +193,7 @@ class NodeMemory:
                 log(f"memory snapshot of step {snap[1]} could not be gathered ("
                     + "; ".join(f"rank {r}: {e}" for r, e in failed) + "); resuming from "
                     + (f"the disk checkpoint {disk_path}" if disk_path else "step 0"))
-            shutil.rmtree(view, ignore_errors=True)
+            store.remove_folder(VIEW.format(comm.rank))
             return None
         if comm.is_main:
             log(f"memory: resuming from the snapshot of step {snap[1]} in node memory (disk checkpoint: "
