@@ -26,7 +26,10 @@ round the ring those seconds added up; every child closes its copies right after
 (``forking.close_sockets_in_child``). The listening socket binds the advertised address only, and takes only the
 neighbour that presents the job's token (drawn by rank 0, shared with the addresses) and its rank: a stray
 connection (a port scan, another job) is closed and the wait goes on; a flood of idle connections costs the
-ring nothing (engine/listener.py: each has 5 s to say its hello, and a flood evicts its own oldest).
+ring nothing (engine/listener.py: each has 5 s to say its hello, and a flood closes only its own). The
+listener answers the neighbour's hello with one byte, and the connecting rank waits for it: a connection
+closed before its hello was read (a flood of another user's, a listener that gave up) is opened again, where
+before the rank took it for its link and ended at its first beat, failing the start.
 
 The address a rank advertises is the one its peers can reach: the IPv4 address of ``GLOO_SOCKET_IFNAME``
 (or ``HOROVOD_GLOO_IFACE``) when set, else the local address of the route to the rendezvous host
@@ -51,6 +54,8 @@ from .listener import serve
 
 EXIT_LOST_PEER = 1
 _BEAT, _BYE = b"B", b"E"
+_TAKEN = b"T"                               # the listener took the neighbour's connection (its only word)
+_TAKEN_S = 10.0                             # how long a connecting rank waits for it before it connects again
 _HELLO = b"hvd_partialfc-heartbeat"
 _HELLO_LEN = len(_HELLO) + 32 + 8          # the tag, the job's token (32 hex digits), the rank (8 digits)
 _LIVE: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
@@ -144,7 +149,7 @@ class Heartbeat:
             server.bind((addr, 0))          # the address the peers are told, not every interface
         except OSError:                     # not this host's (a NAT's, a name's): every interface, the token decides
             server.bind(("0.0.0.0", 0))
-        server.listen(8)
+        server.listen(128)                 # a stranger's burst queues beside the neighbour, not in its place
         token = secrets.token_hex(16) if comm.rank == 0 else ""
         hb.peers = [RingPeer(*p) for p in comm.allgather_object(
             (socket.gethostname(), addr, server.getsockname()[1], token), name="heartbeat.addresses")]
@@ -177,6 +182,11 @@ class Heartbeat:
         want, got = self._hello((self.rank - 1) % self.size), []
 
         def ready(conn, accepted, rest):
+            try:
+                conn.sendall(_TAKEN)
+            except OSError:               # gone before it heard: it connects again
+                conn.close()
+                return False
             got.append(conn)
             return True
         serve(server, check=lambda state, hello: True if hello == want else None, ready=ready,
@@ -186,12 +196,19 @@ class Heartbeat:
     def _connect(self, peer: RingPeer) -> socket.socket:
         deadline = time.monotonic() + 60
         while True:
+            s = None
             try:
                 s = socket.create_connection((peer.address, peer.port), timeout=5)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 s.sendall(self._hello(self.rank))
+                s.settimeout(_TAKEN_S)
+                if s.recv(1) != _TAKEN:      # closed unheard (a flood's, a listener that gave up): again
+                    raise ConnectionResetError("closed before the next rank took it")
+                s.settimeout(5)
                 return s
             except OSError as e:
+                if s is not None:
+                    s.close()
                 if time.monotonic() > deadline:
                     self._lost((self.rank + 1) % self.size, f"cannot connect: {e}")
                 time.sleep(0.2)

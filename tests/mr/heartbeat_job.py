@@ -11,11 +11,13 @@ torchrun's variables, so that the test, not a launcher, sees each rank end).
                                              # the ring without a goodbye, rank 0 ends at once naming it
     python heartbeat_job.py agreed TIMEOUT   # an error every rank raises (an agreement): goodbyes, no alarm
     python heartbeat_job.py stray TIMEOUT    # a stray connection and a flood of 200 reach rank 0 before rank 1
-                                             # does: they are refused, and the ring forms with rank 1
+                                             # does: they are refused, and the ring forms with rank 1; as root,
+                                             # another user (nobody) floods both ranks' ports all the while
     python heartbeat_job.py busy,agreed TIMEOUT   # modes one after the other in one job (one start-up of two
                                              # ranks); a mode that does not end the job ends in an all-reduce,
                                              # after which each rank prints "[rank R] MODE: done"
 """
+import json
 import os
 import signal
 import socket
@@ -29,8 +31,10 @@ from hvd_partialfc.cli_support import freeze_at_exit  # noqa: E402
 from hvd_partialfc.engine.base import RankFailure  # noqa: E402
 from hvd_partialfc.engine.heartbeat import Heartbeat  # noqa: E402
 from hvd_partialfc.engine.select import start_engine  # noqa: E402
+from scripts.faults import flooder  # noqa: E402
 
 modes, timeout = sys.argv[1].split(","), float(sys.argv[2])
+stranger = None                                     # another user's flood (stray, as root)
 comm = start_engine("torch", os.environ)
 if "stray" in modes and comm.rank == 1:
     connect = Heartbeat._connect
@@ -38,13 +42,20 @@ if "stray" in modes and comm.rank == 1:
     def stray_first(self, peer):
         """A stranger reaches rank 0's heartbeat port first: one connection says something else and leaves after
         1 s, then a flood of 200 more, idle or saying garbage, stays open for 5 s (each had 5 s to say its
-        hello, one after the other: 1,000 s in all)."""
+        hello, one after the other: 1,000 s in all). As root, a flood from another user (scripts/faults/flooder.py
+        run as nobody) goes on at both ranks' ports while the ring forms, and for 2.5 s in all."""
+        global stranger
+        if flooder.can_flood_as("nobody"):
+            stranger = flooder.start_as("nobody", [(p.address, p.port) for p in self.peers], 2.5, inflight=300)
         s = socket.create_connection(peer[1:3], timeout=5)
         s.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 40)
         threading.Timer(1.0, s.close).start()
         flood = [socket.create_connection(peer[1:3], timeout=5) for _ in range(200)]
         for f in flood[::2]:
-            f.sendall(b"\x00" * 20)
+            try:
+                f.sendall(b"\x00" * 20)
+            except OSError:                       # closed already: a source's own oldest go first
+                pass
         closer = threading.Timer(5.0, lambda: [f.close() for f in flood])
         closer.daemon = True                      # the job's end does not wait for it
         closer.start()
@@ -84,6 +95,8 @@ for mode in modes:
             sys.exit(2)
     if mode == "stray":
         time.sleep(1.5)                             # past the stranger's leaving
+        if stranger is not None:
+            print(f"[rank {comm.rank}] flood: {json.dumps(flooder.finish(stranger))}", flush=True)
     comm.allreduce_scalar(1.0, "sum", name=f"after {mode}")
     print(f"[rank {comm.rank}] {mode}: done", flush=True)
 hb.stop()
