@@ -434,3 +434,25 @@ def test_the_eviction_is_recorded_only_once_its_snapshot_is_taken(tmp_path):
     (event,) = read_events(str(run))
     assert (event["event"], event["step"], event["node"], event["ranks"]) == ("evicted", 5, "n3", [2])
     assert "(ckpt-5)" in event["line"]
+
+
+def test_the_agent_serving_the_rendezvous_store_is_the_one_listening_on_its_endpoints_port():
+    """torchrun_agent.py: the endpoint's port from the agent's command line (either spelling, ``=``, torchrun's
+    ``PET_`` variables, torch's default ports; none for etcd), and a process's listening ports from /proc (here
+    this process's own socket, against the port the OS gave it). Under real torchrun: test_stragglers_run.py."""
+    import socket
+    from hvd_partialfc.engine.torchrun_agent import listening_ports, rendezvous_port
+    run = ["python", "/venv/bin/torchrun", "--nnodes", "1:2"]
+    assert rendezvous_port(run + ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29611", "x.py"], {}) == 29611
+    assert rendezvous_port(run + ["--rdzv_backend=c10d", "--rdzv_endpoint=[::1]:7"], {}) == 7
+    assert rendezvous_port(run + ["--rdzv-backend=c10d", "--rdzv-endpoint=node1"], {}) == 29400
+    assert rendezvous_port(run, {"PET_RDZV_BACKEND": "c10d", "PET_RDZV_ENDPOINT": "node1:1234"}) == 1234
+    assert rendezvous_port(run + ["--master-port", "4321"], {}) == 4321 and rendezvous_port(run, {}) == 29500
+    assert rendezvous_port(run + ["--rdzv-backend", "etcd", "--rdzv-endpoint", "node1:2379"], {}) is None
+    assert rendezvous_port(run + ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"], {}) is None
+    with socket.socket() as listening, socket.socket() as bound:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        bound.bind(("127.0.0.1", 0))                          # bound, not listening: not counted
+        ports = listening_ports(os.getpid())
+        assert listening.getsockname()[1] in ports and bound.getsockname()[1] not in ports
