@@ -4,6 +4,7 @@ is tests/test_stragglers_run.py."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from hvd_partialfc.config import ConfigError
 from hvd_partialfc.config_io import load_config
 from hvd_partialfc.engine.local import LocalComm
 from hvd_partialfc.engine.vote import Agreed, Ballot, StepVote
-from hvd_partialfc.run.watch import faults
+from hvd_partialfc.run.watch import cpu_clock, faults
 from hvd_partialfc.run.watch.device_clock import DeviceClock
 from hvd_partialfc.run.watch.eviction import Eviction, off_the_store
 from hvd_partialfc.run.watch.preempt import StopSignals
@@ -116,8 +117,8 @@ def test_evict_decides_once_in_the_vote_not_below_min_nodes_nor_within_the_coold
 
 
 def test_own_time_is_work_not_waits(tmp_path):
-    """On the CPU: this thread's CPU time (a sleep, as a wait in a collective, costs none); on a GPU: the span
-    less the data time and ``wait_s``."""
+    """On the CPU: this thread's time running or waiting for a core (a sleep, as a wait in a collective, costs
+    none); on a GPU: the span less the data time and ``wait_s``."""
     def busy(seconds):
         end = time.thread_time() + seconds
         while time.thread_time() < end:
@@ -137,9 +138,65 @@ def test_own_time_is_work_not_waits(tmp_path):
         watch.cuda = cuda
         watch.begin(0)
         watch.end(0, step())
-        assert (0.03 <= watch.own < 0.06 and span[-1] > 0.1) if not cuda else \
+        assert (0.03 <= watch.own <= span[-1] - 0.07 + 0.005) if not cuda else \
             watch.own == pytest.approx(span[-1] - 0.07, abs=0.005)
     assert _cast(watch).per_rank("times") == [watch.own, 0.0]   # its own place in the vote, rank 0's
+
+
+def test_own_time_on_the_cpu_counts_the_wait_for_a_core_another_process_holds(tmp_path):
+    """A step of 0.1 CPU-s beside a busy process bound to the same core: never blocked, the thread was running or
+    waiting for the core throughout, so its own time is its span on the wall clock, not its CPU time alone."""
+    if cpu_clock.fallback():
+        pytest.skip(cpu_clock.fallback())
+    allowed = os.sched_getaffinity(0)
+    core = max(allowed)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}}); print(flush=True)\n"
+                             "while True: pass"], stdout=subprocess.PIPE)
+    try:
+        busy.stdout.readline()
+        os.sched_setaffinity(0, {core})                  # this thread only (pid 0: the caller)
+        watch, _ = _watch(tmp_path, ["n1", "n2"])
+        watch.cpu.settle = 0.0                           # its first second counts here (the test below)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        watch.begin(0)
+        while time.thread_time() < c0 + 0.1:
+            pass
+        watch.end(0, {"data_time": 0.0})
+        span, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    finally:
+        os.sched_setaffinity(0, allowed)
+        busy.kill()
+        busy.wait()
+    assert span > 1.5 * cpu and watch.own == pytest.approx(span, rel=0.05)
+
+
+def test_the_wait_counts_as_a_share_over_seconds_and_without_schedstat_the_cpu_time_alone(tmp_path, monkeypatch):
+    """Steps of 10 ms run: in the first second the CPU time alone; after it, an episode (one step that waited 30
+    ms after steps that did not) barely moves the own time, a steady wait reaches ran + waited within a few TAU.
+    The file absent: CPU time alone, said once."""
+    def steps(waits_ms):
+        now = [0.0, 0.0, 0.0]                                  # ran, waited, the wall clock (seconds)
+        clock = cpu_clock.CpuClock(tau=2.0, settle=1.0, read=lambda: (now[0], now[1]), now=lambda: now[2])
+        out = []
+        for wait_ms in waits_ms:
+            clock.start()
+            now[0], now[1], now[2] = now[0] + 0.010, now[1] + wait_ms / 1e3, now[2] + 0.010 + wait_ms / 1e3
+            out.append(clock.own())
+        return out
+    assert steps([30] * 20) == pytest.approx([0.010] * 20)    # 0.8 s: not yet counted
+    kept = math.exp(-0.01 / 2.0)                               # the sums decay by e^(-span / TAU) a step
+    history = 0.010 * (1 - kept ** 150) / (1 - kept)           # 1.5 s of steps that did not wait: CPU seconds, decayed
+    own = steps([0] * 150 + [30] + [30] * 300)                 # then one that waited 30 ms; then 12 s of them
+    assert own[150] == pytest.approx(0.010 * (1 + 0.030 / (0.010 + history * kept ** 4)), rel=1e-9)   # ~1.06x
+    assert own[-1] == pytest.approx(0.040, rel=0.01) and own[152] < 0.02
+    monkeypatch.setattr(cpu_clock, "PATH", str(tmp_path / "absent"))
+    assert cpu_clock.fallback() == f"{tmp_path / 'absent'} is absent" and cpu_clock.read()[1] == 0.0
+    lines = []
+    cfg = load_config(None, ["data.shards=x", f"out={tmp_path}"])
+    two = type("Two", (LocalComm,), {"allgather_object": lambda self, obj, name: [obj, obj]})(0, 2)
+    Stragglers.start(cfg, two, 0, type("Log", (), {"say": lines.append, "record": print})())
+    assert lines == [f"stragglers: ranks [0, 1] time their steps by CPU time alone ({tmp_path / 'absent'} is absent): a "
+                     "rank slowed there by another process taking its CPU is not seen"]
 
 
 class Stream:

@@ -10,13 +10,14 @@ its work and not its waits (``own_time``):
   gradient averaging (device_clock.py, CUDA events, no host synchronisation). The host's clock cannot tell:
   under NCCL the host blocks at the step's read of the norms on a stream stalled for the slowest rank, so
   every rank's span is the slowest's (a host span less host waits named no one under the torch engine);
-* on the CPU, the CPU time of the rank's main thread over the step: a wait (for a collective, for the data
-  workers) blocks and costs none, and the time the rank was not running does not count. The span less the
-  waits was measured first and named healthy ranks: 2 ranks on 2 shared cores (a 200-step MLP run, no fault),
-  rank 0's span less waits had a 10-step median of 2.5x rank 1's, its extra 5 ms a step spent in the backward
-  pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1); the CPU time's largest 10-step median ratio was
-  1.49, its 90th percentile 1.15x its median. The price: on the CPU, a rank slowed by another process taking
-  its cores is not seen; a rank slowed by more work (a slower core, the ``slow`` fault) is.
+* on the CPU, the CPU time of the rank's main thread over the step, stretched by the share of the last seconds
+  it waited runnable for a CPU (cpu_clock.py): more work (a slower core, the ``slow`` fault) and less CPU
+  (another process on its cores, a cgroup's quota) both show; a wait (for a collective, for the data workers)
+  blocks and costs neither. The span less the waits was measured first and named healthy ranks: 2 ranks on
+  2 shared cores (a 200-step MLP run, no fault), rank 0's span less waits had a 10-step median of 2.5x rank
+  1's, its extra 5 ms a step spent in the backward pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1).
+  Where the kernel gives no run-queue delay, the CPU time alone (said in one line at start): a rank slowed by
+  less CPU is not seen there.
 
 * **Gathered in the vote, every step.** Each rank puts its time of step S at its own place of the loop's per-step
   vote (engine/vote.py: the per-rank slot ``times``, read a step later): the vote is an elementwise max, so every
@@ -52,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import faults
+from . import cpu_clock, faults
 from .device_clock import DeviceClock
 from .eviction import Eviction, nodes_text, off_the_store
 from ...engine.vote import Slot
@@ -174,8 +175,9 @@ class Stragglers:
         self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
         self.store_node = store_node   # the node serving torchrun's rendezvous store: never evicted (None: none)
         self.own = 0.0
-        self._start: Tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._start: Tuple[float, float] = (0.0, 0.0)
         self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
+        self.cpu = cpu_clock.CpuClock()                                  # the CPU's (cpu_clock.py)
         self.evict_flag = 0.0        # rank 0: the node (index + 1) the next vote evicts
         self.eviction: Optional[Eviction] = None   # the eviction the vote agreed
         self.detector = Detector(nodes, t.straggler_ratio, t.straggler_steps, start_step) \
@@ -192,8 +194,13 @@ class Stragglers:
         mode = cfg.train.stragglers
         if mode == "off" or comm.size == 1 or not comm.times_ranks:
             return cls(cfg, comm, start_step, log.say, cuda)
-        idents = comm.allgather_object((socket.gethostname(), os.environ.get("GROUP_RANK")), name="stragglers.nodes")
-        nodes, node_of = node_names(idents)
+        idents = comm.allgather_object((socket.gethostname(), os.environ.get("GROUP_RANK"),
+                                        None if cuda else cpu_clock.fallback()), name="stragglers.nodes")
+        nodes, node_of = node_names([i[:2] for i in idents])
+        blind = [r for r, i in enumerate(idents) if i[2]]
+        if blind:
+            log.say(f"stragglers: ranks {blind} time their steps by CPU time alone ({idents[blind[0]][2]}): a rank "
+                    "slowed there by another process taking its CPU is not seen")
         refusal = comm.regroup_refusal() if mode == "evict" else None
         if refusal:
             log.say(f"train.stragglers=evict: {refusal}; stragglers are named, not evicted")
@@ -210,7 +217,8 @@ class Stragglers:
     # --- a step watcher (step.py): this rank's own time ----------------------------------------------------
 
     def begin(self, step: int) -> None:
-        self._start = (time.perf_counter(), time.thread_time(), self.comm.wait_s)
+        self._start = (time.perf_counter(), self.comm.wait_s)
+        self.cpu.start()
         self._on_clock(DeviceClock.begin)
 
     def mark(self, name: str) -> None:
@@ -221,6 +229,10 @@ class Stragglers:
     def end(self, step: int, figures) -> None:
         """The step's own time (``own_time``, or on a GPU the device clock's: the newest step the GPU has
         finished); the ``slow`` fault's work (faults.py) is part of it."""
+        if self.clock is None and not self.cuda:   # the CPU: a slower core multiplies the CPU time
+            faults.slow_work(step, self.comm.rank, self.cpu.ran())
+            self.own = self.cpu.own()
+            return
         if self.clock is None:
             faults.slow_work(step, self.comm.rank, self.own_time(self._start, figures["data_time"]))
             self.own = self.own_time(self._start, figures["data_time"])
@@ -244,13 +256,11 @@ class Stragglers:
                      "the host's from here")
             return None
 
-    def own_time(self, start: Tuple[float, float, float], data_time: float) -> float:
-        """Seconds of this rank's own work since ``start`` (wall clock, this thread's CPU time, ``wait_s``): on the
-        CPU the thread's CPU time (the module's docstring); on a GPU whose clock failed, the span less the data and
-        collective waits (right where the host blocks in the collectives: Horovod's ``synchronize``)."""
-        if self.cuda:
-            return time.perf_counter() - start[0] - data_time - (self.comm.wait_s - start[2])
-        return time.thread_time() - start[1]
+    def own_time(self, start: Tuple[float, float], data_time: float) -> float:
+        """Seconds of a GPU rank's own work since ``start`` (wall clock, ``wait_s``) when its clock failed:
+        the span less the data and collective waits (right where the host blocks in the collectives: Horovod's
+        ``synchronize``). On the CPU: ``self.cpu`` (cpu_clock.py)."""
+        return time.perf_counter() - start[0] - data_time - (self.comm.wait_s - start[1])
 
     # --- a part of the loop's vote (engine/vote.py) --------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""A CPU rank's own time a step, for the straggler watch (stragglers.py): the step's CPU time of the rank's thread,
+stretched by how long that thread has lately waited, runnable, for a CPU (Linux's run-queue delay, the second
+field of ``/proc/thread-self/schedstat``).
+
+Why the wait: CPU time alone sees a rank slowed by more work (a slower core) but not one slowed by less CPU.
+Measured on two nodes, one put under a 25% CPU quota: every step 3.9x slower (80.7 -> 311 ms), its CPU time a
+step only 1.15x. The run-queue delay is the rest: it grows while another process holds the thread's core and
+while a cgroup's quota throttles it (checked here: a thread burning 0.3 CPU-s waited 0.31 s beside a busy
+process on its core, 0.92 s under a 25% ``cpu.cfs_quota_us``). A wait that blocks (a collective, the loader's
+queue) is neither: a blocked thread is not runnable.
+
+Why a share over about ``TAU`` seconds and not the step's own wait: other processes take a core for tens of ms
+at a time (the scheduler's slices and balancing), so with steps of a few ms a healthy rank waits for several
+steps in a row while its peer does not. Measured on this 2-core machine beside other jobs (load 3 to 10), 2
+ranks (torchrun, 2 agents), 300-400 clean steps of 5-7 ms CPU, 4 runs, 2 of them with 2 loader workers a rank:
+the step's CPU time plus its own wait stood at 1.40-1.50x the lower median (slowest rank, median step) and
+named a healthy rank in 2 of the 4 runs at ``train.straggler_steps=10``; the CPU time times (1 + waited / ran,
+both summed with a memory of 2 s, counted after the first second): 1.11-1.20x and no rank named, while a rank
+under a 25% quota stood at 1.87x and one beside a busy process on its core at 2.17x, both named (after 33 and 38
+steps). The first second is the CPU time alone: a few steps' waits would decide it, and the loader workers start
+then. The step's CPU time itself stays per step, so more work shows at once. The rank's own job (its loader
+workers, the node's other ranks) takes a share of every rank alike, and the detector compares ranks with each
+other, not with a fixed time.
+
+Where the file is absent (not Linux, a kernel without scheduler statistics) the wait reads 0 and the clock is
+the CPU time alone (``fallback`` says why; the watch says it in one line): more work is seen, less CPU is not.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Callable, Optional, Tuple
+
+PATH = "/proc/thread-self/schedstat"
+TAU = 2.0      # seconds: the delay share's memory (the module's docstring)
+SETTLE = 1.0   # seconds of steps timed before the share counts
+
+
+class _Open:
+    """A thread's schedstat, open for the thread's life (read with pread: 2 us, against 22 to open and read);
+    closed when the thread ends and its ``threading.local`` goes."""
+
+    def __init__(self, path: str, fd: int):
+        self.path, self.fd = path, fd
+
+    def __del__(self):
+        os.close(self.fd)
+
+
+_mine = threading.local()
+
+
+def _fd(path: Optional[str]) -> Optional[int]:
+    """The calling thread's schedstat (the file stays its opener's thread's, whoever reads it)."""
+    path = path or PATH
+    got = getattr(_mine, "open", None)
+    if got is None or got.path != path:
+        try:
+            _mine.open = got = _Open(path, os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            return None
+    return got.fd
+
+
+def fallback(path: Optional[str] = None) -> Optional[str]:
+    """None where the run-queue delay can be read; else why not, in a few words."""
+    fd = _fd(path)
+    if fd is None:
+        return f"{path or PATH} is absent"
+    return None if _read(fd) is not None else f"{path or PATH} does not read as 'run_ns delay_ns slices'"
+
+
+def _read(fd: int) -> Optional[int]:
+    try:
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read(path: Optional[str] = None) -> Tuple[float, float]:
+    """The calling thread's seconds on a CPU and seconds runnable without one, since it started (0 where schedstat
+    cannot be read). The CPU time is ``thread_time``'s: schedstat's first field is the running thread's time as of
+    its last scheduler update, up to a tick (4 ms) behind; the wait is final by the time the thread runs."""
+    fd = _fd(path)
+    waited = _read(fd) if fd is not None else None
+    return time.thread_time(), (waited or 0) / 1e9
+
+
+class CpuClock:
+    """One thread's own time a step: ``start()`` before it, ``own()`` after it (once a step). ``ran()``: the CPU
+    seconds since ``start`` (what a slower core multiplies: faults.py's ``slow``). ``read`` and ``now``: the
+    thread's (ran, waited) seconds and the wall clock."""
+
+    def __init__(self, tau: float = TAU, settle: float = SETTLE, read: Callable[[], Tuple[float, float]] = read,
+                 now: Callable[[], float] = time.perf_counter):
+        self.tau, self.settle, self.read, self.now = tau, settle, read, now
+        self.ran_sum = self.waited_sum = 0.0      # time-decayed sums over about the last ``tau`` seconds
+        self.at: Tuple[float, float] = (0.0, 0.0)
+        self.first: Optional[float] = None
+        self.last: Optional[float] = None
+
+    def start(self) -> None:
+        self.at = self.read()
+        if self.first is None:
+            self.first = self.now()
+
+    def ran(self) -> float:
+        return self.read()[0] - self.at[0]
+
+    def own(self) -> float:
+        """The step's CPU seconds times (1 + the delay share: the recent seconds waited for a CPU per second run),
+        the CPU seconds alone in the first ``settle`` seconds (a few steps' waits, the loader workers' start)."""
+        ran, waited = (b - a for a, b in zip(self.at, self.read()))
+        now = self.now()
+        keep = 0.0 if self.last is None else math.exp(-(now - self.last) / self.tau)
+        self.last = now
+        self.ran_sum = self.ran_sum * keep + ran
+        self.waited_sum = self.waited_sum * keep + max(waited, 0.0)
+        if self.ran_sum <= 0 or self.first is None or now - self.first < self.settle:
+            return ran
+        return ran * (1.0 + self.waited_sum / self.ran_sum)
