@@ -185,3 +185,91 @@ def test_each_contenders_own_memory_apart_from_the_others():
     assert {n: round(r[n]["own_gib"] * gib) for n in r} == {"local": 180, "global": 280}
     assert {n: round(r[n]["device_gib"] * gib) for n in r} == {"local": 390, "global": 430}
     assert r["local"]["memory_bytes"] == {"built": 100, "warm_up": 50, "step_rise": 30}
+
+
+class _Poly(torch.optim.lr_scheduler._LRScheduler):
+    """A stand-in of arcface_torch's older PolynomialLRWarmup (written here): it hands ``verbose`` on to torch's
+    base class, which torch 2.13 no longer takes. Its lr: base x (1 - step / total)."""
+
+    def __init__(self, optimizer, warmup_iters, total_iters=5, power=1.0, last_epoch=-1, verbose=False):
+        self.total_iters = total_iters
+        super().__init__(optimizer, last_epoch=last_epoch, verbose=verbose)
+
+    def get_lr(self):
+        return [base * (1 - self.last_epoch / self.total_iters) for base in self.base_lrs]
+
+
+def _tiny_arcface_mods(loss_factor=lambda: 1.0):
+    class Backbone(torch.nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 8)
+
+        def forward(self, x):
+            return self.fc(x.mean((2, 3)))
+
+    class PFC(torch.nn.Module):
+        def __init__(self, margin, dim, classes, rate, fp16):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(classes, dim))
+
+        def forward(self, emb, labels):
+            return torch.nn.functional.cross_entropy(emb @ self.weight.t(), labels) * loss_factor()
+    return {"backbones": SimpleNamespace(get_model=lambda name, **kw: Backbone(**kw)),
+            "losses": SimpleNamespace(CombinedMarginLoss=lambda *a: None), "pfc": SimpleNamespace(PartialFC_V2=PFC),
+            "lr": SimpleNamespace(PolynomialLRWarmup=_Poly)}
+
+
+def test_arcface_scheduler_runs_without_the_argument_torch_dropped():
+    """Its scheduler passes ``verbose`` to a torch that takes none: built without it (recorded), it still steps
+    arcface's lr (the step used to go on with no scheduler at all, silently)."""
+    import inspect
+    step = arcface_step.ArcfaceStep(_tiny_arcface_mods(), "r18", 5, 1.0, False, torch.device("cpu"), ddp=False, dim=8,
+                                    steps=4)
+    takes_verbose = "verbose" in inspect.signature(torch.optim.lr_scheduler.LRScheduler.__init__).parameters
+    assert step.sched_dropped == ([] if takes_verbose else ["verbose"])
+    step(torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([1, 3]))
+    assert [g["lr"] for g in step.opt.param_groups] == pytest.approx([0.1 * (1 - 1 / 4)] * 2)
+
+
+def test_skipped_fp16_steps_are_counted_in_the_timed_rounds_only():
+    """GradScaler skips the optimizer's step on an overflowing gradient (a cheaper step): arcface's step counts
+    them (here the 2nd of 3, its weights unchanged by it), and measure() reports those of the timed rounds
+    beside the time, not the warm-up's."""
+    from hvd_partialfc.tools.arcface_compare import measure
+    calls = []
+    step = arcface_step.ArcfaceStep(_tiny_arcface_mods(lambda: 1e38 if len(calls) == 2 else 1.0), "r18", 5, 1.0,
+                                    False, torch.device("cpu"), ddp=False, dim=8)
+    step.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)      # fp16's path, on the CPU
+    batch = (torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([1, 3]))
+    for i in range(3):
+        calls.append(i)
+        before = step.pfc.weight.detach().clone()
+        step(*batch)
+        assert torch.equal(before, step.pfc.weight) == (i == 1)
+    assert step.skipped() == 1
+
+    counts = {"local": 0}
+
+    def run():                         # skips on its 1st step (the warm-up) and its 3rd (a timed round)
+        counts["local"] += 1
+    skipped = lambda: (counts["local"] >= 1) + (counts["local"] >= 3)      # noqa: E731
+    a = SimpleNamespace(warmup=1, rounds=2, steps=2, batch=4)
+    r = measure(a, torch.device("cpu"), {"local": {"run": run, "skipped": skipped}})
+    assert (r["local"]["skipped_steps"], r["local"]["timed_steps"]) == (1, 4)
+
+
+def test_a_contender_out_of_memory_in_a_timed_round_leaves_the_others_measured():
+    """Running out of memory in the 2nd timed round stops that contender only (the whole comparison used to be
+    lost with it)."""
+    from hvd_partialfc.tools.arcface_compare import measure
+    n = {"local": 0}
+
+    def big():
+        n["local"] += 1
+        if n["local"] > 2:           # warm-up 1 and round 1's step fit; round 2 does not
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    a = SimpleNamespace(warmup=1, rounds=3, steps=1, batch=4)
+    r = measure(a, torch.device("cpu"), {"local": {"run": big}, "global": {"run": lambda: None}})
+    assert r["local"]["error"] == "out of memory in timed round 2 at batch 4" and len(r["local"]["ms_per_step_rounds"]) == 1
+    assert len(r["global"]["ms_per_step_rounds"]) == 3 and r["global"]["median_ms"] >= 0

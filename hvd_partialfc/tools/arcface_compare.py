@@ -21,7 +21,11 @@ The data: ``--pool`` batches of random uint8 images (B, H, W, 3) and labels, mad
 contender gets them in the same order and turns them into [-1, 1] floats as the trainer does. The timing:
 ``--warmup`` steps each, then ``--rounds`` rounds, each contender ``--steps`` steps a round in a rotating
 order (so drift in the machine's speed falls on all), the device synchronised around each contender's
-steps; medians over rounds. A contender that runs out of memory is recorded as such. JSON to ``--out``.
+steps; medians over rounds. A contender that runs out of memory (built, warming up, or in a timed round) is
+recorded as such and the others go on. Beside each time: the steps of the timed rounds skipped on a
+non-finite fp16 gradient (``skipped_steps`` of ``timed_steps``: a skipped step is cheaper), and for arcface
+whether DDP wrapped it (``--no-ddp``: at one rank its all-reduce is a cost ours does not pay) and the
+arguments its scheduler passed that this torch no longer takes (``scheduler_dropped``). JSON to ``--out``.
 
 Memory (CUDA): all contenders live on the device together, so the device's peak during one's steps holds the
 others' weights too (``device GiB``). Each one's own (``own GiB``) is what its building allocated (model,
@@ -101,7 +105,14 @@ def our_step(a, mode: str, device: torch.device, total: int) -> Callable[[Any], 
 
     def run(batches):
         return step(next(count), batches)
+
+    def skipped() -> int:
+        """Steps skipped on a non-finite gradient so far (fp16's loss scale), the device decision's books settled."""
+        if parts.device_skips is not None:
+            parts.device_skips.settle()
+        return parts.counters.skipped_steps
     run.compiled = parts.compiled          # train.compile's record: what compiled, in how long
+    run.skipped = skipped
     return run
 
 
@@ -138,11 +149,12 @@ def build(a, device: torch.device, memory=None) -> Dict[str, Dict[str, Any]]:
                 step = ArcfaceStep(mods, net, a.classes, a.sample_rate, a.precision == "fp16", device, a.gathered,
                                    ddp=not a.no_ddp, steps=total, blocks=a.blocks)
                 data = device_batches(a, device, a.classes * a.gathered)
-                out[name] = {"run": lambda d=data, s=step: s(*next(d)), "root": mods["root"]}
+                out[name] = {"run": lambda d=data, s=step: s(*next(d)), "root": mods["root"], "skipped": step.skipped,
+                             "info": {"ddp": not a.no_ddp, "scheduler_dropped": step.sched_dropped}}
             elif name in ("local", "global"):
                 fn = our_step(a, name, device, total)
                 data = device_batches(a, device, a.classes * (a.gathered if name == "global" else 1))
-                out[name] = {"run": lambda d=data, f=fn: f(d)}
+                out[name] = {"run": lambda d=data, f=fn: f(d), "skipped": getattr(fn, "skipped", None)}
             else:
                 raise ValueError(f"unknown contender {name!r}; known: {', '.join(CONTENDERS)}")
         except torch.cuda.OutOfMemoryError as e:
@@ -195,17 +207,28 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memo
     rounds: Dict[str, List[float]] = {n: [] for n in live}
     peaks: Dict[str, int] = {}
     rises: Dict[str, int] = {}
+    skips = {n: contenders[n]["skipped"] for n in live if contenders[n].get("skipped")}
+    skipped_before = {n: count() for n, count in skips.items()}      # the warm-up's skips are not the rounds'
     for r in range(a.rounds):
         order = live[r % len(live):] + live[:r % len(live)] if live else []
         for name in order:
+            if name not in live:
+                continue
             _sync(device)
             if mem:
                 mem.reset_peak()
                 held = mem.allocated()
             t0 = time.perf_counter()
-            for _ in range(a.steps):
-                contenders[name]["run"]()
-            _sync(device)
+            try:
+                for _ in range(a.steps):
+                    contenders[name]["run"]()
+                _sync(device)
+            except torch.cuda.OutOfMemoryError:      # this contender stops; the others' rounds go on
+                contenders[name] = {"error": f"out of memory in timed round {r + 1} at batch {a.batch}",
+                                    "ms_per_step_rounds": rounds.pop(name)}
+                live.remove(name)
+                torch.cuda.empty_cache()
+                continue
             rounds[name].append(1e3 * (time.perf_counter() - t0) / a.steps)
             if mem:
                 top = mem.peak()
@@ -213,10 +236,13 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memo
     result = {}
     for name, c in contenders.items():
         if "error" in c:
-            result[name] = {"error": c["error"]}
+            result[name] = {k: v for k, v in c.items() if k in ("error", "ms_per_step_rounds")}
             continue
         med = statistics.median(rounds[name])
-        result[name] = {"ms_per_step_rounds": rounds[name], "median_ms": med, "samples_per_s": 1e3 * a.batch / med}
+        result[name] = {"ms_per_step_rounds": rounds[name], "median_ms": med, "samples_per_s": 1e3 * a.batch / med,
+                        **c.get("info", {})}
+        if name in skips:     # a skipped step (fp16 overflow) costs less than a taken one: said beside the time
+            result[name].update(skipped_steps=skips[name]() - skipped_before[name], timed_steps=a.rounds * a.steps)
         if mem:                 # own: only where build() counted what the building allocated
             built = c.get("built_bytes")
             result[name].update(device_gib=peaks[name] / 2 ** 30,

@@ -18,10 +18,11 @@ of an N-GPU job's head work (docs/benchmarks.md, "Side by side with arcface_torc
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import sys
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -114,11 +115,13 @@ class ArcfaceStep:
             self.pfc = mods["pfc"].PartialFC_V2(margin, dim, classes, sample_rate, False).train().to(device)
         self.opt = torch.optim.SGD([{"params": self.backbone.parameters()}, {"params": self.pfc.parameters()}],
                                    lr=0.1, momentum=0.9, weight_decay=5e-4)
-        try:
-            self.sched = mods["lr"].PolynomialLRWarmup(optimizer=self.opt, warmup_iters=0, total_iters=steps)
-        except TypeError:     # a torch without the scheduler's `verbose` argument: the step goes on without it
-            self.sched = None
+        self.sched, self.sched_dropped = build_scheduler(mods["lr"].PolynomialLRWarmup, optimizer=self.opt,
+                                                         warmup_iters=0, total_iters=steps)
         self.scaler = torch.amp.GradScaler("cuda", growth_interval=100) if fp16 and device.type == "cuda" else None
+        # steps asked for and optimizer steps taken: GradScaler skips the optimizer's step on an inf/nan
+        # gradient, and a skipped step is cheaper, so a timed round counts them (arcface_compare.measure)
+        self.calls, self.taken = 0, 0
+        self.opt.register_step_post_hook(lambda *args: setattr(self, "taken", self.taken + 1))
         self.peers = self.peer_labels = None    # the other ranks' gathered rows (gathered > 1), made at the first batch
 
     def _head_input(self, emb: torch.Tensor, labels: torch.Tensor):
@@ -136,6 +139,7 @@ class ArcfaceStep:
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> float:
         # as the trainer's prepare_batch, contiguous (B, C, H, W) as train_v2's loader gives: the permuted
         # tensor is NHWC in memory, and convolutions given one run channels_last through the whole backbone
+        self.calls += 1
         img = images.permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0).contiguous()
         with cpu_cuda_calls(self.device):
             emb = self.backbone(img)
@@ -154,6 +158,37 @@ class ArcfaceStep:
         if self.sched is not None:
             self.sched.step()
         return loss.item()
+
+    def skipped(self) -> int:
+        """Steps whose optimizer step GradScaler skipped (a non-finite fp16 gradient), so far."""
+        return self.calls - self.taken
+
+
+def build_scheduler(cls, **kwargs) -> Tuple[Any, List[str]]:
+    """arcface_torch's scheduler ``cls(**kwargs)``, and the keyword arguments its ``__init__`` passed to torch's
+    base class that this torch no longer takes (its ``verbose``: torch 2.13's ``LRScheduler`` has none, and
+    the ``TypeError`` used to leave arcface's step without its scheduler, silently). Those are dropped on the
+    way to the base class, so the scheduler and its step are arcface's own; the names are returned to be
+    recorded (``scheduler_dropped`` in the comparison's JSON)."""
+    try:
+        return cls(**kwargs), []
+    except TypeError:
+        pass
+    base = cls.__mro__[1]
+    taken = inspect.signature(base.__init__).parameters
+    dropped: List[str] = []
+
+    class DropUnknown(base):
+        def __init__(self, *args, **kw):
+            for name in [k for k in kw if k not in taken]:
+                dropped.append(name)
+                del kw[name]
+            super().__init__(*args, **kw)
+
+    class Tolerant(cls, DropUnknown):   # the MRO puts DropUnknown between cls and its base
+        pass
+    Tolerant.__name__ = cls.__name__
+    return Tolerant(**kwargs), dropped
 
 
 def check_precision(fp16: bool, device: torch.device) -> None:
