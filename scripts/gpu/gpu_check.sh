@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check: one machine with one NVIDIA GPU and no network (docs/gpu.md says what it needs and what
-# its figures mean). Fails loudly: any stage that fails ends the script with a non-zero exit naming the stage.
+# its figures mean). Fails loudly: a stage that fails is named and the script exits non-zero. A measuring stage
+# (prepare, torch, speed, horovod, report) that fails does not stop the stages after it, so the speed stage
+# runs whatever the torch stage did; env and build end the script at once (nothing after them could run).
+# One deadline for the whole script (GPU_CHECK_DEADLINE, seconds since the epoch; else 9 minutes from its
+# start): every stage runs under a timeout of its own limit or what the deadline leaves, whichever is less.
 #
 #   OUT=results HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz [ARCFACE_DIR=DIR] bash scripts/gpu/gpu_check.sh
-#   OUT=results GPU_CHECK_TINY=1 bash scripts/gpu/gpu_check.sh     # CPU: toy sizes, the installed Horovod (its test)
+#   OUT=results GPU_CHECK_TINY=1 bash scripts/gpu/gpu_check.sh     # CPU: toy sizes, the installed Horovod (the dry run)
 #   GPU_CHECK_SKIP=build,horovod ...                               # those stages left out: the speed stage gets their time
 #
 # Stages (each timed, in OUT/stages.tsv):
@@ -15,14 +19,16 @@
 #   speed     issue 50's table (scripts/gpu/gpu_speed_check.py): ours against arcface_torch (ARCFACE_DIR: an
 #             InsightFace checkout; without it ours alone, said), the step profile, the fast-path keys on
 #             and off, nvJPEG in the trainer, the largest batch; as many cells as fit SPEED_BUDGET_S
-#             (default: what the 9-minute budget leaves after the stages still to come), the rest named
+#             (default: what the deadline leaves after the stages still to come), the rest named
 #             with the command that runs them (OUT/speed.json, OUT/speed_table.md, OUT/speed/)
 #   build     Horovod from its sdist with NCCL (scripts/setup/build_horovod.sh); horovod.torch.nccl_built() must
 #             be non-zero; the GPU smoke tests (pytest -m gpu, torch engine) run beside it
 #   horovod   the same trainer runs under horovodrun -np 1, and the smoke tests that need Horovod
 #   report    OUT/face_check.json and face_check.txt; exit 1 when a run is missing or looks wrong
 # One GPU: NCCL refuses two ranks on one device, so np = 1; the engines' collectives still run through NCCL
-# at size 1 (the smoke tests check them on CUDA tensors). Everything goes to mktemp -d folders.
+# at size 1 (the smoke tests check them on CUDA tensors). Everything goes to mktemp -d folders. With
+# GPU_PUBLISH_FROM and GPU_PUBLISH_TO set (gpu_speed_run.sh), the results are copied into the device call's
+# $OUT at every stage's start and after every speed cell (scripts/gpu/publish.py).
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -34,56 +40,74 @@ mkdir -p "$OUT"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 STAGE=start
-trap 'echo "gpu_check: FAILED in stage $STAGE (exit $?); its output is above and in $OUT" >&2' ERR
+FAILED=""
+trap 'echo "gpu_check: FAILED in stage $STAGE (exit $?)${FAILED:+, after$FAILED}; its output is above and in $OUT" >&2' ERR
 T0=$(date +%s); TS=$T0
-stage() {   # stage NAME: close the previous stage's timing, open NAME's
+DEADLINE="${GPU_CHECK_DEADLINE:-$((T0 + 540))}"
+publish() { [ -z "${GPU_PUBLISH_TO:-}" ] || "$PY" -m scripts.gpu.publish "$GPU_PUBLISH_FROM" "$GPU_PUBLISH_TO" || true; }
+stage() {   # stage NAME: close the previous stage's timing, open NAME's, and bring the call's $OUT up to date
   local now; now=$(date +%s)
   [ "$STAGE" = start ] || printf '%s\t%s\n' "$STAGE" "$((now - TS))" >> "$OUT/stages.tsv"
   STAGE="$1"; TS=$now
-  echo "=== $1 ($((now - T0)) s)"
+  echo "=== $1 ($((now - T0)) s, $((DEADLINE - now)) s to the deadline)"
+  publish
 }
+failed() {  # failed NAME STATUS: named now and at the end; the stages after it still run
+  FAILED="$FAILED $1"
+  echo "gpu_check: stage $1 failed (exit $2$( [ "$2" = 124 ] || [ "$2" = 137 ] && echo ': cut at its limit')); the stages after it still run" >&2
+}
+limit() {   # limit SECONDS [RESERVE]: a stage's own limit, or what the deadline leaves after RESERVE s, if less
+  local left=$(( DEADLINE - $(date +%s) - ${2:-0} ))
+  [ "$left" -lt "$1" ] || left=$1
+  [ "$left" -ge 1 ] || left=1
+  echo "$left"
+}
+capped() { local s=$1; shift; timeout -k 5 "$s" "$@"; }   # capped SECONDS COMMAND...
 TINY_ARG=(); [ "$TINY" = 1 ] && TINY_ARG=(--tiny)
 SKIP=",${GPU_CHECK_SKIP:-},"
 skipped() { case "$SKIP" in *",$1,"*) echo "=== $1 skipped (GPU_CHECK_SKIP)"; return 0;; esac; return 1; }
+# what the stages after speed need: the report (10 s), and the build and Horovod's stage where they run (230 s
+# measured, 113 + 82 + 2, with margin)
+AFTER=10; skipped build >/dev/null || AFTER=240
 : > "$OUT/stages.tsv"
 
 stage env
 {
-  "$PY" -c "import torch, torch.distributed as d; n = torch.cuda.device_count(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)]); print('torch.distributed: nccl', d.is_nccl_available(), 'gloo', d.is_gloo_available())"
+  capped "$(limit 120)" "$PY" -c "import torch, torch.distributed as d; n = torch.cuda.device_count(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)]); print('torch.distributed: nccl', d.is_nccl_available(), 'gloo', d.is_gloo_available())"
   if [ "$TINY" != 1 ]; then nvidia-smi -L; command -v nvcc >/dev/null && nvcc --version | tail -2; fi
   nproc
 } 2>&1 | tee "$OUT/env.txt"
 if [ "$TINY" != 1 ]; then
-  "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "no CUDA device visible" >&2; false; }
+  capped "$(limit 60)" "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+    || { echo "no CUDA device visible" >&2; false; }
 fi
 
 stage prepare
-"$PY" -m scripts.gpu.gpu_face_check prepare "$WORK" "${TINY_ARG[@]}"
+capped "$(limit 240 "$AFTER")" "$PY" -m scripts.gpu.gpu_face_check prepare "$WORK" "${TINY_ARG[@]}" || failed prepare $?
 
 if [ "$TINY" != 1 ]; then   # data.decode=gpu: nvJPEG's distance to PIL, and the loader's rate with either decode
-  "$PY" -m data_tools.bench_loader --gpu-decode "$OUT" --workers "$(( $(nproc) > 10 ? 8 : 1 ))" --seconds 5 --device cuda
+  capped "$(limit 120 "$AFTER")" "$PY" -m data_tools.bench_loader --gpu-decode "$OUT" \
+    --workers "$(( $(nproc) > 10 ? 8 : 1 ))" --seconds 5 --device cuda || failed prepare-decode $?
 fi
 
 stage torch
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m scripts.gpu.gpu_face_check measure "$WORK" \
-  --engine torch "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/torch.log"
+{ capped "$(limit 240 "$AFTER")" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    -m scripts.gpu.gpu_face_check measure "$WORK" --engine torch "${TINY_ARG[@]}" 2>&1 \
+    | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/torch.log"; } || failed torch $?
 
 stage speed
-# Its budget: 510 s of the 540 (a device call may run 600) minus what has run and what is still to come
-# (build + horovod + report: 230 s measured, 113 + 82 + 2, with margin; none when skipped)
-RESERVE=230; skipped build >/dev/null && RESERVE=5
-BUDGET="${SPEED_BUDGET_S:-$(( 510 - ($(date +%s) - T0) - RESERVE ))}"
-[ "$BUDGET" -ge 30 ] || BUDGET=30
-speed_cells() {   # cells start while their estimate fits the budget; one that overruns is cut 60 s past it
-  timeout -k 10 "$(( BUDGET + 60 ))" "$PY" -m scripts.gpu.gpu_speed_check "$WORK" "$OUT" --budget "$BUDGET" \
-    ${ARCFACE_DIR:+--arcface-dir "$ARCFACE_DIR"} "${TINY_ARG[@]}" 2>&1 | tee "$OUT/speed.log"
-  echo "${PIPESTATUS[0]}" > "$WORK/speed.rc"
-}
-speed_cells || true
-case "$(cat "$WORK/speed.rc")" in
+# Until the deadline less what the stages after it need; its cells start while their estimates fit and each
+# is cut at its own limit (gpu_speed_check.py), the stage itself at its end (5 s after the cells' deadline)
+SPEED_END=$(( DEADLINE - AFTER ))
+BUDGET="${SPEED_BUDGET_S:-$(( SPEED_END - 5 - $(date +%s) ))}"
+speed_rc=0
+{ capped "$(limit 100000 "$AFTER")" "$PY" -m scripts.gpu.gpu_speed_check "$WORK" "$OUT" --budget "$BUDGET" \
+    --deadline "$(( SPEED_END - 5 ))" ${ARCFACE_DIR:+--arcface-dir "$ARCFACE_DIR"} "${TINY_ARG[@]}" 2>&1 \
+    | tee "$OUT/speed.log"; } || speed_rc=$?
+case "$speed_rc" in
   0) ;;
-  124|137) echo "speed: cut $(( BUDGET + 60 )) s in; OUT/speed.json holds the cells that finished" ;;
-  *) echo "speed: failed (exit $(cat "$WORK/speed.rc")); its output is in $OUT/speed.log" >&2; false ;;
+  124|137) echo "speed: cut at the deadline; OUT/speed.json holds the cells that finished" ;;
+  *) failed speed "$speed_rc" ;;
 esac
 
 if ! skipped build; then
@@ -93,17 +117,17 @@ if [ "$TINY" = 1 ]; then
 else
   : "${HOROVOD_SDIST:?set HOROVOD_SDIST to horovod-0.28.1.tar.gz (pip download --no-deps --no-binary :all: horovod==0.28.1)}"
   # The smoke tests that need no Horovod run on the GPU while Horovod compiles on the CPUs.
-  HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k "not horovod" tests -p no:cacheprovider \
-    > "$OUT/smoke_torch.log" 2>&1 & SMOKE=$!
-  WHEEL="$(bash scripts/setup/build_horovod.sh --python "$PY" --wheel-dir "$WORK/wheel" --sdist "$HOROVOD_SDIST" \
-           2> "$OUT/build.log" | tail -1)" || { tail -40 "$OUT/build.log" >&2; false; }
+  capped "$(limit 300 10)" env HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k "not horovod" tests \
+    -p no:cacheprovider > "$OUT/smoke_torch.log" 2>&1 & SMOKE=$!
+  WHEEL="$(capped "$(limit 300 100)" bash scripts/setup/build_horovod.sh --python "$PY" --wheel-dir "$WORK/wheel" \
+           --sdist "$HOROVOD_SDIST" 2> "$OUT/build.log" | tail -1)" || { tail -40 "$OUT/build.log" >&2; false; }
   "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/hvd" "$WHEEL"
   export PYTHONPATH="$PYTHONPATH:$WORK/hvd" PATH="$WORK/hvd/bin:$PATH"
   # Horovod's NCCL operations load libnccl.so.2 at run time: the pip package's, where torch has it from
   NCCL_LIB="$("$PY" -c "import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], 'lib'))" 2>/dev/null || true)"
   [ -z "$NCCL_LIB" ] || export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   HOROVODRUN="$WORK/hvd/bin/horovodrun"
-  wait "$SMOKE" || { tail -30 "$OUT/smoke_torch.log" >&2; false; }
+  wait "$SMOKE" || { tail -30 "$OUT/smoke_torch.log" >&2; failed smoke-torch 1; }
   tail -3 "$OUT/smoke_torch.log"
 fi
 # What the build holds (`horovodrun --check-build` says the same, but first probes every framework: 9 s)
@@ -116,18 +140,23 @@ ENGINES=torch
 if ! skipped horovod; then
 ENGINES=torch,horovod
 stage horovod
-"$PY" "$HOROVODRUN" -np 1 --gloo "$PY" -m scripts.gpu.gpu_face_check measure "$WORK" --engine horovod \
-  "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/horovod.log"
+{ capped "$(limit 240 10)" "$PY" "$HOROVODRUN" -np 1 --gloo "$PY" -m scripts.gpu.gpu_face_check measure "$WORK" \
+    --engine horovod "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/horovod.log"; } \
+  || failed horovod $?
 if [ "$TINY" != 1 ]; then
-  HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k horovod tests -p no:cacheprovider 2>&1 \
-    | tee "$OUT/smoke_horovod.log" | tail -3
+  { capped "$(limit 120 10)" env HVD_PARTIALFC_TEST_GPU=1 "$PY" -m pytest -q -m gpu -k horovod tests \
+      -p no:cacheprovider 2>&1 | tee "$OUT/smoke_horovod.log" | tail -3; } || failed smoke-horovod $?
 fi
 fi
 
 stage report
-"$PY" -m scripts.gpu.gpu_face_check report "$WORK" "$OUT" --engines "$ENGINES"
+capped "$(limit 60)" "$PY" -m scripts.gpu.gpu_face_check report "$WORK" "$OUT" --engines "$ENGINES" || failed report $?
 stage done
 TOTAL=$(( $(date +%s) - T0 ))
+if [ -n "$FAILED" ]; then
+  echo "gpu_check: FAILED in stage(s)$FAILED, after $TOTAL s; every later stage ran; results in $OUT" >&2
+  exit 1
+fi
 # Its budget: 9 minutes, the build included (a device command may run 10; the rest is for a rerun)
 [ "$TINY" = 1 ] || [ "$TOTAL" -le 540 ] || echo "gpu_check: WARNING: $TOTAL s, over its 540 s budget (stages.tsv)"
 echo "gpu_check: passed in $TOTAL s; results in $OUT (face_check.txt, face_check.json, speed_table.md, speed.json, stages.tsv)"

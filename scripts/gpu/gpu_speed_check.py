@@ -1,21 +1,27 @@
 #!/usr/bin/env python
 """The ``speed`` stage of scripts/gpu/gpu_check.sh: issue 50's table measured in one budgeted pass (docs/gpu.md).
 
-    python -m scripts.gpu.gpu_speed_check WORK OUT [--arcface-dir DIR] [--budget 150] [--only NAME,...] [--tiny]
+    python -m scripts.gpu.gpu_speed_check WORK OUT [--arcface-dir DIR] [--budget 150] [--deadline EPOCH_S]
+        [--only NAME,...] [--tiny]
 
 WORK holds the ``prepare`` stage's shard sets (``head125k``); results go to ``OUT/speed.json`` (rewritten after
-every cell, so a cut-short run keeps what it measured), ``OUT/speed/`` (each profile's and comparison's own
-JSON and traces) and ``OUT/speed_table.md`` (the issue's table). Cells run in ``CELLS``' order, the issue's
-headline first; a cell whose estimated seconds no longer fit ``--budget`` is recorded as skipped, with the
-command that runs it alone (``--only NAME``) in a later call. A failed cell is recorded and the pass goes
-on; the stage fails (exit 1) when every cell that ran failed.
+every cell, so a cut-short run keeps what it measured; and into the device call's ``$OUT`` too, publish.py),
+``OUT/speed/`` (each profile's and comparison's own JSON and traces) and ``OUT/speed_table.md`` (the issue's
+table). Cells run in ``plan``'s order, the issue's headline first; a cell whose estimated seconds no longer fit
+``--budget`` or ``--deadline`` (the call's one deadline, in seconds since the epoch) is recorded as skipped,
+with the command that runs it alone (``--only NAME``) in a later call. A cell that runs is cut at its limit,
+4 times its estimate (at least ``CELL_FLOOR_S``) and never past the deadline: recorded as ``timeout``, and
+the next cell starts. A cell that runs out of device memory is recorded as ``oom``, a failed one as
+``failed``, and the pass goes on; the stage fails (exit 1) when no cell that ran gave a result, and
+refuses to start (exit 2, one line) when ``--arcface-dir`` holds no arcface_torch.
 
 Cells (one GPU, fp16, 112 px, batch 128 unless named):
-* ``gpu-tests``: tests/test_fast_paths.py's GPU test (the device decision bitwise the host's on CUDA).
 * ``compare-*``: tools/arcface_compare.py in this process: arcface_torch's train_v2 step (``--arcface-dir``;
   without it ours alone, said) against ``local`` and ``global`` (r = 0.1, the heads that gather scoring the
-  rows of a rank of 8: ``--gathered 8``), alternating rounds. ``-bmax``: at the largest batch ours fits,
-  each contender alone on the GPU.
+  rows of a rank of 8: ``--gathered 8``), alternating rounds. arcface's backbone runs without train_v2's DDP
+  wrapper: at one rank its all-reduce (fp16-compressed) is a cost ours does not pay. ``-bmax``: at the
+  largest batch ours fits, each contender alone on the GPU.
+* ``gpu-tests``: tests/test_fast_paths.py's GPU test (the device decision bitwise the host's on CUDA).
 * ``profile-*``: ``hvd-partialfc profile`` on the trainer itself (the shards, 8 loader workers at most,
   ``--torch-trace``): the phase split on the GPU's clock, idle time, top kernels, host syncs CUDA saw;
   ``-nvjpeg``: with ``data.decode=gpu``; ``-bf16``: bf16, its top kernels beside fp16's (why bf16 was the slower).
@@ -32,11 +38,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-import traceback
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List
 
@@ -47,6 +53,9 @@ import torch  # noqa: E402
 
 from hvd_partialfc.atomic import write_text  # noqa: E402
 from hvd_partialfc.tools import arcface_compare as cmp  # noqa: E402
+from hvd_partialfc.tools.arcface_step import find_arcface  # noqa: E402
+from scripts.gpu.publish import publish_from_env  # noqa: E402
+from scripts.gpu.speed_cells import CellClock, run_cell, why_not_start  # noqa: E402
 
 SWITCHES = {"defaults": [], "channels_last": ["train.channels_last=true"],
             "fused kernels": ["optim.backbone_kernel=fused"],
@@ -63,11 +72,14 @@ TINY_CELLS = ("profile-r50", "switches", "largest-r50", "compare-r50-125k-bmax")
 
 
 def sizes(tiny: bool, arcface: str) -> Dict[str, Any]:
-    """The cells' sizes: the GPU's, or toy ones (iresnet with one block a stage at 112 px where arcface_torch
-    is compared, else the small resnet at 32 px)."""
+    """The cells' sizes: the GPU's, or the dry run's toy ones. Ours is then always the small resnet (width 4);
+    where arcface_torch is compared, it gets its iresnet with one block a stage (a name it knows) at 112 px, the
+    size its iresnet's head needs, and ours runs at 112 px too. The dry run measures nothing: it runs the
+    plumbing, at a fraction of the CPU time our own iresnet at 112 px would take in every cell."""
     if tiny:
-        toy = {"r50": "iresnet18", "blocks": "1,1,1,1", "image_size": 112, "ours": []} if arcface else \
-            {"r50": "resnet", "blocks": "", "image_size": 32, "ours": ["model.kwargs={width: 4}"]}
+        toy = {"r50": "iresnet18", "blocks": "1,1,1,1", "image_size": 112} if arcface else \
+            {"r50": "resnet", "blocks": "", "image_size": 32}
+        toy["ours"] = ["model.name=resnet", "model.kwargs={width: 4}"]
         return dict(toy, tiny=True, r100=toy["r50"], batch=2, k125=50, k1250=80, gathered=2, precision="fp32",
                     rounds=1, steps=1, warmup=1, profile=["1", "2"], workers=1,
                     profile_model=["--set", "model.name=resnet", "--set", "model.kwargs={width: 8}"])
@@ -82,7 +94,7 @@ def compare_args(s, arcface_dir, model, classes, batch, contenders="arcface,loca
     return SimpleNamespace(arcface_dir=arcface_dir, contenders=",".join(names), model=model, blocks=s["blocks"],
                            batch=batch, image_size=s["image_size"], classes=classes, gathered=s["gathered"],
                            sample_rate=0.1, precision=s["precision"], warmup=s["warmup"], rounds=s["rounds"],
-                           steps=s["steps"], pool=4, device="cpu" if s["tiny"] else "auto", threads=0, no_ddp=False,
+                           steps=s["steps"], pool=4, device="cpu" if s["tiny"] else "auto", threads=0, no_ddp=True,
                            set=s["ours"] + list(sets), out=None)
 
 
@@ -163,7 +175,7 @@ def switches(s, cells: Dict[str, List[str]], model: str) -> Dict[str, Any]:
     return result
 
 
-def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, Any]:
+def profile(s, work: str, out: str, name: str, extra: List[str], limit_s: float) -> Dict[str, Any]:
     folder = os.path.join(out, "speed", name)
     argv = [sys.executable, "-m", "hvd_partialfc.cli", "profile", "--config", os.path.join(ROOT, "configs",
             "ms1mv3_r50.yaml"), "--shards", os.path.join(work, "head125k"), "--profile-out", folder,
@@ -172,7 +184,7 @@ def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, An
             "--set", f"train.precision={'bf16' if s['tiny'] else 'fp16'}", "--set", "train.engine=torch",
             "--set", f"train.device={'cpu' if s['tiny'] else 'cuda'}", *s["profile_model"],
             *extra]
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=400,
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
                        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     if p.returncode != 0:
         raise RuntimeError(f"profile exited {p.returncode}: {p.stderr[-1500:]}")
@@ -181,10 +193,10 @@ def profile(s, work: str, out: str, name: str, extra: List[str]) -> Dict[str, An
         return json.load(f)
 
 
-def gpu_tests() -> Dict[str, Any]:
+def gpu_tests(limit_s: float) -> Dict[str, Any]:
     """The fast paths' GPU tests (tests/test_fast_paths.py, marked gpu): the device decision on CUDA."""
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                        "tests/test_fast_paths.py"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        "tests/test_fast_paths.py"], cwd=ROOT, capture_output=True, text=True, timeout=limit_s,
                        env=dict(os.environ, HVD_PARTIALFC_TEST_GPU="1"))
     if p.returncode != 0:
         raise RuntimeError(f"pytest exited {p.returncode}: {p.stdout[-1500:]}")
@@ -226,8 +238,10 @@ def largest_batch(s, model: str) -> Dict[str, Any]:
     raise RuntimeError(f"no batch of {tried} fits")
 
 
-def plan(s, work: str, out: str, arcface: str) -> List[Any]:
-    """(name, estimated seconds on an H100, what to run) in the order they run."""
+def plan(s, work: str, out: str, arcface: str, left: Callable[[], float]) -> List[Any]:
+    """(name, estimated seconds on an H100, what to run) in the order they run: the headline comparison
+    first, so that nothing before it can spend the call. ``left()``: the running cell's seconds to its
+    limit (its subprocesses' timeout)."""
     r50, r100, b, k, kk = s["r50"], s["r100"], s["batch"], s["k125"], s["k1250"]
     found: Dict[str, Any] = {}
 
@@ -241,9 +255,9 @@ def plan(s, work: str, out: str, arcface: str) -> List[Any]:
         return go
     def compiled(name):
         return lambda: switches(s, {"defaults": [], "compiled": COMPILES[name]}, r50)
-    cells = [("gpu-tests", 25, gpu_tests),
-             ("compare-r50-125k", 35, lambda: compare(compare_args(s, arcface, r50, k, b))),
-             ("profile-r50", 30, lambda: profile(s, work, out, "profile-r50", [])),
+    cells = [("compare-r50-125k", 35, lambda: compare(compare_args(s, arcface, r50, k, b))),
+             ("gpu-tests", 25, lambda: gpu_tests(left())),
+             ("profile-r50", 30, lambda: profile(s, work, out, "profile-r50", [], left())),
              ("switches", 45, lambda: switches(s, {k: v for k, v in SWITCHES.items() if not s["tiny"] or k in
                                                    ("defaults", "channels_last", "device decision")}, r50)),
              ("compare-r50-1250k", 45, lambda: compare(compare_args(s, arcface, r50, kk, b))),
@@ -251,9 +265,10 @@ def plan(s, work: str, out: str, arcface: str) -> List[Any]:
              ("compile-cudagraphs", 90, compiled("compile-cudagraphs")),
              ("compile-blocks", 60, compiled("compile-blocks")),
              ("profile-r50-bf16", 30, lambda: profile(s, work, out, "profile-r50-bf16",
-                                                      ["--set", "train.precision=bf16"])),
+                                                      ["--set", "train.precision=bf16"], left())),
              ("profile-r50-nvjpeg", 30, lambda: profile(s, work, out, "profile-r50-nvjpeg",
-                                                        ["--set", f"data.decode={'cpu' if s['tiny'] else 'gpu'}"])),
+                                                        ["--set", f"data.decode={'cpu' if s['tiny'] else 'gpu'}"],
+                                                        left())),
              ("compare-r100-1250k", 55, lambda: compare(compare_args(s, arcface, r100, kk, b))),
              ("largest-r50", 20, find(r50)), ("compare-r50-125k-bmax", 45, at_max(r50)),
              ("largest-r100", 25, find(r100)), ("compare-r100-125k-bmax", 60, at_max(r100)),
@@ -269,10 +284,18 @@ def main(argv=None) -> int:
     ap.add_argument("out")
     ap.add_argument("--arcface-dir", default="")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds this stage may take")
+    ap.add_argument("--deadline", type=float, default=None, help="the call's one deadline (seconds since the "
+                    "epoch): no cell starts or runs past it")
     ap.add_argument("--only", default="", help="these cells (comma-separated names) alone, ignoring the budget")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args(argv)
-    arcface = a.arcface_dir if a.arcface_dir and os.path.isdir(a.arcface_dir) else ""
+    arcface = ""
+    if a.arcface_dir:       # asked for and absent: refused before any work, not measured without it
+        try:
+            arcface = find_arcface(a.arcface_dir)
+        except ValueError as e:
+            print(f"gpu_speed_check: {e}", file=sys.stderr, flush=True)
+            return 2
     s = sizes(a.tiny, arcface)
     if a.tiny:
         from hvd_partialfc.run import speed
@@ -287,43 +310,36 @@ def main(argv=None) -> int:
                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                               "torch": torch.__version__, "arcface_dir": arcface or None, "cells": []}
     if not arcface:
-        print(f"speed: arcface_torch skipped: {'no ARCFACE_DIR given' if not a.arcface_dir else a.arcface_dir + ' is not a folder'}"
-              " (ours alone in the comparisons)", flush=True)
+        print("speed: arcface_torch skipped: no ARCFACE_DIR given (ours alone in the comparisons)", flush=True)
     only = set(filter(None, a.only.split(",")))
     from scripts.gpu.speed_table import table   # the issue's table from speed.json
 
     def save() -> None:
-        """speed.json and the table after every cell: a stage cut at its budget (gpu_check.sh's timeout) ends
-        this process inside a cell, and the device call then brings back what is written here."""
+        """speed.json and the table after every cell, here and in the device call's $OUT (publish.py): a call
+        cut inside a later cell brings back what is written here."""
         write_text(os.path.join(a.out, "speed.json"), json.dumps(result, indent=1, default=str))
         write_text(os.path.join(a.out, "speed_table.md"), table(result, a.out))
+        publish_from_env()
+    clock = CellClock(a.deadline)
+    budget = math.inf if a.tiny else a.budget
     t0 = time.perf_counter()
-    for name, cost, fn in plan(s, a.work, a.out, arcface):
+    for name, cost, fn in plan(s, a.work, a.out, arcface, clock.left):
         if only and name not in only:
             continue
-        used = time.perf_counter() - t0
-        if not only and not a.tiny and used + cost > a.budget:
-            reason = (f"budget: {used:.0f} s used of {a.budget:.0f}, about {cost} s needed; run it alone with "
-                      f"python -m scripts.gpu.gpu_speed_check WORK OUT --only {name}")
-            result["cells"].append({"name": name, "status": "skipped", "reason": reason})
+        reason = None if only else why_not_start(name, cost, time.perf_counter() - t0, budget, clock)
+        if reason:
+            cell = {"name": name, "status": "skipped", "reason": reason}
             print(f"speed: {name} skipped ({reason})", flush=True)
-            save()
-            continue
-        c0 = time.perf_counter()
-        try:
-            cell = {"name": name, "status": "ok", "result": fn()}
-        except Exception as e:
-            cell = {"name": name, "status": "failed", "error": f"{type(e).__name__}: {e}",
-                    "traceback": traceback.format_exc()[-3000:]}
-        cell["seconds"] = time.perf_counter() - c0
-        free_memory()                      # the cell's models and heads go before the next cell's
+        else:
+            cell = run_cell(name, cost, fn, clock)
+            free_memory()                  # the cell's models and heads go before the next cell's
+            print(f"speed: {name} {cell['status']} in {cell['seconds']:.0f} s", flush=True)
         result["cells"].append(cell)
-        print(f"speed: {name} {cell['status']} in {cell['seconds']:.0f} s", flush=True)
         save()
     save()
     print(table(result, a.out), flush=True)
     ran = [c["status"] for c in result["cells"] if c["status"] != "skipped"]
-    return 1 if ran and all(st == "failed" for st in ran) else 0      # nothing measured: the stage failed
+    return 1 if ran and "ok" not in ran else 0      # nothing measured: the stage failed
 
 
 if __name__ == "__main__":

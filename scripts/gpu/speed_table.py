@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 GOALS = [("iresnet50, 125k-class local head: samples/s", "2,027–2,150", "≥ 4,000"),
          ("iresnet100, same: samples/s", "not measured", "≥ 2,200"),
@@ -100,4 +100,34 @@ def table(result: Dict[str, Any], out: str) -> str:
     for i, (name, before, goal) in enumerate(GOALS):
         why = "; ".join(w for w in (_why(result, n) for n in REASONS[i]) if w)
         lines.append(f"| {name} | {before} | {goal} | {f.get(i) or 'not measured: ' + (why or 'no result')} |")
-    return "\n".join(lines) + "\n"
+    said = notes(result)
+    return "\n".join(lines + ([""] + [f"- {n}" for n in said] if said else [])) + "\n"
+
+
+def notes(result: Dict[str, Any]) -> List[str]:
+    """What a reader of the figures must know: how arcface_torch's step was run (DDP or not, the scheduler
+    arguments this torch dropped), fp16 steps skipped in the timed rounds, the cells that ended without a
+    result (out of memory, cut at their limit, failed)."""
+    out = []
+    for c in result["cells"]:
+        if c["status"] not in ("ok", "skipped"):
+            out.append(f"{c['name']}: {c['status']} ({(c.get('error') or '')[:160]})")
+        if c["status"] != "ok" or not c["name"].startswith("compare-"):
+            continue
+        who = c["result"].get("contenders", {})
+        arc = who.get("arcface", {})
+        said = []
+        if "ddp" in arc:
+            said.append("arcface_torch " + ("in DDP as train_v2 wraps it (at one rank: an all-reduce ours does not "
+                                            "pay)" if arc["ddp"] else "without DDP (one rank: no all-reduce, as ours)"))
+        if arc.get("scheduler_dropped"):
+            said.append(f"its scheduler built without {', '.join(arc['scheduler_dropped'])} (this torch takes none)")
+        skips = [f"{n} {r['skipped_steps']}/{r['timed_steps']}" for n, r in who.items() if "skipped_steps" in r]
+        if skips:
+            said.append(f"fp16 steps skipped in the timed rounds: {', '.join(skips)}")
+        errors = [f"{n}: {r['error']}" for n, r in who.items() if "error" in r]
+        if errors:
+            said.append("; ".join(errors))
+        if said:
+            out.append(f"{c['name']}: " + "; ".join(said))
+    return out
