@@ -35,7 +35,7 @@ def _traces(work: str) -> List[str]:
 
 def _pack(path: str, work: str, names: List[str], keep=None) -> None:
     tmp = path + ".part"
-    with tarfile.open(tmp, "w:gz", compresslevel=1) as tar:
+    with tarfile.open(tmp, "w:gz", compresslevel=6) as tar:      # as `tar czf` (gzip -6)
         for name in names:
             if os.path.exists(os.path.join(work, name)):
                 tar.add(os.path.join(work, name), arcname=name, filter=keep)
