@@ -9,7 +9,7 @@ garbage (a ``[]`` line, zeros, an HTTP request, 5,000 bytes without a line's end
 the oldest to open more: the listening queue stays full and the server's handshake slots stay taken for as long as
 the flood lasts. ``--start-file PATH``: wait until PATH exists (the flood begins when the measured thing does),
 read addresses from it if none are given (one ``HOST:PORT`` a line); ``--watch``: read it again every 50 ms,
-for ports that open while the flood goes on. Prints ``flooding`` when it begins, and one
+for ports that open while the flood goes on (its seconds count from the first). Prints ``flooding`` when it begins, and one
 JSON line at the end: the connections opened, those the server closed first (evicted or refused), connect errors.
 The program may come on standard input (``python3 - ARGS < flooder.py``): the other user need not read this tree.
 """
@@ -38,7 +38,8 @@ def _address(text: str):
 
 
 def flood(addresses, seconds: float, hold: int = 600, inflight: int = 64, watch: Optional[str] = None) -> dict:
-    """``watch``: a file of addresses read again every 50 ms (ports found while the flood goes on)."""
+    """``watch``: a file of addresses read again every 50 ms (ports found while the flood goes on); the
+    ``seconds`` count from the first address."""
     sel = selectors.DefaultSelector()
     addresses, seen = list(addresses), 0.0
     held: "collections.deque[socket.socket]" = collections.deque()
@@ -57,7 +58,12 @@ def flood(addresses, seconds: float, hold: int = 600, inflight: int = 64, watch:
         if watch and time.monotonic() - seen > 0.05:
             seen = time.monotonic()
             with open(watch) as f:
-                addresses = [_address(line) for line in f if line.strip()] or addresses
+                found = [_address(line) for line in f if line.strip()]
+            if found and not addresses:
+                end = time.monotonic() + seconds
+            addresses = found or addresses
+            if not addresses:
+                end = time.monotonic() + seconds
         while connecting < inflight and addresses:
             try:
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
