@@ -145,7 +145,7 @@ def test_own_time_is_work_not_waits(tmp_path):
 
 def test_own_time_on_the_cpu_counts_the_wait_for_a_core_another_process_holds(tmp_path):
     """A step of 0.1 CPU-s beside a busy process bound to the same core: never blocked, the thread was running or
-    waiting for the core throughout, so its own time is its span on the wall clock, not its CPU time alone."""
+    waiting for the core throughout, so its CPU time times (1 + its wait share) is its span on the wall clock."""
     if cpu_clock.fallback():
         pytest.skip(cpu_clock.fallback())
     allowed = os.sched_getaffinity(0)
@@ -167,28 +167,35 @@ def test_own_time_on_the_cpu_counts_the_wait_for_a_core_another_process_holds(tm
         os.sched_setaffinity(0, allowed)
         busy.kill()
         busy.wait()
-    assert span > 1.5 * cpu and watch.own == pytest.approx(span, rel=0.05)
+    assert span > 1.5 * cpu and watch.own * (1 + watch.share) == pytest.approx(span, rel=0.05)
 
 
-def test_the_wait_counts_as_a_share_over_seconds_and_without_schedstat_the_cpu_time_alone(tmp_path, monkeypatch):
-    """Steps of 10 ms run: in the first second the CPU time alone; after it, an episode (one step that waited 30
-    ms after steps that did not) barely moves the own time, a steady wait reaches ran + waited within a few TAU.
-    The file absent: CPU time alone, said once."""
-    def steps(waits_ms):
+def test_the_wait_counts_as_a_share_over_seconds_against_the_median_and_without_schedstat_not_at_all(tmp_path,
+                                                                                                   monkeypatch):
+    """Steps of 10 ms run: in the first second no share; after it, an episode (one step that waited 30 ms after
+    steps that did not) barely moves it, a steady wait reaches waited / ran within a few TAU. Against the ranks'
+    lower median share: a rank that waits as the others do keeps its CPU time (the slow one, which waits least,
+    too); one that waits beyond them is stretched by it. The file absent: no share, said once."""
+    def shares(waits_ms):
         now = [0.0, 0.0, 0.0]                                  # ran, waited, the wall clock (seconds)
         clock = cpu_clock.CpuClock(tau=2.0, settle=1.0, read=lambda: (now[0], now[1]), now=lambda: now[2])
         out = []
         for wait_ms in waits_ms:
             clock.start()
             now[0], now[1], now[2] = now[0] + 0.010, now[1] + wait_ms / 1e3, now[2] + 0.010 + wait_ms / 1e3
-            out.append(clock.own())
+            ran, share = clock.step()
+            assert ran == pytest.approx(0.010)
+            out.append(share)
         return out
-    assert steps([30] * 20) == pytest.approx([0.010] * 20)    # 0.8 s: not yet counted
+    assert shares([30] * 20) == [0.0] * 20                     # 0.8 s: not yet counted
     kept = math.exp(-0.01 / 2.0)                               # the sums decay by e^(-span / TAU) a step
     history = 0.010 * (1 - kept ** 150) / (1 - kept)           # 1.5 s of steps that did not wait: CPU seconds, decayed
-    own = steps([0] * 150 + [30] + [30] * 300)                 # then one that waited 30 ms; then 12 s of them
-    assert own[150] == pytest.approx(0.010 * (1 + 0.030 / (0.010 + history * kept ** 4)), rel=1e-9)   # ~1.06x
-    assert own[-1] == pytest.approx(0.040, rel=0.01) and own[152] < 0.02
+    got = shares([0] * 150 + [30] + [30] * 300)                # then one that waited 30 ms; then 12 s of them
+    assert got[150] == pytest.approx(0.030 / (0.010 + history * kept ** 4), rel=1e-9)   # 0.06
+    assert got[-1] == pytest.approx(3.0, rel=0.01) and got[152] < 1.0
+    # 4 ranks: two alike (shares 1.0, 1.2), a slow one (2x the work, waiting least), one starved (share 3)
+    assert cpu_clock.stretch([0.01, 0.01, 0.02, 0.01], [1.0, 1.2, 0.3, 3.0]) == pytest.approx(
+        [0.01, 0.01 * 2.2 / 2.0, 0.02, 0.01 * 4.0 / 2.0])
     monkeypatch.setattr(cpu_clock, "PATH", str(tmp_path / "absent"))
     assert cpu_clock.fallback() == f"{tmp_path / 'absent'} is absent" and cpu_clock.read()[1] == 0.0
     lines = []

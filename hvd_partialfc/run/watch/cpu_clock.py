@@ -10,17 +10,21 @@ process on its core, 0.92 s under a 25% ``cpu.cfs_quota_us``). A wait that block
 queue) is neither: a blocked thread is not runnable.
 
 Why a share over about ``TAU`` seconds and not the step's own wait: other processes take a core for tens of ms
-at a time (the scheduler's slices and balancing), so with steps of a few ms a healthy rank waits for several
-steps in a row while its peer does not. Measured on this 2-core machine beside other jobs (load 3 to 10), 2
-ranks (torchrun, 2 agents), 300-400 clean steps of 5-7 ms CPU, 4 runs, 2 of them with 2 loader workers a rank:
-the step's CPU time plus its own wait stood at 1.40-1.50x the lower median (slowest rank, median step) and
-named a healthy rank in 2 of the 4 runs at ``train.straggler_steps=10``; the CPU time times (1 + waited / ran,
-both summed with a memory of 2 s, counted after the first second): 1.11-1.20x and no rank named, while a rank
-under a 25% quota stood at 1.87x and one beside a busy process on its core at 2.17x, both named (after 33 and 38
-steps). The first second is the CPU time alone: a few steps' waits would decide it, and the loader workers start
-then. The step's CPU time itself stays per step, so more work shows at once. The rank's own job (its loader
-workers, the node's other ranks) takes a share of every rank alike, and the detector compares ranks with each
-other, not with a fixed time.
+to seconds at a time (the scheduler's slices and balancing, other jobs), so with steps of a few ms a healthy rank
+waits for several steps in a row while its peer does not. Measured on this 2-core machine beside other jobs
+(load 3 to 10), 2 ranks (torchrun, 2 agents), 300-400 clean steps of 5-7 ms CPU, 4 runs, 2 of them with 2
+loader workers a rank: the step's CPU time plus its own wait stood at 1.40-1.50x the lower median (slowest rank,
+median step) and named a healthy rank in 2 of the 4 runs at ``train.straggler_steps=10``. With a 2 s memory the
+same runs named none, but scripts/studies/stragglers.py's clean 2-node runs still did (2 in 3: 1.71x, 2.48x, a
+rank held to a third of a core for some seconds by the machine's other jobs); hence 10 s. The first ``SETTLE``
+second gives no share: a few steps' waits would decide it, and the loader workers start then.
+
+Why against the ranks' median share (``stretch``): the job's own ranks and loader workers on shared cores make
+every rank wait, and a rank slowed by more work makes the others wait for the core it holds: with each rank's
+own wait counted, a node at half speed (the ``slow`` fault, 3 nodes on 2 cores) was named 112 steps late, not
+after 12. The median's wait is the job's; a rank is stretched only by what it waits beyond it, and never
+shrunk (the slow one, which waits least, keeps its CPU time). The step's CPU time itself stays per step, so
+more work shows at once.
 
 Where the file is absent (not Linux, a kernel without scheduler statistics) the wait reads 0 and the clock is
 the CPU time alone (``fallback`` says why; the watch says it in one line): more work is seen, less CPU is not.
@@ -31,10 +35,10 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 PATH = "/proc/thread-self/schedstat"
-TAU = 2.0      # seconds: the delay share's memory (the module's docstring)
+TAU = 10.0     # seconds: the wait share's memory (the module's docstring)
 SETTLE = 1.0   # seconds of steps timed before the share counts
 
 
@@ -89,7 +93,7 @@ def read(path: Optional[str] = None) -> Tuple[float, float]:
 
 
 class CpuClock:
-    """One thread's own time a step: ``start()`` before it, ``own()`` after it (once a step). ``ran()``: the CPU
+    """One thread's time a step: ``start()`` before it, ``step()`` after it (once a step). ``ran()``: the CPU
     seconds since ``start`` (what a slower core multiplies: faults.py's ``slow``). ``read`` and ``now``: the
     thread's (ran, waited) seconds and the wall clock."""
 
@@ -109,9 +113,10 @@ class CpuClock:
     def ran(self) -> float:
         return self.read()[0] - self.at[0]
 
-    def own(self) -> float:
-        """The step's CPU seconds times (1 + the delay share: the recent seconds waited for a CPU per second run),
-        the CPU seconds alone in the first ``settle`` seconds (a few steps' waits, the loader workers' start)."""
+    def step(self) -> Tuple[float, float]:
+        """After the step: its CPU seconds, and the thread's recent share (seconds waited for a CPU per second run,
+        summed over about ``tau`` seconds; 0 in the first ``settle`` seconds: a few steps' waits, the loader
+        workers' start)."""
         ran, waited = (b - a for a, b in zip(self.at, self.read()))
         now = self.now()
         keep = 0.0 if self.last is None else math.exp(-(now - self.last) / self.tau)
@@ -119,5 +124,15 @@ class CpuClock:
         self.ran_sum = self.ran_sum * keep + ran
         self.waited_sum = self.waited_sum * keep + max(waited, 0.0)
         if self.ran_sum <= 0 or self.first is None or now - self.first < self.settle:
-            return ran
-        return ran * (1.0 + self.waited_sum / self.ran_sum)
+            return ran, 0.0
+        return ran, self.waited_sum / self.ran_sum
+
+
+def stretch(times: Sequence[float], shares: Sequence[float]) -> List[float]:
+    """Every rank's own time: its CPU time a step, times (1 + its share) / (1 + the ranks' lower median share)
+    where that is above 1. Against the median: the job's own ranks and workers on shared cores, and the wait a
+    slow rank's work makes the others' work wait, are in every rank's share (the ranks that waited for the slow
+    one's core are the median, and the slow one, which waits least, keeps its CPU time); what one rank waits
+    beyond the others is its own."""
+    ref = 1.0 + sorted(shares)[(len(shares) - 1) // 2] if shares else 1.0
+    return [t * max(1.0, (1.0 + s) / ref) for t, s in zip(times, shares)] if len(shares) == len(times) else list(times)

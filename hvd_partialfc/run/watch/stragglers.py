@@ -10,19 +10,19 @@ its work and not its waits (``own_time``):
   gradient averaging (device_clock.py, CUDA events, no host synchronisation). The host's clock cannot tell:
   under NCCL the host blocks at the step's read of the norms on a stream stalled for the slowest rank, so
   every rank's span is the slowest's (a host span less host waits named no one under the torch engine);
-* on the CPU, the CPU time of the rank's main thread over the step, stretched by the share of the last seconds
-  it waited runnable for a CPU (cpu_clock.py): more work (a slower core, the ``slow`` fault) and less CPU
-  (another process on its cores, a cgroup's quota) both show; a wait (for a collective, for the data workers)
-  blocks and costs neither. The span less the waits was measured first and named healthy ranks: 2 ranks on
+* on the CPU, the CPU time of the rank's main thread over the step, stretched where it has lately waited for a
+  CPU (runnable, not running) more than the ranks' median (cpu_clock.py, its share in the vote's ``waits``):
+  more work (a slower core, the ``slow`` fault) and less CPU (another process on its cores, a cgroup's quota)
+  both show; a wait (for a collective, for the data workers) blocks and costs neither. The span less the waits was measured first and named healthy ranks: 2 ranks on
   2 shared cores (a 200-step MLP run, no fault), rank 0's span less waits had a 10-step median of 2.5x rank
   1's, its extra 5 ms a step spent in the backward pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1).
   Where the kernel gives no run-queue delay, the CPU time alone (said in one line at start): a rank slowed by
   less CPU is not seen there.
 
 * **Gathered in the vote, every step.** Each rank puts its time of step S at its own place of the loop's per-step
-  vote (engine/vote.py: the per-rank slot ``times``, read a step later): the vote is an elementwise max, so every
-  rank reads every rank's time with no collective of its own: N float64 more in an all-reduce that runs anyway
-  (4 KB at 512 ranks), overlapped with the next step.
+  vote (engine/vote.py: the per-rank slots ``times`` and ``waits``, read a step later): the vote is an
+  elementwise max, so every rank reads every rank's time with no collective of its own: 2N float64 more in an
+  all-reduce that runs anyway (8 KB at 512 ranks), overlapped with the next step.
 * **Named by rank 0** (``Detector``): a rank whose time is at least ``train.straggler_ratio`` times the step's
   median in ``train.straggler_steps`` counted steps in a row. The lower median: with two nodes a whole slow
   node is half the ranks, and the mean of the two middle times would hide it. One line (rank, node, its time
@@ -171,10 +171,11 @@ class Stragglers:
         self.comm, self.cfg, self.say, self.cuda = comm, cfg, say, cuda
         self.record_event = record or (lambda rec: None)
         self.active = bool(nodes)
-        self.slots = (Slot("evict"), Slot("times", per_rank=True)) if self.active else ()
+        self.slots = (Slot("evict"), Slot("times", per_rank=True), Slot("waits", per_rank=True)) \
+            if self.active else ()
         self.nodes, self.node_of, self.refusal = list(nodes), list(node_of), refusal
         self.store_node = store_node   # the node serving torchrun's rendezvous store: never evicted (None: none)
-        self.own = 0.0
+        self.own = self.share = 0.0   # this rank's own time of its last step; on the CPU its wait share (cpu_clock)
         self._start: Tuple[float, float] = (0.0, 0.0)
         self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
         self.cpu = cpu_clock.CpuClock()                                  # the CPU's (cpu_clock.py)
@@ -231,7 +232,7 @@ class Stragglers:
         finished); the ``slow`` fault's work (faults.py) is part of it."""
         if self.clock is None and not self.cuda:   # the CPU: a slower core multiplies the CPU time
             faults.slow_work(step, self.comm.rank, self.cpu.ran())
-            self.own = self.cpu.own()
+            self.own, self.share = self.cpu.step()
             return
         if self.clock is None:
             faults.slow_work(step, self.comm.rank, self.own_time(self._start, figures["data_time"]))
@@ -265,15 +266,16 @@ class Stragglers:
     # --- a part of the loop's vote (engine/vote.py) --------------------------------------------------------
 
     def cast(self, ballot, done: int) -> None:
-        """The eviction rank 0 decided, and this rank's own time at its place (the device clock's 0 until its
-        first reading: unknown, a step the detector does not count)."""
+        """The eviction rank 0 decided, and this rank's own time and (on the CPU) its wait share at its place (the
+        device clock's 0 until its first reading: unknown, a step the detector does not count)."""
         ballot.put("evict", self.evict_flag)
         ballot.put("times", self.own if self.clock is not None else max(self.own, 1e-9))
+        ballot.put("waits", self.share)
 
     def heard(self, agreed, done: int) -> None:
         """Read after step ``done`` (the times of step ``done - 1``): rank 0 names and decides; every rank learns
         the eviction the vote agreed, if any."""
-        self.eviction = self.read(done, agreed.value("evict"), agreed.per_rank("times"))
+        self.eviction = self.read(done, agreed.value("evict"), agreed.per_rank("times"), agreed.per_rank("waits"))
 
     def due(self, done: int, final: bool) -> bool:
         """An agreed eviction: the loop takes its snapshot and leaves (not at the last step: nothing is left)."""
@@ -284,13 +286,14 @@ class Stragglers:
         if self.detector:
             self.detector.hold(step + 1)
 
-    def read(self, done: int, evict: float, times: Sequence[float]) -> Optional[Eviction]:
-        """Every rank's times of step ``done - 1`` and the eviction flag, as the vote agreed them: rank 0 names
-        and decides; every rank returns the agreed eviction, if any."""
+    def read(self, done: int, evict: float, times: Sequence[float], waits: Sequence[float] = ()) -> Optional[Eviction]:
+        """Every rank's times of step ``done - 1`` (on the CPU stretched by their wait shares ``waits``:
+        cpu_clock.stretch) and the eviction flag, as the vote agreed them: rank 0 names and decides; every rank
+        returns the agreed eviction, if any."""
         if not self.active:
             return None
         if self.detector:
-            new, cleared = self.detector.observe(done - 1, list(times))
+            new, cleared = self.detector.observe(done - 1, cpu_clock.stretch(times, waits) if waits else list(times))
             for f in new:
                 self._event(f.line(), "named", f.step, **{k: v for k, v in asdict(f).items() if k != "step"})
                 self._decide(f)
