@@ -15,13 +15,21 @@ Runs (``--steps`` steps at 3 ranks, an MLP on feature shards, memory snapshots e
   start over the same steps; the samples consumed against the budget, the lr against the cosine of the samples
   consumed (its largest departure, and its largest step-to-step change at the eviction against elsewhere), the
   classes of the final classifier slices; steps lost.
+* **starved**: 3 nodes, node 2's rank put under a CPU quota of ``--quota`` of a core (a cgroup, from outside:
+  scripts/faults/cpu_quota.py) once step ``--slow-from`` is logged, the watch at ``warn``: the step it is named at,
+  the node named, its own time against the median, the job's speed before and after (as a noisy neighbour or a
+  container's limit takes a node's CPU; its CPU time a step barely moves).
+* **clean with loader workers**: 2 nodes, ``data.workers=2`` (each rank beside its own two workers on the 2
+  cores), the watch at ``warn``: counted with the false alarms.
 * **cost**: 3 clean nodes with the watch ``off`` and ``warn``, alternated ``--repeats`` times: the mean wall time
   a step after step 20 (the vote carries N more numbers, every rank times its step, rank 0 reads them); and the
   watch's own work a step measured in this process (timing, the vote's part, rank 0's reading) at N = 3 and 512.
-* **false alarms**: the stragglers named in every run but the slowed ones, and in a chaos run's JSON (``--chaos``:
+* **false alarms**: the stragglers named in every run but the slowed and starved ones, and in a chaos run's JSON (``--chaos``:
   ``python -m scripts.faults.chaos --only torchrun --json FILE``, every other fault kind in 1,500 steps).
 
-Needs root (namespaces). This machine: 2 cores shared by the 3 nodes.
+Needs root (namespaces; the starved run a writable cgroup cpu controller, else it is reported as not measured).
+This machine: 2 cores shared by the 3 nodes. A quota of 25% of a core starves little here when other jobs load
+the machine (each rank gets about that anyway); ``--quota 0.1`` was used on 2026-12-07.
 """
 from __future__ import annotations
 
@@ -34,14 +42,14 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 from hvd_partialfc.run.watch.stragglers import read_events  # noqa: E402
-from scripts.faults import twonode  # noqa: E402
-from scripts.faults.chaos_parts import TorchrunJob  # noqa: E402
+from scripts.faults import cpu_quota, twonode  # noqa: E402
+from scripts.faults.chaos_parts import TorchrunJob, trainers  # noqa: E402
 from scripts.studies.memory_recovery import shards  # noqa: E402
 
 BATCH = 32
@@ -65,9 +73,10 @@ def speed(recs: List[Dict], lo: int, hi: int) -> float:
 
 
 def job(nodes, which: List[int], data: str, run: str, steps: int, sets: List[str], work: str,
-        env: Dict[int, Dict[str, str]] = None) -> Dict:
+        env: Dict[int, Dict[str, str]] = None, during: Callable[[TorchrunJob], None] = None) -> Dict:
     """One elastic torchrun job (``--nnodes 2:3``) on ``which`` nodes, each its own snapshot root (logs in
-    WORK/logs/RUN); the agents' exit codes and the seconds it took."""
+    WORK/logs/RUN); the agents' exit codes and the seconds it took. ``during(job)``: called every 0.1 s while it
+    runs."""
     logs = os.path.join(work, "logs", os.path.basename(run))
     os.makedirs(logs)
     argv = ["-m", "hvd_partialfc.cli", "train", "--shards", data, "--out", run, "--steps", str(steps)]
@@ -80,10 +89,31 @@ def job(nodes, which: List[int], data: str, run: str, steps: int, sets: List[str
         for n in which:
             j.start(n)
             time.sleep(0.3)
+        while during and j.alive() and time.time() - t0 < 900:
+            during(j)
+            time.sleep(0.1)
         codes = j.wait(900)
     finally:
         shutil.rmtree(memory, ignore_errors=True)
     return {"codes": codes, "seconds": round(time.time() - t0, 1)}
+
+
+def starve_at(run: str, node: int, step: int, quota: "cpu_quota.Quota") -> Callable[[TorchrunJob], None]:
+    """A ``during`` for ``job``: once step ``step`` is logged, ``node``'s training processes under ``quota``."""
+    done = []
+
+    def during(j: TorchrunJob) -> None:
+        if done or not os.path.exists(os.path.join(run, "metrics.jsonl")):
+            return
+        try:
+            last = records(run)[-1]["step"]
+        except (IndexError, ValueError):
+            return
+        if last >= step:
+            for pid in trainers(j.nodes, node):
+                quota.add(pid)
+            done.append(last)
+    return during
 
 
 def lr_checks(run: str) -> Dict:
@@ -137,9 +167,9 @@ def study(a, work: str) -> Dict:
     out: Dict = {"steps": a.steps, "slow_from": a.slow_from, "factor": a.factor, "evict": [], "clean2": [],
                  "cost": {"off": [], "warn": []}}
     with twonode.Nodes(3, suffix=twonode.owner_suffix(), prefix="hpfcs") as nodes:
-        def one(name, sets, which, env=None):
+        def one(name, sets, which, env=None, during=None):
             run = os.path.join(work, name)
-            res = job(nodes, which, data, run, a.steps, sets, work, env)
+            res = job(nodes, which, data, run, a.steps, sets, work, env, during)
             recs, events = records(run), read_events(run)
             res.update(events=events, worlds=sorted({r["world_size"] for r in recs}), last_step=recs[-1]["step"],
                        named=[e for e in events if e["event"] == "named"])
@@ -148,6 +178,20 @@ def study(a, work: str) -> Dict:
         res, recs = one("warn", [], [1, 2, 3], slow)
         out["warn"] = dict(res, speed_before=speed(recs, 20, a.slow_from),
                            speed_slow=speed(recs, a.slow_from + 20, recs[-1]["step"]))
+        try:
+            quota = cpu_quota.Quota(a.quota, f"hpfc-stragglers-{os.getpid()}")
+        except cpu_quota.Unavailable as e:
+            out["starved"] = {"unavailable": str(e)}
+        else:
+            try:
+                res, recs = one("starved", [], [1, 2, 3], during=starve_at(os.path.join(work, "starved"), 2,
+                                                                             a.slow_from, quota))
+            finally:
+                quota.close()
+            out["starved"] = dict(res, quota=a.quota, speed_before=speed(recs, 20, a.slow_from),
+                                  speed_starved=speed(recs, a.slow_from + 20, recs[-1]["step"]))
+        res, recs = one("clean-workers", ["data.workers=2"], [1, 2])
+        out["clean_workers"] = res
         for rep in range(a.repeats):     # alternated: the machine's other load changes over minutes
             res, recs = one(f"evict-{rep}", ["train.stragglers=evict"], [1, 2, 3], slow)
             ev = [e for e in res["events"] if e["event"] == "evicted"]
@@ -179,13 +223,31 @@ def _median(xs: List[float]) -> float:
     return sorted(xs)[(len(xs) - 1) // 2]
 
 
+def starved_row(r: Dict):
+    """The starved node's row: named (when, whom, how far above the median) and what it cost the job."""
+    st = r.get("starved") or {"unavailable": "not run"}
+    goal = "named, node 2"
+    what = "3 nodes, node 2 under a CPU quota of %s of a core from step %d: detected" % (st.get("quota", "-"), r["slow_from"])
+    if "unavailable" in st:
+        return what, goal, f"not measured: {st['unavailable']}"
+    named = st["named"][0] if st["named"] else None
+    if not named:
+        return what, goal, f"not named (speed before {st['speed_before']:.0f}, starved {st['speed_starved']:.0f} samples/s)"
+    others = [e for e in st["named"][1:]]
+    return what, goal, (f"named at step {named['step']} ({named['step'] - r['slow_from']} steps), rank {named['rank']} on "
+                        f"{named['node']}, {named['own_s'] / named['median_s']:.2f}x the median, since step "
+                        f"{named['since']}; the job's speed {st['speed_before']:.0f} -> {st['speed_starved']:.0f} "
+                        f"samples/s; other names: {len(others)}")
+
+
 def table(r: Dict) -> str:
     w, ev, c2, cost = r["warn"], r["evict"], r["clean2"], r["cost"]
     named = w["named"][0] if w["named"] else {}
     e = ev[0]
     off, on = (_median(cost[m]) for m in ("off", "warn"))
     after, clean = [x["speed_after"] for x in ev], [x["speed"] for x in c2]
-    false = len(cost.get("named", [])) + sum(len(x["named"]) for x in c2)
+    cw = r.get("clean_workers")
+    false = len(cost.get("named", [])) + sum(len(x["named"]) for x in c2) + (len(cw["named"]) if cw else 0)
     evicted = ", ".join(f"{x['evicted_at']} / {x['first_step_at_2']}" for x in ev)
     nodes = sorted({x["named"][0]["node"] for x in ev if x["named"]} | ({named["node"]} if named else set()))
     rows = [
@@ -194,6 +256,7 @@ def table(r: Dict) -> str:
          f"{named.get('node')}, {named.get('own_s', 0) / max(named.get('median_s', 1), 1e-12):.2f}x the median, since "
          f"step {named.get('since')}; every run named {', '.join(nodes)}, at steps "
          f"{', '.join(str(x['named'][0]['step']) for x in [w] + ev if x['named'])}"),
+        starved_row(r),
         ("with evict: the job runs on 2 nodes", "from step <= 140",
          f"evicted at step / first step at 2 ranks: {evicted}"),
         ("its speed after the eviction", ">= 0.9x a clean 2-node job's",
@@ -206,8 +269,8 @@ def table(r: Dict) -> str:
          f"eviction {e['lr_change_at_eviction']:.2e}, largest elsewhere {e['lr_change_largest_elsewhere']:.2e}); "
          f"slices {e['slices']}, every class once: {all(x['classes_once'] for x in ev)}; steps redone: "
          f"{sum(x['steps_redone'] for x in ev)}"),
-        ("no straggler: false alarms", "0", f"{false} in {len(cost['off']) + len(cost['warn']) + len(c2)} clean runs of "
-         f"{r['steps']} steps"
+        ("no straggler: false alarms", "0", f"{false} in {len(cost['warn']) + len(c2) + bool(cw)} clean runs with the "
+         f"watch on ({r['steps']} steps; {'one of them 2 nodes with 2 loader workers a rank' if cw else 'no run with loader workers'})"
          + (f"; chaos seed {r['chaos']['seed']} ({r['chaos']['steps']} steps, {len(r['chaos']['faults'])} faults: "
             f"{', '.join(sorted(set(r['chaos']['faults'])))}): {len(r['chaos']['false'])} named by no slow fault, "
             f"{r['chaos']['named']} named in all" if r.get("chaos") else "")),
@@ -226,6 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow-from", type=int, default=100)
     ap.add_argument("--factor", type=float, default=2.0, help="the slow node's ranks take this many times their work")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quota", type=float, default=0.25, help="the starved node's share of one core")
     ap.add_argument("--chaos", metavar="JSON", help="a chaos run's report (scripts.faults.chaos --json): its false alarms")
     twonode.study_options(ap)
     a = ap.parse_args(argv)
