@@ -28,6 +28,7 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 from contextlib import contextmanager
 from typing import IO, Any, Iterator, Optional, Tuple
 
@@ -125,11 +126,13 @@ def _create_temporary(dir_fd: int, name: str, mode: int = 0o666) -> Tuple[str, i
 
 
 @contextmanager
-def _temporary(path: str, mode: int, dir_fd: Optional[int]) -> Iterator[Tuple[str, int]]:
+def _temporary(path: str, mode: int, dir_fd: Optional[int], by_name: bool = False) -> Iterator[Tuple[str, int]]:
     """(the temporary's name in the folder, its write descriptor) beside ``path`` (a name in the open folder
     ``dir_fd`` if given, else the folder is opened once here). On a normal exit: fsynced and renamed onto
     ``path`` through the folder's descriptor, only if its name still holds the file created (a link or a file
-    swapped in for it is never published), then the folder fsynced. On an exception: removed."""
+    swapped in for it is never published), then the folder fsynced. On an exception: removed. ``by_name``: the
+    caller writes by name and may itself replace the file (h5py's writer, a compaction that rewrites it
+    beside and renames it over), so the name must still hold a regular file of this user, not the same one."""
     path = os.fspath(path)
     folder, name = (None, path) if dir_fd is not None else os.path.split(os.path.abspath(path))
     dfd = dir_fd if dir_fd is not None else open_dir(folder)
@@ -137,6 +140,8 @@ def _temporary(path: str, mode: int, dir_fd: Optional[int]) -> Iterator[Tuple[st
         tmp, fd = _create_temporary(dfd, name, mode)
         try:
             yield tmp, fd
+            if by_name:
+                fd = _reopen_own(dfd, tmp, fd)
             os.fsync(fd)
             if not same_entry(dfd, tmp, fd):
                 raise OSError(errno.EEXIST, f"{name}: its temporary file {tmp} was replaced while it was written "
@@ -159,6 +164,23 @@ def _temporary(path: str, mode: int, dir_fd: Optional[int]) -> Iterator[Tuple[st
             os.close(dfd)
 
 
+def _reopen_own(dfd: int, tmp: str, fd: int) -> int:
+    """The descriptor of what ``tmp`` names now (``fd`` closed), opened without following a link: a regular
+    file of this user, or the write fails (a by-name writer may have replaced the file it was given)."""
+    try:
+        new = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError as e:
+        raise OSError(errno.EEXIST, f"{tmp}: the temporary file is no longer a file of this user ({e.strerror}); "
+                                    "nothing was written in its place") from e
+    st = os.fstat(new)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(new)
+        raise OSError(errno.EEXIST, f"{tmp}: the temporary file was replaced by another user's or a non-regular "
+                                    "file while it was written; nothing was written in its place")
+    os.close(fd)
+    return new
+
+
 @contextmanager
 def atomic_file(path: str, mode: int = 0o666, text: bool = False, dir_fd: Optional[int] = None) -> Iterator[IO]:
     """An open file (binary, or UTF-8 ``text``) that becomes ``path``, whole or not at all (see the module's
@@ -176,7 +198,7 @@ def atomic_path(path: str, mode: int = 0o666) -> Iterator[str]:
     the file created. On an exception the temporary file is removed and ``path`` is left as it was. Whatever can
     write into an open file uses `atomic_file` (no reopening by name)."""
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    with _temporary(path, mode, None) as (tmp, _):
+    with _temporary(path, mode, None, by_name=True) as (tmp, _):
         yield os.path.join(folder, tmp)
 
 
