@@ -17,17 +17,20 @@ install: $(STAMP)
 # missing requirement of the demo's engine (Horovod with Gloo), before any data is built.
 DOCTOR := $(PY) -m hvd_partialfc.cli doctor
 
-# The multi-rank tests at normal priority (their ranks need the cores; their timeouts assume them) and, beside
-# them at nice 19, the single-process tests (pytest-xdist on both cores, a file's tests on one worker so they
-# share its fixtures): the multi-rank half leaves about 30% of the two cores idle (launches, waits; 16.3
-# CPU-minutes in 11.6 minutes here, 2026-12-06), which the unit half's 4.5 CPU-minutes fill, and at nice 19
-# it takes a core only when no rank wants it. One after the other they took 14 minutes. The unit half's
-# output follows the multi-rank half's; the target fails if either did.
+# The multi-rank tests at normal priority in two streams (pytest-xdist, a file's tests on one worker so they
+# share its launches), and beside them at nice 19 the single-process tests (two more workers): a process start
+# (import torch, then torch._dynamo at the first optimizer) costs ~4.5 CPU-s and most multi-rank tests wait as
+# long as they compute (launches, rendezvous, timeouts), so one stream left about 30% of the two cores idle
+# and was the critical path (750-970 s, 2026-12-07). The tests' network-namespace nodes, ports and snapshot
+# folders are per process (owner_suffix, free_port, the run's token), so two streams never share one; the
+# suite passed at load 8-14 beside other work. The unit half takes a core only when no rank wants it. Its output
+# follows the multi-rank half's; the target fails if either did.
+MULTI := -m "multirank and not bigbuild" -n 2 --dist loadfile
 UNIT := -m "not multirank and not bigbuild" -n 2 --dist loadfile
 test: install
 	$(DOCTOR) || true
 	@log=$$(mktemp); nice -n 19 $(PY) -m pytest tests -q -p no:cacheprovider $(UNIT) > $$log 2>&1 & unitpid=$$!; \
-	  $(PY) -m pytest tests -q -m "multirank and not bigbuild"; multi=$$?; \
+	  $(PY) -m pytest tests -q -p no:cacheprovider $(MULTI); multi=$$?; \
 	  wait $$unitpid; unit=$$?; echo "--- the single-process tests (run beside them at nice 19):"; cat $$log; \
 	  rm -f $$log; exit $$((unit || multi))
 
@@ -36,7 +39,7 @@ test-unit: install
 	$(PY) -m pytest tests -q $(UNIT)
 
 test-multirank: install
-	$(PY) -m pytest tests -q -m multirank
+	$(PY) -m pytest tests -q $(MULTI)
 
 # A 1M-record streaming shard build with its peak RSS asserted (docs/data.md §6.6).
 test-bigbuild: install
