@@ -9,6 +9,7 @@
 #   OUT=results HOROVOD_SDIST=.dev/horovod-0.28.1.tar.gz [ARCFACE_DIR=DIR] bash scripts/gpu/gpu_check.sh
 #   OUT=results GPU_CHECK_TINY=1 bash scripts/gpu/gpu_check.sh     # CPU: toy sizes, the installed Horovod (the dry run)
 #   GPU_CHECK_SKIP=build,horovod ...                               # those stages left out: the speed stage gets their time
+#   (env, torch and speed may be left out alike; prepare and report always run)
 #
 # Stages (each timed, in OUT/stages.tsv):
 #   env       torch, CUDA, the GPU, nvcc, NCCL: what the build and the runs will use (OUT/env.txt)
@@ -64,22 +65,32 @@ limit() {   # limit SECONDS [RESERVE]: a stage's own limit, or what the deadline
 }
 capped() { local s=$1; shift; timeout -k 5 "$s" "$@"; }   # capped SECONDS COMMAND...
 TINY_ARG=(); [ "$TINY" = 1 ] && TINY_ARG=(--tiny)
+# The dry run's ops are tiny: torch's idle OpenMP thread spun between them (libgomp's active wait), 2.5 of a
+# rank's 9 CPU-seconds on a busy 2-core machine; passive, it sleeps at once (0.4). Not on the GPU.
+[ "$TINY" = 1 ] && export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 SKIP=",${GPU_CHECK_SKIP:-},"
+# Two probes run as `python -c`: what torch sees (env) and what Horovod's build holds (build; `horovodrun
+# --check-build` says the same, but first probes every framework: 9 s). The dry run starts no process for them
+# (each would import torch again: 2 CPU-s); its test runs both in its own (tests/test_gpu_check.py).
+ENV_PROBE="import torch, torch.distributed as d; n = torch.cuda.device_count(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)]); print('torch.distributed: nccl', d.is_nccl_available(), 'gloo', d.is_gloo_available())"
+BUILD_PROBE="import horovod, horovod.torch as h; print('horovod', horovod.__version__, 'nccl', h.nccl_built(), 'gloo', h.gloo_built(), 'mpi', h.mpi_built())"
 skipped() { case "$SKIP" in *",$1,"*) echo "=== $1 skipped (GPU_CHECK_SKIP)"; return 0;; esac; return 1; }
 # what the stages after speed need: the report (10 s), and the build and Horovod's stage where they run (230 s
 # measured, 113 + 82 + 2, with margin)
 AFTER=10; skipped build >/dev/null || AFTER=240
 : > "$OUT/stages.tsv"
 
+if ! skipped env; then
 stage env
 {
-  capped "$(limit 120)" "$PY" -c "import torch, torch.distributed as d; n = torch.cuda.device_count(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', n, [torch.cuda.get_device_name(i) for i in range(n)]); print('torch.distributed: nccl', d.is_nccl_available(), 'gloo', d.is_gloo_available())"
+  if [ "$TINY" != 1 ]; then capped "$(limit 120)" "$PY" -c "$ENV_PROBE"; fi
   if [ "$TINY" != 1 ]; then nvidia-smi -L; command -v nvcc >/dev/null && nvcc --version | tail -2; fi
   nproc
 } 2>&1 | tee "$OUT/env.txt"
 if [ "$TINY" != 1 ]; then
   capped "$(limit 60)" "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
     || { echo "no CUDA device visible" >&2; false; }
+fi
 fi
 
 stage prepare
@@ -90,11 +101,16 @@ if [ "$TINY" != 1 ]; then   # data.decode=gpu: nvJPEG's distance to PIL, and the
     --workers "$(( $(nproc) > 10 ? 8 : 1 ))" --seconds 5 --device cuda || failed prepare-decode $?
 fi
 
+ENGINES=""      # the engines whose stage ran, for the report
+if ! skipped torch; then
+ENGINES=torch
 stage torch
 { capped "$(limit 240 "$AFTER")" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
     -m scripts.gpu.gpu_face_check measure "$WORK" --engine torch "${TINY_ARG[@]}" 2>&1 \
     | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/torch.log"; } || failed torch $?
+fi
 
+if ! skipped speed; then
 stage speed
 # Until the deadline less what the stages after it need; its cells start while their estimates fit and each
 # is cut at its own limit (gpu_speed_check.py), the stage itself at its end (5 s after the cells' deadline)
@@ -109,11 +125,15 @@ case "$speed_rc" in
   124|137) echo "speed: cut at the deadline; OUT/speed.json holds the cells that finished" ;;
   *) failed speed "$speed_rc" ;;
 esac
+fi
 
 if ! skipped build; then
 stage build
 if [ "$TINY" = 1 ]; then
-  HOROVODRUN="$(command -v horovodrun)"      # the installed (CPU) Horovod: the script's own test
+  # The installed (CPU) Horovod: nothing to build, and BUILD_PROBE is its test's. GPU_CHECK_HOROVODRUN: the
+  # launcher the dry run's test hands it, horovodrun with its build pre-check answered (tests/mr/horovodrun.py).
+  HOROVODRUN="${GPU_CHECK_HOROVODRUN:-$(command -v horovodrun)}"
+  echo "build: the installed Horovod (the dry run)"
 else
   : "${HOROVOD_SDIST:?set HOROVOD_SDIST to horovod-0.28.1.tar.gz (pip download --no-deps --no-binary :all: horovod==0.28.1)}"
   # The smoke tests that need no Horovod run on the GPU while Horovod compiles on the CPUs.
@@ -129,16 +149,13 @@ else
   HOROVODRUN="$WORK/hvd/bin/horovodrun"
   wait "$SMOKE" || { tail -30 "$OUT/smoke_torch.log" >&2; failed smoke-torch 1; }
   tail -3 "$OUT/smoke_torch.log"
+  "$PY" -c "$BUILD_PROBE" | tee "$OUT/horovod_build.txt"     # what the build holds
+  grep -Eq "nccl ([1-9]|True)" "$OUT/horovod_build.txt" || { echo "Horovod built without NCCL" >&2; false; }
 fi
-# What the build holds (`horovodrun --check-build` says the same, but first probes every framework: 9 s)
-"$PY" -c "import horovod, horovod.torch as h; print('horovod', horovod.__version__, 'nccl', h.nccl_built(), 'gloo', h.gloo_built(), 'mpi', h.mpi_built())" \
-  | tee "$OUT/horovod_build.txt"
-if [ "$TINY" != 1 ]; then grep -Eq "nccl ([1-9]|True)" "$OUT/horovod_build.txt" || { echo "Horovod built without NCCL" >&2; false; }; fi
 fi
 
-ENGINES=torch
 if ! skipped horovod; then
-ENGINES=torch,horovod
+ENGINES="${ENGINES:+$ENGINES,}horovod"
 stage horovod
 { capped "$(limit 240 10)" "$PY" "$HOROVODRUN" -np 1 --gloo "$PY" -m scripts.gpu.gpu_face_check measure "$WORK" \
     --engine horovod "${TINY_ARG[@]}" 2>&1 | tr '\r' '\n' | sed '/it\/s\]$/d' | tee "$OUT/horovod.log"; } \
