@@ -17,15 +17,14 @@ install: $(STAMP)
 # missing requirement of the demo's engine (Horovod with Gloo), before any data is built.
 DOCTOR := $(PY) -m hvd_partialfc.cli doctor
 
-# The multi-rank tests at normal priority in two streams (pytest-xdist, a file's tests on one worker so they
-# share its launches), and beside them at nice 19 the single-process tests (two more workers): a process start
-# (import torch, then torch._dynamo at the first optimizer) costs ~4.5 CPU-s and most multi-rank tests wait as
-# long as they compute (launches, rendezvous, timeouts), so one stream left about 30% of the two cores idle
-# and was the critical path (750-970 s, 2026-12-07). The tests' network-namespace nodes, ports and snapshot
-# folders are per process (owner_suffix, free_port, the run's token), so two streams never share one; the
-# suite passed at load 8-14 beside other work. The unit half takes a core only when no rank wants it. Its output
-# follows the multi-rank half's; the target fails if either did.
-MULTI := -m "multirank and not bigbuild" -n 2 --dist loadfile
+# The multi-rank tests at normal priority and, beside them at nice 19, the single-process tests (pytest-xdist on
+# both cores, a file's tests on one worker so they share its fixtures): the multi-rank half leaves about 30% of the
+# two cores idle (launches, waits), which the unit half fills, taking a core only when no rank wants it. One after
+# the other they took 14 minutes. The suite is CPU-bound: 25 CPU-minutes from a fresh clone (2026-12-07), most of
+# it process starts (import torch, then torch._dynamo at a process's first optimizer: ~4.5 CPU-s each); two
+# multi-rank streams (-n 2) took as long (15 min 22 s against 13 min 54 s to 17 min 45 s) and starved the unit half.
+# The unit half's output follows the multi-rank half's; the target fails if either did.
+MULTI := -m "multirank and not bigbuild"
 UNIT := -m "not multirank and not bigbuild" -n 2 --dist loadfile
 test: install
 	$(DOCTOR) || true

@@ -22,6 +22,11 @@ if not TEST_GPU:
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+# OpenMP threads that wait between parallel regions sleep instead of spinning (libgomp spins by default): a
+# launched rank with two torch threads spent 2.5 of its 9 CPU-s spinning beside the suite's other work (the GPU
+# call's dry run, 2026-12-07). Waiting changes no number; set before anything here imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
