@@ -100,19 +100,28 @@ def test_our_step_sets_the_device_flags_as_the_trainer_does(monkeypatch):
     assert seen == [(True, "cpu")]
 
 
-def test_arcface_step_gives_its_backbone_contiguous_images():
-    """train_v2's loader gives (B, C, H, W) contiguous batches; a permuted uint8 batch is NHWC in memory, and a
-    convolution given it runs channels_last (and so does every layer after), which is not arcface_torch's step.
-    Stand-ins of its modules, written here."""
-    seen = []
+class _Poly(torch.optim.lr_scheduler._LRScheduler):
+    """A stand-in of arcface_torch's older PolynomialLRWarmup (written here): it hands ``verbose`` on to torch's
+    base class, which torch 2.13 no longer takes. Its lr: base x (1 - step / total)."""
 
+    def __init__(self, optimizer, warmup_iters, total_iters=5, power=1.0, last_epoch=-1, verbose=False):
+        self.total_iters = total_iters
+        super().__init__(optimizer, last_epoch=last_epoch, verbose=verbose)
+
+    def get_lr(self):
+        return [base * (1 - self.last_epoch / self.total_iters) for base in self.base_lrs]
+
+
+def _tiny_arcface_mods(loss_factor=lambda: 1.0, on_input=lambda x: None, scheduler=_Poly):
+    """Stand-ins of arcface_torch's modules (written here): a linear backbone (``on_input`` sees its batch), a
+    plain softmax PartialFC_V2 whose loss is scaled by ``loss_factor()``, and ``scheduler``."""
     class Backbone(torch.nn.Module):
         def __init__(self, **kwargs):
             super().__init__()
             self.fc = torch.nn.Linear(3, 8)
 
         def forward(self, x):
-            seen.append(x.is_contiguous())
+            on_input(x)
             return self.fc(x.mean((2, 3)))
 
     class PFC(torch.nn.Module):
@@ -121,10 +130,18 @@ def test_arcface_step_gives_its_backbone_contiguous_images():
             self.weight = torch.nn.Parameter(torch.randn(classes, dim))
 
         def forward(self, emb, labels):
-            return torch.nn.functional.cross_entropy(emb @ self.weight.t(), labels)
-    mods = {"backbones": SimpleNamespace(get_model=lambda name, **kw: Backbone(**kw)),
+            return torch.nn.functional.cross_entropy(emb @ self.weight.t(), labels) * loss_factor()
+    return {"backbones": SimpleNamespace(get_model=lambda name, **kw: Backbone(**kw)),
             "losses": SimpleNamespace(CombinedMarginLoss=lambda *a: None), "pfc": SimpleNamespace(PartialFC_V2=PFC),
-            "lr": SimpleNamespace(PolynomialLRWarmup=lambda **kw: None)}
+            "lr": SimpleNamespace(PolynomialLRWarmup=scheduler)}
+
+
+def test_arcface_step_gives_its_backbone_contiguous_images():
+    """train_v2's loader gives (B, C, H, W) contiguous batches; a permuted uint8 batch is NHWC in memory, and a
+    convolution given it runs channels_last (and so does every layer after), which is not arcface_torch's step.
+    Stand-ins of its modules, written here."""
+    seen = []
+    mods = _tiny_arcface_mods(on_input=lambda x: seen.append(x.is_contiguous()), scheduler=lambda **kw: None)
     step = arcface_step.ArcfaceStep(mods, "r18", 5, 1.0, False, torch.device("cpu"), ddp=False, dim=8)
     step(torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8), torch.tensor([1, 3]))
     assert seen == [True]
@@ -185,39 +202,6 @@ def test_each_contenders_own_memory_apart_from_the_others():
     assert {n: round(r[n]["own_gib"] * gib) for n in r} == {"local": 180, "global": 280}
     assert {n: round(r[n]["device_gib"] * gib) for n in r} == {"local": 390, "global": 430}
     assert r["local"]["memory_bytes"] == {"built": 100, "warm_up": 50, "step_rise": 30}
-
-
-class _Poly(torch.optim.lr_scheduler._LRScheduler):
-    """A stand-in of arcface_torch's older PolynomialLRWarmup (written here): it hands ``verbose`` on to torch's
-    base class, which torch 2.13 no longer takes. Its lr: base x (1 - step / total)."""
-
-    def __init__(self, optimizer, warmup_iters, total_iters=5, power=1.0, last_epoch=-1, verbose=False):
-        self.total_iters = total_iters
-        super().__init__(optimizer, last_epoch=last_epoch, verbose=verbose)
-
-    def get_lr(self):
-        return [base * (1 - self.last_epoch / self.total_iters) for base in self.base_lrs]
-
-
-def _tiny_arcface_mods(loss_factor=lambda: 1.0):
-    class Backbone(torch.nn.Module):
-        def __init__(self, **kwargs):
-            super().__init__()
-            self.fc = torch.nn.Linear(3, 8)
-
-        def forward(self, x):
-            return self.fc(x.mean((2, 3)))
-
-    class PFC(torch.nn.Module):
-        def __init__(self, margin, dim, classes, rate, fp16):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(classes, dim))
-
-        def forward(self, emb, labels):
-            return torch.nn.functional.cross_entropy(emb @ self.weight.t(), labels) * loss_factor()
-    return {"backbones": SimpleNamespace(get_model=lambda name, **kw: Backbone(**kw)),
-            "losses": SimpleNamespace(CombinedMarginLoss=lambda *a: None), "pfc": SimpleNamespace(PartialFC_V2=PFC),
-            "lr": SimpleNamespace(PolynomialLRWarmup=_Poly)}
 
 
 def test_arcface_scheduler_runs_without_the_argument_torch_dropped():
