@@ -185,11 +185,17 @@ def device_memory(device: torch.device):
     return DeviceMemory(device) if device.type == "cuda" else None
 
 
-def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memory=None) -> Dict[str, Dict[str, Any]]:
-    """Warm-up, then alternating rounds; per contender its ms a step in each round, the median, samples/s;
-    with the device's counters, its own memory and the device's peak (the module's "Memory")."""
-    mem = memory or device_memory(device)
-    live = [n for n, c in contenders.items() if "error" not in c]
+def _out_of_memory(contenders, live: List[str], name: str, where: str, batch: int, **kept) -> None:
+    """``name`` ran out of device memory ``where``: recorded as its error (with what it measured before,
+    ``kept``), out of the rounds, and the allocator's cache given back for the others."""
+    contenders[name] = {"error": f"out of memory in {where} at batch {batch}", **kept}
+    live.remove(name)
+    torch.cuda.empty_cache()
+
+
+def _warm_up(a, device: torch.device, contenders, live: List[str], mem) -> Dict[str, int]:
+    """``a.warmup`` steps of each contender in ``live`` (one out of memory leaves it); with the device's
+    counters, what each warm-up left allocated (bytes)."""
     warmed: Dict[str, int] = {}
     for name in list(live):
         held = mem.allocated() if mem else 0
@@ -197,13 +203,20 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memo
             for _ in range(a.warmup):
                 contenders[name]["run"]()
         except torch.cuda.OutOfMemoryError:
-            contenders[name] = {"error": f"out of memory in its first {a.warmup} steps at batch {a.batch}"}
-            live.remove(name)
-            torch.cuda.empty_cache()
+            _out_of_memory(contenders, live, name, f"its first {a.warmup} steps", a.batch)
             continue
         if mem:
             _sync(device)
             warmed[name] = mem.allocated() - held
+    return warmed
+
+
+def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memory=None) -> Dict[str, Dict[str, Any]]:
+    """Warm-up, then alternating rounds; per contender its ms a step in each round, the median, samples/s;
+    with the device's counters, its own memory and the device's peak (the module's "Memory")."""
+    mem = memory or device_memory(device)
+    live = [n for n, c in contenders.items() if "error" not in c]
+    warmed = _warm_up(a, device, contenders, live, mem)
     rounds: Dict[str, List[float]] = {n: [] for n in live}
     peaks: Dict[str, int] = {}
     rises: Dict[str, int] = {}
@@ -224,10 +237,8 @@ def measure(a, device: torch.device, contenders: Dict[str, Dict[str, Any]], memo
                     contenders[name]["run"]()
                 _sync(device)
             except torch.cuda.OutOfMemoryError:      # this contender stops; the others' rounds go on
-                contenders[name] = {"error": f"out of memory in timed round {r + 1} at batch {a.batch}",
-                                    "ms_per_step_rounds": rounds.pop(name)}
-                live.remove(name)
-                torch.cuda.empty_cache()
+                _out_of_memory(contenders, live, name, f"timed round {r + 1}", a.batch,
+                               ms_per_step_rounds=rounds.pop(name))
                 continue
             rounds[name].append(1e3 * (time.perf_counter() - t0) / a.steps)
             if mem:
