@@ -11,8 +11,12 @@ library page's loop runs.
   the package (a raised template, or a line printed or agreed across ranks, such as the heartbeat's). A
   message with no word of its own (``raise ShardError(str(e))``: another error's text) is not listed. Plain
   ``ValueError``/``OSError`` raises are not listed: they are also the code's internal checks.
-* **Links and anchors** in README.md, CHANGELOG.md and docs/*.md: every relative link's file exists, every
-  ``#anchor`` is a heading of its page (GitHub's rule).
+* **Links and anchors** in README.md, CHANGELOG.md, docs/*.md and the evidence pages (docs/evidence/*.md): every
+  relative link's file exists, every ``#anchor`` is a heading of its page (GitHub's rule).
+* **The user pages stay short and about the product** (README.md and docs/*.md; the evidence pages and the
+  changelog are not user pages): each at most 3,000 words and 35,000 in all, counted as ``wc -w`` counts, so
+  measurements and history live in docs/evidence/ and CHANGELOG.md; and no word about how the project is made
+  (its issue numbers, who lent a machine, sessions, helpers, turns).
 * **Config keys** (``section.key`` in code spans and in ``--set``) are the config's keys; **flags** after an
   ``hvd-partialfc[-shards] SUBCOMMAND`` in a command are that subcommand's (argparse itself); a code span
   that starts with ``--flag`` names a flag of ours (any ``add_argument`` in the repository, or a shell script's
@@ -123,9 +127,56 @@ def test_troubleshooting_lists_every_error_line_and_only_real_ones():
     assert not stale, f"{TROUBLE} lists lines no code prints:\n" + "\n".join(stale)
 
 
+def _user_pages():
+    """What a user reads: README.md and docs/*.md (not docs/evidence/, not the changelog)."""
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
 def _pages():
-    return [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md"),
-            *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    return [*_user_pages(), os.path.join(ROOT, "CHANGELOG.md")]
+
+
+def _evidence_pages():
+    return sorted(glob.glob(os.path.join(ROOT, "docs", "evidence", "*.md")))
+
+
+PAGE_WORDS, USER_WORDS = 3000, 35000
+
+
+def _words(path) -> int:
+    """Words as `wc -w` counts them: runs of bytes between ASCII whitespace."""
+    with open(path, "rb") as f:
+        return len(f.read().split())
+
+
+def test_user_pages_are_short():
+    counts = {os.path.relpath(p, ROOT): _words(p) for p in _user_pages()}
+    over = [f"{page}: {n} words" for page, n in counts.items() if n > PAGE_WORDS]
+    total = sum(counts.values())
+    assert not over and total <= USER_WORDS, (
+        f"user pages over {PAGE_WORDS} words (move measurements to docs/evidence/PAGE.md, history to "
+        f"CHANGELOG.md):\n" + "\n".join(over) + f"\nall user pages: {total} words (at most {USER_WORDS})")
+
+
+# Words about how the project is made, not about the product. Each is narrow enough to leave a product's own use
+# alone: an upstream project's issue (`PyTorch issue 135712`), onnxruntime's or pytest's session.
+PROCESS_WORDS = re.compile(
+    r"\bissues?\s*#\s*\d*|\bissues?\s+\d+|\blent\b|\bdevice tool\b|\bsessions?\b|\bhelper (?:session|engineer|agent)s?\b"
+    r"|\b(?:this|that|a|the|last|previous|next|earlier) turn\b|\bturns? ago\b|\bthe seed's (?:engine|code|trainer)\b",
+    re.I)
+UPSTREAM = re.compile(r"(?:pytorch|torch|horovod|nccl|gloo|insightface|arcface_torch|onnxruntime|pytest|ssh|tmux|"
+                      r"shell|login|interactive|upstream)[\s'`]*$", re.I)
+
+
+def test_user_pages_say_nothing_of_how_the_project_is_made():
+    bad = []
+    for page in _user_pages():
+        with open(page) as f:
+            for i, line in enumerate(f, 1):
+                for m in PROCESS_WORDS.finditer(line):
+                    if not UPSTREAM.search(line[:m.start()].rstrip()):
+                        bad.append(f"{os.path.relpath(page, ROOT)}:{i}: {m.group(0)!r}: {line.strip()[:120]}")
+    assert not bad, "words about how the project is made, in user pages:\n" + "\n".join(bad)
 
 
 def _prose(path):
@@ -153,7 +204,7 @@ def _anchors(path):
 
 def test_every_relative_link_and_anchor_resolves():
     bad = []
-    for page in _pages():
+    for page in _pages() + _evidence_pages():
         for i, line in _prose(page):
             for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"(`+).+?\1", "", line)):   # not in code
                 if re.match(r"[a-z]+:", target):       # http:, https:, mailto:
