@@ -6,7 +6,7 @@
         [--compression none|gzip|lzf] [--chunk-samples K] [--part K/M]
         fonts only: [--charset gb2312-1|jis-1|cjk|FILE] [--samples-per-font K] [--font-dir D]
                     [--max-fonts K] [--max-chars K] [--min-fonts K] [--min-families K]
-                    [--faces-per-family K] [--near-duplicate T] [--min-samples N]
+                    [--faces-per-family K] [--near-duplicate T] [--min-samples N] [--font-list FILE]
     hvd-partialfc-shards assemble OUT [--overwrite]   (after a build in parts)
     hvd-partialfc-shards inspect DIR [--json] [--no-sha256] [--plot FILE.png] [--decode [--workers W]]
     hvd-partialfc-shards pairs SHARDS_DIR --out pairs.h5|pairs.bin --num-pairs P [--seed S] [--bin]
@@ -46,7 +46,7 @@ def _build(args) -> int:
     fonts = dict(charset=args.charset, samples_per_font=args.samples_per_font, font_dir=args.font_dir,
                  max_fonts=args.max_fonts, max_chars=args.max_chars, min_fonts=args.min_fonts,
                  min_families=args.min_families, faces_per_family=args.faces_per_family,
-                 near_duplicate=args.near_duplicate, min_samples=args.min_samples)
+                 near_duplicate=args.near_duplicate, min_samples=args.min_samples, font_list=args.font_list)
     if args.format != "fonts" and args.source is None:
         raise ValueError(f"build {args.format}: SOURCE is required")
     from .stream import build_streaming
@@ -273,6 +273,8 @@ def _fonts_arguments(f) -> None:
     f.add_argument("--samples-per-font", type=int, default=1)
     f.add_argument("--font-dir")
     f.add_argument("--max-fonts", type=int, help="first K font families")
+    f.add_argument("--font-list", metavar="FILE", help="render only the faces FILE names, one 'Family' or "
+                   "'Family:Style' a line; a name not installed is an error (configs/demo_fonts.txt: the demo's)")
     f.add_argument("--max-chars", type=int)
     f.add_argument("--min-fonts", type=int, default=1, help="drop characters with fewer distinct renderings")
     f.add_argument("--min-families", type=int, default=1,

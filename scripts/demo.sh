@@ -2,8 +2,10 @@
 # `make demo`: the main job on the embedded default data, from a fresh machine.
 #
 #   1. set-up (idempotent): Debian MPI + CJK font packages, .venv, torch, Horovod;
-#   2. the `fonts` data set: level-1 Hanzi (GB2312, 3,755 characters) rendered from every installed CJK
-#      font whose cmap has the glyph; 10% of the characters are held out (never trained on);
+#   2. the `fonts` data set: level-1 Hanzi (GB2312, 3,755 characters) rendered from the faces that
+#      configs/demo_fonts.txt names (those of step 1's packages; a missing one stops the build, other
+#      installed fonts are not used), where the face's cmap has the glyph; 10% of the characters are held
+#      out (never trained on);
 #   3. verification pairs, and an IJB-C-shaped set (loose crops, landmarks, templates), from the held-out
 #      characters;
 #   4. training with `horovodrun -np 2` (Gloo), configs/demo.yaml, evaluation during training;
@@ -25,8 +27,9 @@ bash scripts/setup/install.sh --fonts
 t_setup=$(date +%s)
 
 if [ ! -f "$DATA/train/manifest.json" ]; then
-  "$BIN/hvd-partialfc-shards" build fonts --charset gb2312-1 --size "$SIZE" --holdout 0.1 --seed 0 \
-      --out "$DATA/train" --holdout-out "$DATA/heldout" --num-shards 8 --overwrite
+  "$BIN/hvd-partialfc-shards" build fonts --charset gb2312-1 --font-list configs/demo_fonts.txt \
+      --size "$SIZE" --holdout 0.1 --seed 0 --out "$DATA/train" --holdout-out "$DATA/heldout" \
+      --num-shards 8 --overwrite
 fi
 if [ ! -f "$DATA/pairs.h5" ]; then
   "$BIN/hvd-partialfc-shards" pairs "$DATA/heldout" --out "$DATA/pairs.h5" --num-pairs 6000 --seed 0

@@ -160,6 +160,25 @@ def test_min_families_counts_keys_after_cmap_standin_and_duplicate_checks(fontdi
 
 
 @needs_fonts
+def test_font_list_pins_the_faces_and_refuses_a_missing_one(fontdir, tmp_path, capsys):
+    chars = tmp_path / "chars.txt"
+    chars.write_text("永和九", encoding="utf-8")
+    pinned = tmp_path / "pinned.txt"
+    pinned.write_text("# a comment\nT Sung\n\nT Droid:Regular  # one face of a family\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert build("--charset", chars, "--font-dir", fontdir, "--size", 32, "--font-list", pinned,
+                 "--out", out, "--num-shards", 1, "--workers", 1) == 0
+    src = read_manifest(str(out)).source
+    assert [f["family"] for f in src["fonts"]] == ["T Droid", "T Sung"] and src["font_list"] == "pinned.txt"
+    pinned.write_text("T Sung\nT Droid:Bold\nT Nowhere\n", encoding="utf-8")
+    assert build("--charset", chars, "--font-dir", fontdir, "--size", 32, "--font-list", pinned,
+                 "--out", tmp_path / "out2", "--num-shards", 1, "--workers", 1) == 2
+    err = capsys.readouterr().err
+    assert "2 of its 3 faces are not installed: 'T Droid:Bold', 'T Nowhere'; install them" in err
+    assert not (tmp_path / "out2").exists()
+
+
+@needs_fonts
 def test_holdout_fraction_and_byte_identical_rebuilds(tmp_path):
     d = tmp_path / "fonts"
     d.mkdir()

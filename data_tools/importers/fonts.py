@@ -58,6 +58,7 @@ from .importer_registry import register_importer
 from ..imported import ImportedData
 from ..charsets import load_charset
 from ..storage import default_workers, pmap
+from .font_list import pick_faces, read_font_list
 
 FONT_EXTENSIONS = (".ttf", ".otf", ".ttc", ".otc")
 
@@ -340,15 +341,18 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
                  samples_per_font: int = 1, font_dir: Optional[str] = None, max_fonts: Optional[int] = None,
                  max_chars: Optional[int] = None, seed: int = 0, workers: Optional[int] = None,
                  min_fonts: int = 1, min_families: int = 1, faces_per_family: Optional[int] = None,
-                 near_duplicate: float = 0.0, min_samples: int = 0,
+                 near_duplicate: float = 0.0, min_samples: int = 0, font_list: Optional[str] = None,
                  progress: bool = True, **_) -> ImportedData:
-    """``source`` (optional) is a charset name or file, like ``--charset``."""
+    """``source`` (optional) is a charset name or file, like ``--charset``; ``font_list`` a file naming the
+    only faces to render (``read_font_list``)."""
     side = int(size[0]) if size else 64
     if size and len(size) == 2 and size[0] != size[1]:
         raise ValueError("fonts renders square images; pass --size S")
     chars = load_charset(source or charset)[: max_chars or None]
-    faces = limit_faces_per_family(select_families(list_faces(find_font_files(font_dir)), max_fonts),
-                                   faces_per_family)
+    faces = list_faces(find_font_files(font_dir))
+    if font_list:
+        faces = pick_faces(faces, read_font_list(font_list), font_list)
+    faces = limit_faces_per_family(select_families(faces, max_fonts), faces_per_family)
     if not faces:
         raise ValueError(f"no font faces found ({'--font-dir ' + font_dir if font_dir else 'fc-list'}); "
                          f"run `bash scripts/setup/install.sh --fonts` or pass --font-dir")
@@ -375,6 +379,7 @@ def import_fonts(source: Optional[str] = None, *, charset: str = "gb2312-1", siz
     source_info = {"format": "fonts", "charset": source or charset, "charset_size": len(chars),
                    "size": side, "samples_per_font": k, "seed": seed, "min_fonts": min_fonts,
                    "min_families": min_families, "faces_per_family": faces_per_family or 0,
+                   "font_list": os.path.basename(font_list) if font_list else None,
                    "faces_found": len(faces), "faces_used": len(used),
                    "families_used": len(sorted({f["family"] for f in used})),
                    "family_keys_used": len(sorted({f["key"] for f in used})),
