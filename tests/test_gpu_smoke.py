@@ -12,7 +12,7 @@ the CPU tests)::
 
     HVD_PARTIALFC_TEST_GPU=1 python -m pytest -m gpu tests
 
-Run on one H200 on 2026-12-04 (docs/gpu.md): 46 s for the torch side, 26 s for Horovod's.
+Run on one H200 on 2026-12-04 (docs/evidence/gpu.md): 46 s for the torch side, 26 s for Horovod's.
 """
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_resume_on_cuda_is_bitwise(image_shards, tmp_path):
     (dropout draws from it, so the resumed run matches only if the codec restored it).
 
     The control: the straight run twice, equal first, or the kernels are not deterministic and the resume
-    comparison would mean nothing. On the first H200 (docs/gpu.md, 2026-12-04) the resnet's pooling to 4x4
+    comparison would mean nothing. On the first H200 (docs/evidence/gpu.md, 2026-12-04) the resnet's pooling to 4x4
     from a 2x2 map (32 px images) had no deterministic CUDA backward (adaptive_avg_pool2d sums with atomics)
     and the comparison failed; ``pool: 2`` makes the pooling the identity, one addend a gradient."""
     import pins

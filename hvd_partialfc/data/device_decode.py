@@ -19,7 +19,8 @@ Contract:
   whose first sample is a JPEG of the stored size, with no augmentation but ``flip``. Other augmentations
   run on uint8 in the workers (augment.py): asking for both is a ConfigError. A CPU device, a PNG or a
   resized set fall back to the CPU path with one line of log.
-nvJPEG's pixels are not PIL's (another IDCT and chroma upsampling): docs/gpu.md states the tolerance.
+nvJPEG's pixels are not PIL's (another IDCT and chroma upsampling): the measured distance is in
+docs/evidence/gpu.md, "nvJPEG against PIL".
 """
 from __future__ import annotations
 

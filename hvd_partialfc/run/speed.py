@@ -34,7 +34,7 @@ from ..models import model_input_shape
 from ..models.recompute import batchnorm_stats_restored
 
 # What ``auto`` turns on where the device is CUDA; elsewhere ``OFF``, today's CPU arithmetic. A key's default
-# moves to ``auto`` in config.py when the GPU run measures it faster (docs/gpu.md, "Deciding the defaults"):
+# moves to ``auto`` in config.py when the GPU run measures it faster (docs/evidence/gpu.md, "Deciding the defaults"):
 # one literal per key, and no CPU number changes with it.
 ON_CUDA = {"channels_last": True, "backbone_kernel": "fused", "skip_decision": "device", "compile": "blocks"}
 OFF = {"channels_last": False, "backbone_kernel": "torch", "skip_decision": "host", "compile": "none"}

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The ``speed`` stage of scripts/gpu/gpu_check.sh: issue 50's table measured in one budgeted pass (docs/gpu.md).
+"""The ``speed`` stage of scripts/gpu/gpu_check.sh: the speed table measured in one budgeted pass (docs/gpu.md,
+"The one call"; its cells and goals: docs/evidence/gpu.md).
 
     python -m scripts.gpu.gpu_speed_check WORK OUT [--arcface-dir DIR] [--budget 150] [--deadline EPOCH_S]
         [--only NAME,...] [--tiny]

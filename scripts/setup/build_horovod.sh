@@ -87,7 +87,7 @@ add_include horovod/common/group_table.h unordered_map string
 add_include third_party/gloo/gloo/types.h iostream cstdint
 
 # Horovod's setup.py asks for cffi (setup_requires); with --no-build-isolation setuptools would fetch it from
-# the network at build time, and an offline GPU node failed there (docs/gpu.md, 2026-12-04). Offline, install
+# the network at build time, and an offline GPU node failed there (docs/evidence/gpu.md, 2026-12-04). Offline, install
 # the cffi and pycparser wheels first (pip download on a machine with a network).
 "$PY" -c "import setuptools, wheel, cffi" 2>/dev/null || "$PY" -m pip install -q wheel setuptools "cffi>=1.4.0" >&2 \
   || die "cannot install wheel, setuptools and cffi (Horovod's build needs them); offline, pip install their wheels first"
