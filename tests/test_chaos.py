@@ -8,7 +8,7 @@ the other two go on (a checkpoint of 2 ranks is written, re-sharded) and take th
 are on (every 5 steps): the lost node's slice comes back from its buddy's copy, not from the disk checkpoint
 (every 20 steps). About 50 s.
 The long runs (12 faults under torchrun, 6 under the Horovod wrapper, compared bitwise with a fault-free
-run) and their tables: docs/reliability.md."""
+run) and their tables: docs/evidence/reliability.md."""
 import json
 import subprocess
 import sys
@@ -42,6 +42,6 @@ def test_short_chaos_run(tmp_path):
     lost = {r["kind"]: r["lost"] for r in report["rows"]}
     assert lost["node-joins"] == 0                                       # the group stops with a checkpoint first
     source = {r["kind"]: r.get("source") for r in report["rows"]}
-    # at most 2 K: the steps since the snapshot, and up to K more while it lands (docs/reliability.md)
+    # at most 2 K: the steps since the snapshot, and up to K more while it lands (docs/evidence/reliability.md, the bound)
     assert source["node-lost"] == "memory" and lost["node-lost"] <= 2 * 5
     assert checks["ok_steps_lost_at_most_2K"] and checks["ok_no_false_stragglers"]

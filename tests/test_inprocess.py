@@ -140,7 +140,7 @@ def test_hosts_removed_then_added_regroup_in_the_same_processes(small_run_shards
         meta = json.load(f)
     assert meta["world_size"] == 3 and [s["world_size"] for s in meta["length"]["segments"]] == [3, 2, 3]
     length = meta["length"]
-    # the budget kept: the run ends at the nearest step of its last world size (docs/reliability.md, "The end")
+    # the budget kept: the run ends at the nearest step of its last world size (docs/evidence/reliability.md, "The end")
     assert abs(length["samples"] - length["budget_samples"]) <= length["segments"][-1]["global_batch"] / 2, length
     # the 2-rank stretch: bitwise where a new process resuming the regroup checkpoint at 2 ranks is at each of
     # the stretch's scheduled checkpoints

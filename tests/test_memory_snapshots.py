@@ -3,7 +3,7 @@
 Each "node" is a torchrun agent on this host with a snapshot root of its own (``HVD_PARTIALFC_MEMORY_DIR``):
 ranks with another root are on another node (memory_store.node_key), and a node's memory is its root, so a
 node lost is its agent gone and its root removed. The network-namespace nodes of scripts/faults/chaos.py run the
-same code with a network between them (its --memory-every run, docs/reliability.md).
+same code with a network between them (its --memory-every run, docs/evidence/reliability.md).
 
 One crash serves the torchrun tests: 3 nodes of one rank, a snapshot every 4 steps, disk checkpoints every 15;
 rank 1 is SIGKILLed in the middle of the snapshot of step 24 (its own copy written, its buddy's not sent), after

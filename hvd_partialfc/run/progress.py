@@ -12,7 +12,7 @@ So a run is defined by what it consumes (``RunLength``):
 * **budget**: the samples the run trains on. At the world size it started with (its first *segment*),
   ``train.epochs`` of that world's steps per epoch, or ``train.steps``, times that world's global batch:
   ``train.steps`` counts steps of the run's first world size, so no resume at another size changes how much
-  the run trains (docs/reliability.md gives the rule and its reason). Unchanged at a resume, unless the
+  the run trains (docs/reliability.md gives the rule, docs/evidence/reliability.md its reason). Unchanged at a resume, unless the
   config extends the run (``train.steps`` / ``train.epochs``), which recomputes it the same way.
 * **unit**: the samples of a schedule step, the first segment's global batch. The learning rate is a function
   of ``position = samples consumed / unit`` against ``budget / unit``: at the first world size that is the

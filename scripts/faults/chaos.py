@@ -3,7 +3,7 @@
 (scripts/faults/twonode.py), recovered by the project's own launch paths, with a table of what each fault cost.
 Run from the repository root:
 
-    python -m scripts.faults.chaos --seed 1            # both runs, the figures in docs/reliability.md
+    python -m scripts.faults.chaos --seed 1            # both runs, the figures in docs/evidence/reliability.md
     python -m scripts.faults.chaos --seed 1 --short    # the suite's version: 3 faults, under a minute
     python -m scripts.faults.chaos --seed 2 --only torchrun --steps 1500 --faults 12 --json chaos.json
 

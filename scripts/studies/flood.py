@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A job that resumes from node memory while another user of the node floods its ports, against the same resume
-unflooded (docs/reliability.md, "On a shared node"). Run from the repository root, as root (the flood runs as
+unflooded (docs/evidence/reliability.md, "On a shared node"). Run from the repository root, as root (the flood runs as
 ``nobody``):
 
     python -m scripts.studies.flood [--trials 2] [--seconds 10] [--json flood.json]

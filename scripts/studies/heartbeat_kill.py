@@ -11,7 +11,7 @@ horovodrun or torchrun would end the others themselves, and this measures what t
 lines; the figure is the time from the kill until the last other rank has exited. The ring heartbeat
 (engine/heartbeat.py) is the only way out: the killed rank's Gloo connections stay open while its worker lives.
 
-Goal (docs/reliability.md): under the heartbeat timeout plus 5 s, at any N. Before the fix, the killed rank's
+Goal (docs/evidence/engines.md, "Failures"): under the heartbeat timeout plus 5 s, at any N. Before the fix, the killed rank's
 worker held its heartbeat connection open until it noticed its parent's death, and so did each next
 neighbour's after it ended: about N x 5 s round the ring.
 """

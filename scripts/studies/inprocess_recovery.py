@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A killed rank under Horovod: the survivors going on in their own processes (horovodrun's elastic mode,
 launch/horovodrun_elastic.sh) beside today's relaunch (launch/horovod_restarts.py), the same job, the same kill;
-the figures in docs/reliability.md, "Going on in the same processes". Run from the repository root:
+the figures in docs/evidence/reliability.md, "Going on in the same processes". Run from the repository root:
 
     python -m scripts.studies.inprocess_recovery --repeats 3 --json inprocess.json
 

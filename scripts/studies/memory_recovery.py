@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Memory snapshots (checkpoint.memory_every) measured on network-namespace nodes (scripts/faults/twonode.py), one
-rank a node, the torch engine under torchrun; the figures in docs/reliability.md "Memory snapshots". Run from the
+rank a node, the torch engine under torchrun; the figures in docs/evidence/reliability.md "Memory snapshots: measured". Run from the
 repository root:
 
     python -m scripts.studies.memory_recovery --nodes 2 3 --json memory_recovery.json
