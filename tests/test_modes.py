@@ -328,7 +328,7 @@ class TwoRanksSeenFromRankZero:
 
 def test_exchange_frees_the_old_buffer_before_the_gather_and_keeps_raw_rows():
     # holding the old R rows through the gather and the cat made the exchange the peak of memory
-    # (docs/benchmarks.md: np=4, 4 x 10^5 x 128: 956 -> 806 MB)
+    # (docs/evidence/benchmarks.md: np=4, 4 x 10^5 x 128: 956 -> 806 MB)
     other = torch.randn(5, 3) * 7
     comm = TwoRanksSeenFromRankZero(other)
     head = CrossShardNegativesHead(4, 3, 0, comm, every=1, share=0, slice_widths=[4, 5], loss="softmax")

@@ -218,7 +218,7 @@ class _MarginSoftmaxCE(torch.autograd.Function):
     matmul, and the backward multiplies only the buffer's first W columns into the weight's gradient:
     ``torch.cat([weight, frozen])`` instead made a (W + R, D) copy per step and a (W + R, D) gradient whose
     storage the weight then kept as its ``.grad``: 3 x W x D bytes more at np=2 with whole slices shared
-    (10^6 x 128: 2328 -> 1596 MB peak RSS per rank, docs/benchmarks.md). The loss and the weight's
+    (10^6 x 128: 2328 -> 1596 MB peak RSS per rank, docs/evidence/benchmarks.md). The loss and the weight's
     gradient came out bitwise equal to the cat's (2 x 10^4 + 3 x 10^4 columns, softmax and ArcFace); the
     features' gradient adds its two parts separately (1e-6 relative).
 

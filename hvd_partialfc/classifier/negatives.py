@@ -85,7 +85,7 @@ class CrossShardNegativesHead(LocalHead):
             mine = self.weight.detach()
         mine = mine.float().contiguous()                                              # (k, D), raw rows
         # the old buffer goes first: held through the gather and the cat, its R rows made the exchange the
-        # peak of memory (np=4, 4 x 10^5 x 128, whole slices: 956 -> 806 MB per rank, docs/benchmarks.md)
+        # peak of memory (np=4, 4 x 10^5 x 128, whole slices: 956 -> 806 MB per rank, docs/evidence/benchmarks.md)
         self.remote = self.remote.new_zeros(0, self.weight.shape[1])
         gathered = self.comm.allgather_tensor(mine, f"{self.name}.centres")           # (sum shares, D)
         lo = sum(self.shares[:rank])

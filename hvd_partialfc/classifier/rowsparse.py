@@ -7,7 +7,7 @@ save and restore, so a sampled run resumes bitwise).
 Why a sparse step (issue 12): with ``head.sample_rate`` = r the head scores K = r x W rows, but a dense
 ``weight[index]`` makes a (W, D) gradient, zero outside them (autograd zero-fills it and scatters the K
 rows in), and torch's fused SGD-momentum step then reads and writes every row. Measured, one thread,
-W = 5 x 10^5, D = 128 (docs/bench/sampled_step.py, docs/benchmarks.md): gradient + step 124 ms dense
+W = 5 x 10^5, D = 128 (docs/bench/sampled_step.py, docs/evidence/benchmarks.md): gradient + step 124 ms dense
 against 18 ms here at r = 0.1, 136 against 68 ms at r = 0.3. Most of the dense cost is making the (W, D)
 gradient (~100 ms); the fused dense step alone is fast (22 ms) and the step here beats it only below
 r ~ 0.15 (17 ms at 0.1; 42 ms at 0.3). Here the gradient is a sparse (W, D) tensor holding only the K

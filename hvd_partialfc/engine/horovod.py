@@ -219,8 +219,8 @@ def _cut(sockets: Dict[int, str]) -> None:
 
 # Horovod's background thread negotiates every HOROVOD_CYCLE_TIME ms (default 1). On a CPU-only host the
 # ranks' compute threads share the cores with it, and a 1 ms cycle costs them: the demo model at np=2 on
-# 2 cores trains at 645 samples/s with 1 ms and 917 with 10 ms (docs/benchmarks.md has the same finding
-# for the classifier benchmark). GPU hosts keep Horovod's default (latency matters there, cores do not).
+# 2 cores trains at 645 samples/s with 1 ms and 917 with 10 ms (docs/evidence/benchmarks.md has the same
+# finding for the classifier benchmark). GPU hosts keep Horovod's default (latency matters there, cores do not).
 CPU_CYCLE_TIME_MS = "10"
 
 

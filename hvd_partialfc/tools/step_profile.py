@@ -17,7 +17,7 @@ the host synchronisations CUDA sees during the marked steps.
 Rank 0 writes ``PROFILE_OUT/profile.json`` (everything, per step too), ``step_trace.json`` (a Chrome trace:
 host phases, GPU phases, all-reduces), ``torch_trace.json`` (``--torch-trace``) and, under Horovod,
 ``horovod_timeline.json``, and prints the table. The run folder is ``PROFILE_OUT/run`` (no checkpoint is
-written). Figures: docs/benchmarks.md ("The step profile") and docs/gpu.md.
+written). Figures: docs/evidence/benchmarks.md ("The step profile").
 """
 from __future__ import annotations
 
