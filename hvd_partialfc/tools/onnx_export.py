@@ -8,7 +8,7 @@ Check: onnxruntime (CPU) and PyTorch embed the same ``samples`` = 64 random inpu
 64, while the graph was traced at batch 2: the dynamic batch is exercised too); the largest absolute
 difference of the L2-normalised embeddings must be at most ``TOLERANCE`` = 1e-4, else the export fails
 and no file is written (the bytes are checked in memory, then written by ``atomic.write_bytes``).
-Measured (docs/faces.md): 1.1e-7 (mobilefacenet) to 8.2e-7 (iresnet100) at D = 512, 1.3e-6 for an iresnet18
+Measured (docs/evidence/faces.md): 1.1e-7 (mobilefacenet) to 8.2e-7 (iresnet100) at D = 512, 1.3e-6 for an iresnet18
 after a training step; the limit leaves two orders of magnitude.
 
 Exporter: torch's ``torch.export``-based ONNX exporter (``dynamo=True``, the default since torch 2.9;
