@@ -118,10 +118,10 @@ class HeadConfig:
                             see="docs/benchmarks.md#sampled-softmax-partialfc-global-against-local-at-the-same-rates")
     negatives_every: int = opt(50, "local: every K steps the ranks exchange class centres as frozen negatives "
                                    "(cross-shard negatives; 0: off)",
-                               see="docs/accuracy.md#at-64256-ranks-the-study")
+                               see="docs/accuracy.md#cross-shard-negatives-choosing-k-and-s")
     negatives_share: int = opt(1024, "local: centres each rank shares per exchange, a random subset (0: its whole "
                                      "slice)",
-                               see="docs/accuracy.md#the-trade-off-interval-k-and-centres-shared-s-np8-422-classes-per-rank")
+                               see="docs/accuracy.md#cross-shard-negatives-choosing-k-and-s")
     negatives_pool: int = opt(8192, "local: the most centres all ranks share together per exchange; a rank "
                                     "shares min(share, ceil(pool / N)) (0: no cap)",
                               see="docs/scaling.md#cross-shard-negatives-at-scale-why-the-default-shares-at-most-8192-centres-in-all")
@@ -161,7 +161,7 @@ class OptimConfig:
                           choices=("mean", "sum"), see="docs/migrate.md#gradient-accumulation-a-sum")
     classifier_grad_mean: str = opt("global", "local: the classifier's gradient is the global batch's mean loss's "
                                               "(lr means the same at any N) or the rank's own (N times larger)",
-                                    choices=("global", "local"), see="docs/accuracy.md#what-was-found-and-what-changed")
+                                    choices=("global", "local"), see="docs/accuracy.md#the-classifiers-gradient-scale")
 
 
 @dataclass

@@ -50,7 +50,7 @@ class LocalHead(LocalClassifier):
 
     def sampling_warning(self) -> Optional[str]:
         """A line for the start of a run when ``sample_rate`` scores fewer than ``FEW_SAMPLED_ROWS`` of this
-        rank's rows a step, else None. Measured (docs/accuracy.md, scale study, 600 steps, r = 0.1): 38 rows
+        rank's rows a step, else None. Measured (docs/evidence/accuracy.md, scale study, r = 0.1): 38 rows
         a step (387 classes a rank) and 309 rows are level with unsampled ``local``; 9 rows (97 classes a
         rank, N = 256) cost 4% of TAR@1e-3 and 7% of TAR@1e-4 over two seeds, and 38 of those 97 rows
         (r = 0.4) were level again (1.004 / 1.006 of unsampled, two seeds): the rows scored a step count,

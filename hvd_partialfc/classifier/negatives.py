@@ -17,7 +17,7 @@ def negatives_share(width: int, world_size: int, share: int, pool: int) -> int:
     """Centres a rank of slice ``width`` publishes per exchange: ``share`` of them (0: all), at most
     ceil(``pool`` / N) when ``pool`` > 0. Every rank receives every share, so without the pool what a rank
     receives and holds grows with N: at iresnet50's D = 512 and 1,024 a rank, 0.11% of the gradient's traffic
-    at N=8 but 3.1% at N=256 (docs/accuracy.md, "At 64-256 ranks"); with it, ~pool rows at any N."""
+    at N=8 but 3.1% at N=256 (docs/evidence/accuracy.md, "At 64-256 ranks"); with it, ~pool rows at any N."""
     k = min(share or width, width)
     return min(k, -(-pool // world_size)) if pool > 0 else k
 

@@ -3,9 +3,9 @@
 A rank's batch holds only its own classes (its slice), and at a fixed global batch it shrinks as N grows:
 the scale study's per-rank batch is 16 at N = 64 and 4 at N = 256. Plain BatchNorm normalises each rank's
 batch by its own mean and variance, so N changes what the backbone computes even in exact ``global`` mode
-(docs/accuracy.md, "At 64-256 ranks": exact softmax's held-out TAR@1e-3 fell from 0.912 at N = 8 to 0.889 at
-N = 64 with nothing else depending on N). With this option every rank normalises by the statistics of the
-union of all ranks' batches, as one process on the global batch would.
+(docs/evidence/accuracy.md, "At 64-256 ranks": exact softmax's held-out TAR@1e-3 fell from 0.912 at N = 8
+to 0.889 at N = 64 with nothing else depending on N). With this option every rank normalises by the
+statistics of the union of all ranks' batches, as one process on the global batch would.
 
 How: per layer and step, each rank allreduces (sum, sum of squares, count) of its batch per channel
 (``comm.allreduce_tensor``) and normalises by the global mean and variance. The backward is written out

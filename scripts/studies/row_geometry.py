@@ -2,7 +2,7 @@
 """How far apart a trained run's class centres are: cosines between classifier rows, within a rank's slice
 and over all rows, from a run's checkpoint (every rank's classifier file).
 
-Used by the scale study (docs/accuracy.md, "At 64-256 ranks") to see what sampled ``local`` at 97 classes a
+Used by the scale study (docs/evidence/accuracy.md, "At 64-256 ranks") to see what sampled ``local`` at 97 classes a
 rank does to its slices' centres: a row is pushed away from other classes only when it is scored, and at
 r = 0.1 of 97 rows a row is a scored negative in about 5 of 97 steps, by the rank's 4 samples.
 
