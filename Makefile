@@ -40,7 +40,7 @@ test-unit: install
 test-multirank: install
 	$(PY) -m pytest tests -q $(MULTI)
 
-# A 1M-record streaming shard build with its peak RSS asserted (docs/data.md §6.6).
+# A 1M-record streaming shard build with its peak RSS asserted (docs/evidence/data.md §6.6).
 test-bigbuild: install
 	$(PY) -m pytest tests/test_build_stream.py -q -s -m bigbuild
 

@@ -1,4 +1,4 @@
-"""Measure a streaming shard build (docs/data.md §6): wall time, samples/s, the peak RSS of the largest
+"""Measure a streaming shard build (docs/evidence/data.md §6.4): wall time, samples/s, the peak RSS of the largest
 process and the peak of the PSS sum over the build's process tree (psutil, sampled every 0.2 s).
 
     python -m data_tools.bench_build --records 1000000 --store raw --workers 2 [--parts 2] [--keep DIR]

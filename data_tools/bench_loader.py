@@ -1,4 +1,5 @@
-"""Benchmarks of the offline and online data path; prints tables and writes JSON (docs/data.md quotes them).
+"""Benchmarks of the offline and online data path; prints tables and writes JSON (docs/evidence/data.md
+quotes them).
 
     python -m data_tools.bench_loader [--out runs/bench_data.json] [--fonts-chars 300] [--quick]
     python -m data_tools.bench_loader --faces OUT [--samples 6000] [--quick]     # section 5 only
@@ -197,7 +198,8 @@ def measure_loader_rate(shards: str, batch_size: int = 128, workers: int = 2, se
     worker, at least 1). Workers start together, so when the timer starts at most ~``workers`` batches are
     queued: the bias is at most ``workers`` batches over the timed ones. Then batches for ``seconds`` of
     wall time. Returns samples/s (wall) and samples per CPU-second of this process and its workers together
-    (psutil): what dedicated cores deliver on a shared machine, one worker being one core (docs/data.md §7.2)."""
+    (psutil): what dedicated cores deliver on a shared machine, one worker being one core (docs/evidence/data.md
+    §7.2)."""
     import torch
     from hvd_partialfc.data.loader import RankShardDataset, make_loader, prepare_batch
     dev = torch.device(device)

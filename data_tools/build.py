@@ -26,7 +26,7 @@ from .imported import ImportedData
 from .shard_writer import write_shard_set
 from .storage import to_storage
 
-# Chosen by measurement (`python -m data_tools.bench_loader`, docs/data.md): a contiguous, uncompressed
+# Chosen by measurement (`python -m data_tools.bench_loader`, docs/evidence/data.md §5.1): a contiguous, uncompressed
 # dataset (chunk_samples=0) reads a random batch of 128 ~17x faster than any chunked layout, and
 # compression (which needs chunks) is slower still; raw glyphs compress only ~1.5x.
 DEFAULT_CHUNK_SAMPLES = 0

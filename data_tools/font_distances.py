@@ -1,4 +1,4 @@
-"""Distances between the renderings of two font families, to choose ``--near-duplicate`` (docs/data.md).
+"""Distances between the renderings of two font families, to choose ``--near-duplicate`` (docs/evidence/data.md §4.1).
 
     python -m data_tools.font_distances [--size 32] [--step 97] "FAMILY KEY A,FAMILY KEY B" ...
 

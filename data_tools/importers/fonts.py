@@ -96,7 +96,7 @@ def built_with() -> Dict[str, str]:
     """The versions the shard bytes depend on besides the fonts (whose files' sha256 the manifest records):
     the renderer (Pillow and the FreeType it carries), numpy, and the HDF5 writer. Measured: the same
     ``cjk-20k`` build on two fresh machines (2026-12-01, 2026-12-02) gave other shard sha256s with the same
-    samples (docs/data.md §4.1), and nothing then recorded which of these had moved; a rebuild that differs
+    samples (docs/evidence/data.md §4.1), and nothing then recorded which of these had moved; a rebuild that differs
     can now be compared entry by entry."""
     import h5py
     import PIL
@@ -281,7 +281,7 @@ def is_near_duplicate(img: np.ndarray, kept: Sequence[np.ndarray], threshold: fl
     by ``shift_distance``.
 
     The shift: fonts sharing outlines (WenQuanYi Micro Hei is built from Droid Sans Fallback) often
-    render one pixel apart after centring, which pixel equality misses (docs/data.md has the measured
+    render one pixel apart after centring, which pixel equality misses (docs/evidence/data.md has the measured
     distances between related and unrelated families, `python -m data_tools.font_distances`)."""
     return bool(kept) and bool(shift_distance(img, kept).min() <= threshold)
 

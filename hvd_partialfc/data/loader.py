@@ -248,7 +248,7 @@ def resolve_workers(workers: int, local_size: int) -> int:
     at most ``AUTO_WORKERS_CAP``, at least 0. A rank's cores: ``SLURM_CPUS_PER_TASK`` under Slurm (srun binds
     each task to its own), else the cores this process may run on shared by the ``local_size`` ranks.
 
-    Measured reason (docs/data.md §7.2): one worker-core decodes ~3,200 112x112 JPEG faces/s with flip, and
+    Measured reason (docs/evidence/data.md §7.2): one worker-core decodes ~3,200 112x112 JPEG faces/s with flip, and
     an iresnet50 in fp16 consumes ~2,500-4,000 samples/s per GPU: the recipes' former 2 workers gave ~6,400
     at best, no margin on a busy node; 8-16 cores per GPU (64-128-core 8-GPU nodes) give 7 workers, ~22,000/s.
     """

@@ -198,7 +198,7 @@ def sha256_content(path: str) -> str:
     """sha256 of what an HDF5 file holds, not of its bytes: every dataset's name, dtype, shape and values
     (``feed_values``: every byte), in name order. Measured reason: the same ``cjk-20k`` build on two fresh
     machines gave other file bytes (sha256_file) and the same samples (a study cell trained on each gave
-    the same TAR to every digit; docs/data.md §4.1): the HDF5 writer's encoding may change between
+    the same TAR to every digit; docs/evidence/data.md §4.1): the HDF5 writer's encoding may change between
     machines, the arrays do not."""
     h = hashlib.sha256()
     names: List[str] = []

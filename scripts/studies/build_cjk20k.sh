@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The `cjk-20k` data set (docs/data.md §4.1): CJK Unified Ideographs + Extension A rendered from the Debian
+# The `cjk-20k` data set (docs/evidence/data.md §4.1): CJK Unified Ideographs + Extension A rendered from the Debian
 # font packages of `scripts/setup/install.sh --fonts`; every character with distinct renderings from >= 5 font
 # family keys, 10% of the characters held out, >= 20 samples per class; then 6,000 verification pairs
 # from the held-out characters. Deterministic (same fonts, same options: same shard sha256).

@@ -226,7 +226,7 @@ def data_sha256(args) -> str:
 
 def data_content_sha256(args) -> str:
     """The same, of what the files hold (``shards.sha256_content``: the arrays, not the HDF5 encoding), so a
-    rebuild of the same samples on another machine, whose file bytes differ (docs/data.md §4.1), is the same
+    rebuild of the same samples on another machine, whose file bytes differ (docs/evidence/data.md §4.1), is the same
     data. Cells record both; a cell with this digest is checked on it, an older one on its ``data_sha256``."""
     from hvd_partialfc.data.shards import sha256_content
     return _data_digest(args, lambda d, e: sha256_content(os.path.join(d, e.file)), sha256_content)
