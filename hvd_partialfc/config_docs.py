@@ -56,19 +56,17 @@ def _cell(text: str) -> str:
 def markdown(rows: List[Dict[str, str]]) -> str:
     """docs/configuration.md: one table per section, each key's docs link beside it."""
     out = ["# Configuration: every key, its default and what it does", "",
-           "Generated from `hvd_partialfc/config.py` by `hvd-partialfc config --markdown docs/configuration.md`:",
-           "do not edit by hand; `tests/test_config_docs.py` fails when this page and the code disagree.",
-           "Set a key in the YAML file given to `--config`, or on the command line: `--set section.key=value`.",
-           "On resume: `free` keys may change when a run resumes, `extends` ones may grow (the lr schedule is then",
-           "recomputed), `fixed` ones must match the checkpoint's (docs/reliability.md).",
-           "Caveats and figures live in the page linked from each key.", ""]
+           "Generated from `hvd_partialfc/config.py` (`hvd-partialfc config --markdown docs/configuration.md`;",
+           "`tests/test_config_docs.py` fails when they disagree). Set a key in the `--config` YAML or with",
+           "`--set section.key=value`. On resume `free` keys may change, `extends` ones may grow (the lr schedule",
+           "follows), `fixed` ones must match the checkpoint's. The linked page has each key's caveats.", ""]
     for sec, group in itertools.groupby(rows, key=lambda r: r["key"].split(".")[0] if "." in r["key"] else "run"):
         out += [f"## {sec}", "", "| key | default | choices | what it does | on resume | more |",
                 "|---|---|---|---|---|---|"]
         for r in group:
             target = r["see"][len("docs/"):]      # the page lives in docs/
             link = f"[{target.split('#')[0]}]({target})" if target else ""
-            choices = " \\| ".join(f"`{c}`" for c in r["choices"].split(" | ")) if r["choices"] else ""
+            choices = ", ".join(f"`{c}`" for c in r["choices"].split(" | ")) if r["choices"] else ""
             out.append(f"| `{r['key']}` | `{_cell(r['default'])}` | {choices} | {_cell(r['help'])} | "
                        f"{r['resume']} | {link} |")
         out.append("")
