@@ -15,7 +15,7 @@ The numbers. A collective is computed once, by the last rank to arrive, over the
 order. Averages are Horovod's: the sum over ranks, then times 1/N (its ``Average`` is a ``Sum`` with a 1/N
 post-scale). At N = 2 the sum a + b does not depend on the order, so a simulated run is bitwise the
 ``horovodrun -np 2`` run (tested); for N > 2 Gloo's ring adds in another order, and the parameters differ
-at float32 round-off (docs/simulate.md has the figures).
+at float32 round-off (docs/evidence/simulate.md has the figures).
 
 Failures. A rank that raises (anywhere) marks the world failed and wakes every rank; a rank waiting in a
 collective, or for the baton, then raises ``SimAbort``, so no rank waits forever (Horovod's launcher kills

@@ -1,4 +1,4 @@
-"""Time and peak memory of ``hvd-partialfc import-arcface`` per million classes (docs/migrate.md, "Measured").
+"""Time and peak memory of ``hvd-partialfc import-arcface`` per million classes (docs/evidence/migrate.md, "Measured").
 
     .venv/bin/python -m scripts.studies.arcface_import_size --classes 1000000 --dim 512 --ranks 8 --work /tmp/aimp
 

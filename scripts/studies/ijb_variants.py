@@ -5,7 +5,7 @@
 Rows: the protocol as given (``--flip``: mirror embedding on; glyphs: leave it off), the flip toggled,
 norm-score and detector-score off, the 112 px template used on a smaller input (not scaled), and no
 alignment at all (every image's landmarks replaced by the template of its whole loose crop, i.e. the crop
-resized). docs/evaluation.md shows its table for the glyph IJB set.
+resized). docs/evidence/evaluation.md shows its table for the glyph IJB set.
 """
 from __future__ import annotations
 
