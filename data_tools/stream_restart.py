@@ -109,10 +109,15 @@ def done_record(folder: str, it: Dict, verify: bool = True) -> Optional[Dict[str
 
 
 def remove_partial(folder: str, file: str) -> None:
-    """Remove ``atomic_path``'s temporary files of ``file`` (``.FILE.tmp-PID-RANDOM``) left by a killed build."""
+    """Remove ``atomic_path``'s temporaries of ``file`` (``.FILE.tmp-PID-RANDOM``: its private folders, or files of
+    older builds) left by a killed build; a link goes, never what it points to."""
     for name in os.listdir(folder):
+        path = os.path.join(folder, name)
         if name.startswith(f".{file}.tmp-"):
-            os.unlink(os.path.join(folder, name))
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
 
 
 def clear_work_folder(folder: str) -> None:

@@ -13,8 +13,8 @@ The temporary is written through the descriptor its exclusive create returned (`
 opened once as a descriptor, and renamed through that descriptor: it is never opened again by name, so a member
 of a group-writable folder who swaps a link in for the temporary while it is written has nothing written through
 the link, and the swapped name is never published (the write fails). `atomic_path` gives a library that writes
-only by name (h5py) the temporary's name: that reopening stays its window, with the same check before the
-rename. The folder helpers (`open_dir`, `same_entry`, `clear_dir`, `remove_tree_at`) serve the memory snapshot
+only by name (h5py) a name inside a private folder, reached through the folder's descriptor: nothing there can
+be swapped by another user. The folder helpers (`open_dir`, `same_entry`, `clear_dir`, `remove_tree_at`) serve the memory snapshot
 store too: they never follow a link and act on the folder a descriptor holds, whatever its name points to now.
 
 A whole folder (a shard set, an IJB-shaped set) is committed the same way, one level up: written in full
@@ -126,16 +126,19 @@ def _create_temporary(dir_fd: int, name: str, mode: int = 0o666) -> Tuple[str, i
 
 
 @contextmanager
-def _temporary(path: str, mode: int, dir_fd: Optional[int], by_name: bool = False) -> Iterator[Tuple[str, int]]:
+def _temporary(path: str, mode: int, dir_fd: Optional[int], by_name: bool = False,
+               into: Optional[int] = None) -> Iterator[Tuple[str, int]]:
     """(the temporary's name in the folder, its write descriptor) beside ``path`` (a name in the open folder
     ``dir_fd`` if given, else the folder is opened once here). On a normal exit: fsynced and renamed onto
-    ``path`` through the folder's descriptor, only if its name still holds the file created (a link or a file
-    swapped in for it is never published), then the folder fsynced. On an exception: removed. ``by_name``: the
-    caller writes by name and may itself replace the file (h5py's writer, a compaction that rewrites it
-    beside and renames it over), so the name must still hold a regular file of this user, not the same one."""
+    ``path`` through the folder's descriptor (or into the open folder ``into``), only if its name still holds
+    the file created (a link or a file swapped in for it is never published), then the folder fsynced. On an
+    exception: removed. ``by_name``: the caller writes by name and may itself replace the file (h5py's writer, a
+    compaction that rewrites it beside and renames it over), so the name must still hold a regular file of this
+    user, not the same one."""
     path = os.fspath(path)
     folder, name = (None, path) if dir_fd is not None else os.path.split(os.path.abspath(path))
     dfd = dir_fd if dir_fd is not None else open_dir(folder)
+    to = dfd if into is None else into
     try:
         tmp, fd = _create_temporary(dfd, name, mode)
         try:
@@ -146,7 +149,7 @@ def _temporary(path: str, mode: int, dir_fd: Optional[int], by_name: bool = Fals
             if not same_entry(dfd, tmp, fd):
                 raise OSError(errno.EEXIST, f"{name}: its temporary file {tmp} was replaced while it was written "
                                             "(by another user of the folder?); nothing was written in its place")
-            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=to)
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=dfd)
@@ -156,7 +159,7 @@ def _temporary(path: str, mode: int, dir_fd: Optional[int], by_name: bool = Fals
         finally:
             os.close(fd)
         try:
-            os.fsync(dfd)
+            os.fsync(to)
         except OSError:
             pass
     finally:
@@ -193,13 +196,46 @@ def atomic_file(path: str, mode: int = 0o666, text: bool = False, dir_fd: Option
 
 @contextmanager
 def atomic_path(path: str, mode: int = 0o666) -> Iterator[str]:
-    """Yield the path of a new empty temporary file beside ``path`` (created exclusively), for a library that
-    writes only by name (h5py): on a normal exit it is fsynced and renamed onto ``path``, if its name still holds
-    the file created. On an exception the temporary file is removed and ``path`` is left as it was. Whatever can
-    write into an open file uses `atomic_file` (no reopening by name)."""
-    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
-    with _temporary(path, mode, None, by_name=True) as (tmp, _):
-        yield os.path.join(folder, tmp)
+    """Yield the path of a new empty temporary file for ``path``, for a library that writes only by name (h5py):
+    on a normal exit it is fsynced and renamed onto ``path``. On an exception it is removed and ``path`` is left
+    as it was. Whatever can write into an open file uses `atomic_file` (no reopening by name).
+
+    The library opens that name again, so the name must be one no one else can change: the temporary lies in a
+    private folder (0700, created exclusively beside ``path`` as ``.NAME.tmp-PID-RANDOM``) and the path given
+    goes through that folder's descriptor (``/proc/self/fd/N/...``): a member of a group-writable output folder
+    can neither swap a link in for the temporary (the private folder is closed to them) nor for the private
+    folder itself (the descriptor holds the folder created, whatever its name points to later)."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    dfd = open_dir(folder)
+    try:
+        private, pfd = _private_dir(dfd, name)
+        try:
+            with _temporary(name, mode, pfd, by_name=True, into=dfd) as (tmp, _):
+                through = f"/proc/self/fd/{pfd}"
+                yield os.path.join(through if os.path.isdir(through) else os.path.join(folder, private), tmp)
+        finally:
+            remove_tree_at(dfd, private)
+            os.close(pfd)
+    finally:
+        os.close(dfd)
+
+
+def _private_dir(dir_fd: int, name: str) -> Tuple[str, int]:
+    """(its name, a descriptor) of a new folder ``.NAME.tmp-PID-RANDOM`` in the open folder ``dir_fd``, mode 0700,
+    created where nothing was (``mkdir`` never follows a link) and checked to be this user's folder."""
+    for _ in range(100):
+        private = f".{name}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(private, 0o700, dir_fd=dir_fd)
+        except FileExistsError:
+            continue
+        fd = open_dir(private, dir_fd, follow=False)
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(fd)
+            raise OSError(errno.EEXIST, f"{private}: the private folder for {name} is not this user's alone")
+        return private, fd
+    raise FileExistsError(f"no free temporary name for {name} in 100 tries")
 
 
 def write_bytes(path: str, data: bytes, mode: int = 0o666) -> None:

@@ -168,15 +168,17 @@ def test_atomic_write_does_not_follow_a_planted_link(tmp_path):
 
 def test_atomic_temporaries_are_exclusive(tmp_path, monkeypatch):
     """A name already taken (a file or a link) is never reused: creation is O_EXCL, a new name is drawn."""
-    draws = iter(["taken", "free"])
+    draws = iter(["taken", "free", "inner"])
     monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(draws))
     taken = tmp_path / f".f.tmp-{os.getpid()}-taken"
     os.symlink(tmp_path / "elsewhere", taken)                   # a dangling link: O_CREAT alone would follow it
     with atomic.atomic_path(str(tmp_path / "f")) as tmp:
-        assert tmp.endswith("-free") and os.path.isfile(tmp) and not os.path.islink(tmp)
+        assert (tmp_path / f".f.tmp-{os.getpid()}-free").is_dir()
+        assert tmp.endswith("-inner") and os.path.isfile(tmp) and not os.path.islink(tmp)
         with open(tmp, "w") as f:
             f.write("x")
     assert not (tmp_path / "elsewhere").exists() and (tmp_path / "f").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["f", taken.name])     # the private folder gone
     assert (os.stat(tmp_path / "f").st_mode & 0o777) == (0o666 & ~_umask())   # as a plain open() gives
 
 
@@ -202,6 +204,31 @@ def test_a_temporary_swapped_for_a_link_while_it_is_written_overwrites_nothing(t
         atomic.write_bytes(str(shared / "ckpt.pt"), b"a checkpoint")
     assert victim.read_bytes() == b"years of work"
     assert list(shared.iterdir()) == []                 # the link removed (not what it points to), nothing published
+
+
+def test_a_by_name_writer_writes_where_no_one_else_can_swap_anything(tmp_path):
+    """h5py writes its temporary by name. A member of the group-writable output folder swaps whatever appeared
+    there for links to the owner's files while the library writes (simulated after the temporary is made): a
+    file is replaced by a link to the owner's file, a folder renamed away and a link to another of the owner's
+    folders put in its place. Nothing of the owner's is written and the shard is published (before: the temporary
+    was a file in the shared folder, reopened by name, so the owner's file was overwritten)."""
+    victim, victims = tmp_path / "thesis.tex", tmp_path / "papers"
+    victim.write_bytes(b"years of work")
+    victims.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with atomic.atomic_path(str(shared / "shard.h5")) as tmp:
+        for entry in list(shared.iterdir()):
+            if entry.is_dir():
+                entry.rename(shared / "moved-away")
+                entry.symlink_to(victims)
+            else:
+                entry.unlink()
+                entry.symlink_to(victim)
+        with open(tmp, "wb") as f:                     # the library opens the name it was given
+            f.write(b"shard")
+    assert victim.read_bytes() == b"years of work" and list(victims.iterdir()) == []
+    assert (shared / "shard.h5").read_bytes() == b"shard" and not (shared / "shard.h5").is_symlink()
 
 
 def _umask() -> int:
