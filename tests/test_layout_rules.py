@@ -211,6 +211,7 @@ def test_every_script_the_docs_name_exists():
 # launch/ holds the launchers only (a user finds theirs with `ls launch`); set-up, the fault harness, the GPU
 # checks and the studies live under scripts/ (scripts/README.md)
 LAUNCHERS = {"README.md", "horovodrun.sh", "horovodrun_elastic.sh", "mpirun.sh", "horovod_restarts.py", "slurm_horovod.sbatch", "torchrun.sh",
+             "torch_inprocess.py",
              "slurm_torchrun.sbatch", "build_shards.sbatch", "build_shards_mpirun.sh"}
 
 

@@ -5,6 +5,8 @@
 =================  =======================================================================  =========
 launcher           variables                                                                 engine
 =================  =======================================================================  =========
+torch_inprocess    ``HVD_PARTIALFC_GEN_STORE`` (launch/torch_inprocess.py; the group         torch
+                   re-forms in the same processes: engine/generation.py)
 torchrun           ``TORCHELASTIC_RUN_ID`` (any ``TORCHELASTIC_*``), or ``RANK``,            torch
                    ``WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_ADDR`` together
 horovodrun         ``HOROVOD_RANK`` / ``HOROVOD_SIZE`` (its Gloo mode)                       horovod
@@ -26,6 +28,7 @@ from typing import Mapping
 
 from ..config import ConfigError
 from .base import DEFAULT_COLLECTIVE_TIMEOUT_S
+from .gen_store import ENV as GEN_STORE_ENV
 
 ENGINES = ("auto", "horovod", "torch")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
@@ -33,7 +36,9 @@ _MPI = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
 
 def detect_launcher(env: Mapping[str, str]) -> str:
-    """``torchrun``, ``horovodrun``, ``mpirun`` or ``alone``, from a process's environment."""
+    """``torch_inprocess``, ``torchrun``, ``horovodrun``, ``mpirun`` or ``alone``, from a process's environment."""
+    if env.get(GEN_STORE_ENV):
+        return "torch_inprocess"
     if any(k.startswith("TORCHELASTIC_") for k in env) or all(k in env for k in _TORCHRUN):
         return "torchrun"
     if "HOROVOD_RANK" in env or "HOROVOD_SIZE" in env:
@@ -64,7 +69,7 @@ def choose_engine(want: str, env: Mapping[str, str]) -> str:
     if want not in ENGINES:
         raise ConfigError(f"train.engine must be one of {', '.join(ENGINES)} (got {want!r})")
     launcher = detect_launcher(env)
-    fits = {"torchrun": "torch", "horovodrun": "horovod", "mpirun": "horovod"}.get(launcher)
+    fits = {"torchrun": "torch", "torch_inprocess": "torch", "horovodrun": "horovod", "mpirun": "horovod"}.get(launcher)
     if want == "auto":
         want = fits or ("horovod" if horovod_installed() else "torch")
     elif fits and want != fits:
@@ -99,6 +104,9 @@ def start_engine(want: str, env: Mapping[str, str], device: str = "auto", share_
     names (device.py: the GPU's choice, and ranks sharing one refused unless ``share_gpu``; Horovod without
     NCCL on a CUDA run refused unless ``allow_host_allreduce``; how long a rank waits in one collective)."""
     if choose_engine(want, env) == "torch":
+        if env.get(GEN_STORE_ENV):
+            from . import generation
+            return generation.init(device, share_gpu, timeout_s=collective_timeout_s)
         from . import torchdist
         return torchdist.init(device, share_gpu, timeout_s=collective_timeout_s)
     import torch

@@ -1,0 +1,199 @@
+"""The torch engine's generations: a group whose survivors re-form it in their own processes after a lost rank,
+under launch/torch_inprocess.py (docs/evidence/reliability.md, "Going on in the same processes").
+
+Why not torchrun: its agent ends every local worker when one fails, and every agent restarts its workers when a
+node joins (scripts/studies/elastic_torch/FINDINGS.md, "4"). So the launcher only starts the ranks and a store
+process (engine/gen_store.py) that trains nothing and outlives them, and the group is the engine's own:
+
+* generation g is ``init_process_group`` on ``PrefixStore("gen{g}/pg/", store)``: fresh keys every time, so no
+  key of a failed generation is read again (1-9 ms to form in the study);
+* a lost peer surfaces as a Gloo error in the next collective (a killed peer: ~25 ms) or through the heartbeat
+  ring (a hung one, a cut link), which calls ``abort``: this rank's Gloo sockets are cut, so every collective of
+  the group fails at once, here and in the peers blocked on this rank (Gloo has no abort of its own);
+* who is left is agreed through the store: each survivor writes ``gen{g}/join/ID`` (ID: its launcher rank, for
+  the process's life), waits until every member of the last generation has joined or is known dead (the store
+  process's death watch writes ``dead/ID`` when a member's connection closes without a goodbye; a member that
+  is neither is left out after ``JOIN_DEADLINE_S``), and the first to see that commits the list with one
+  ``compare_set``: every survivor takes the same list, the new ranks are the survivors in their old order, and a
+  member not in it (too late) is fenced: it leaves the job;
+* the old group is destroyed by ``reform``, called after the failed attempt's ``except`` clause has ended
+  (cli_train.py): a traceback holding the failed collective's frames keeps the group's sockets open, and a peer
+  blocked on this rank then waited for them (the study's 10 s).
+
+Where the store is lost there is no new generation: the rank says so in one line and exits for a relaunch
+(``EXIT_RELAUNCH``), resuming then from the run's newest state as any restart does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .device import agreed_device, uses_cuda
+from .fd_sockets import cut, open_sockets, opened_since
+from .gen_store import BYE, ENV, WATCH_KEY, dead_key
+from .torchdist import CHECK_ENV, TorchComm, _allgather_host
+
+JOIN_DEADLINE_S = 10.0              # a member neither joined nor known dead by then is left out (a hung one)
+FORM_TRIES = 5                      # generations tried in a row (each failed to form: one more member lost)
+EXIT_RELAUNCH = 1                   # the store is lost: no generation can form; a relaunch resumes the run
+Member = Tuple[int, str]            # (launcher rank, host name)
+
+
+class StoreLost(RuntimeError):
+    """The store process cannot be reached: no new generation can form."""
+
+
+def _lost(address: str, error: BaseException) -> str:
+    return f"its store ({address}) is lost ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+
+
+class Generations:
+    """This process's link to the store process: its store connection, its death-watch connection, the
+    generation it is in and that generation's members."""
+
+    def __init__(self, address: str, member: int, members: List[Member], timeout_s: float):
+        host, _, port = address.rpartition(":")
+        self.member, self.members, self.g, self.gloo = member, members, 0, {}
+        self.store_address = address
+        self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.watch = socket.create_connection((host, int(self.store.get(WATCH_KEY))), timeout=30)
+        self.watch.sendall(f"{member}\n".encode())
+
+    def form(self, backend: str, timeout: timedelta) -> int:
+        """``init_process_group`` of generation ``g`` among ``members`` (a collective of them); this rank in it.
+        The sockets it opens are noted: ``abort`` cuts them."""
+        rank = [m for m, _ in self.members].index(self.member)
+        before = open_sockets()
+        dist.init_process_group(backend, store=dist.PrefixStore(f"gen{self.g}/pg/", self.store), rank=rank,
+                                world_size=len(self.members), timeout=timeout)
+        self.gloo = opened_since(before)
+        return rank
+
+    def agree(self) -> Optional[List[Member]]:
+        """The members of generation g + 1 (see the module's docstring), this process now in it; None when it
+        was left out (fenced). Raises StoreLost when the store cannot be reached."""
+        g, old, host = self.g + 1, [m for m, _ in self.members], socket.gethostname()
+        key = f"gen{g}/members"
+        try:
+            self.store.set(f"gen{g}/join/{self.member}", host)
+            deadline = time.monotonic() + JOIN_DEADLINE_S
+            while not self.store.check([key]):
+                joined = [m for m in old if self.store.check([f"gen{g}/join/{m}"])]
+                known = len(joined) + sum(self.store.check([dead_key(m)]) for m in old if m not in joined)
+                if known == len(old) or time.monotonic() > deadline:
+                    hosts = [self.store.get(f"gen{g}/join/{m}").decode() for m in joined]
+                    self.store.compare_set(key, "", json.dumps([[m, h] for m, h in zip(joined, hosts)]))
+                    break
+                time.sleep(0.005)
+            members = [(int(m), str(h)) for m, h in json.loads(self.store.get(key))]
+        except (RuntimeError, OSError) as e:      # torch's DistNetworkError / DistStoreError are RuntimeErrors
+            raise StoreLost(_lost(self.store_address, e)) from None
+        if self.member not in [m for m, _ in members]:
+            return None
+        self.g, self.members = g, members
+        return members
+
+    def reachable(self) -> None:
+        """Raise StoreLost unless the store answers. Not a collective."""
+        try:
+            self.store.check([WATCH_KEY])
+        except (RuntimeError, OSError) as e:
+            raise StoreLost(_lost(self.store_address, e)) from None
+
+    def close(self) -> None:
+        """Say goodbye to the death watch (a normal end: not dead). Not a collective."""
+        try:
+            self.watch.sendall(BYE)
+            self.watch.close()
+        except OSError:
+            pass
+
+
+class GenComm(TorchComm):
+    """The torch engine's ``Comm`` in a generation; ``reform`` gives the next generation's."""
+
+    gens: Generations
+    request: Tuple[str, bool, float] = ("auto", False, 0.0)     # device, share_gpu, timeout_s: as ``init``'s
+    aborted: bool = False
+    gloo: dict = None       # the sockets of this generation's group (``Generations.form``): ``abort`` cuts them
+
+    def reformable(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        """Cut this rank's Gloo connections: a collective this rank or a peer waits in fails at once. From any
+        thread (the heartbeat's). Not a collective."""
+        self.aborted = True
+        cut(self.gloo)
+
+    def broken(self, error: BaseException) -> bool:
+        """A Gloo error (a peer lost, a connection cut) in ``error`` or its causes, or this rank aborted."""
+        while error is not None:
+            if self.aborted or isinstance(error, dist.DistError) or \
+                    (isinstance(error, RuntimeError) and "gloo" in str(error).lower()):
+                return True
+            error = error.__cause__ or error.__context__
+        return False
+
+    def reform(self, failed: bool = True) -> Optional["GenComm"]:
+        """Leave this generation (destroyed; a failed one's sockets cut first), agree on the next one's members
+        and form it. None when this process was left out; SystemExit(EXIT_RELAUNCH) when the store is lost."""
+        if failed:
+            self.abort()
+        try:
+            for _ in range(FORM_TRIES):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                if self.gens.agree() is None:
+                    print(f"[rank {self.rank}] not part of the job any more: the others re-formed the group "
+                          "without this process (it came too late)", file=sys.stderr, flush=True)
+                    self.gens.close()
+                    return None
+                try:
+                    return _form(self.gens, *self.request)
+                except RuntimeError as e:       # another member lost while forming: the next generation
+                    self.gens.reachable()
+                    print(f"[rank {self.rank}] generation {self.gens.g} failed to form ({str(e).splitlines()[0][:160]}); "
+                          "agreeing on the next", file=sys.stderr, flush=True)
+            raise StoreLost(f"no generation formed in {FORM_TRIES} tries")
+        except StoreLost as e:
+            print(f"[rank {self.rank}] cannot re-form the group in this process: {e}; exit {EXIT_RELAUNCH} for a "
+                  "relaunch, which resumes the run's newest state", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_RELAUNCH) from None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.gens.close()
+
+
+def _form(gens: Generations, device: str, share_gpu: bool, timeout_s: float) -> GenComm:
+    """Generation ``gens.g``'s group and its Comm (the GPU agreed again, as ``torchdist.init`` does)."""
+    backend = "cpu:gloo,cuda:nccl" if uses_cuda(device) else "gloo"
+    rank = gens.form(backend, timedelta(seconds=timeout_s))
+    size = len(gens.members)
+    if gens.g == 0:
+        local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    else:
+        hosts = [h for _, h in gens.members]
+        local_rank, local_size = hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
+    where, shared = agreed_device(device, rank, local_rank, size, share_gpu, _allgather_host)
+    comm = GenComm(rank, size, local_rank, local_size, torch.device("cpu") if shared else where,
+                   check_names=os.environ.get(CHECK_ENV, "") not in ("", "0"))
+    comm.gens, comm.gloo, comm.request = gens, gens.gloo, (device, share_gpu, timeout_s)
+    return comm
+
+
+def init(device: str, share_gpu: bool, timeout_s: float) -> GenComm:
+    """Generation 0: the launcher's ranks (``RANK``, ``WORLD_SIZE``), each linked to the store process at
+    ``HVD_PARTIALFC_GEN_STORE``. A collective of the launched ranks."""
+    member, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    gens = Generations(os.environ[ENV], member, [(m, "") for m in range(size)], timeout_s)
+    return _form(gens, device, share_gpu, timeout_s)
