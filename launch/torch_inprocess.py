@@ -80,8 +80,9 @@ def attempt(argv: "list[str]", nproc: int, python: str, restart: int) -> "dict[i
                 if r not in codes and p.poll() is not None:
                     codes[r] = p.returncode
                     if p.returncode and len(codes) < nproc:
-                        print(f"[torch_inprocess] rank {r} (pid {p.pid}) exited {p.returncode}; the others go on "
-                              "without it", file=sys.stderr, flush=True)
+                        print(f"[torch_inprocess] rank {r} (pid {p.pid}) exited {p.returncode}; "
+                              f"{nproc - len(codes)} still run (they re-form the group without it)",
+                              file=sys.stderr, flush=True)
             time.sleep(0.1)
         return codes
     finally:
