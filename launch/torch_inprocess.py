@@ -20,8 +20,12 @@ One node only. Across nodes the same needs one store process on the safest node,
 (``--host`` of gen_store, reachable by all), a per-node starter of the ranks with their global ``RANK`` and the
 job's ``WORLD_SIZE``, and ``GLOO_SOCKET_IFNAME`` (or ``HVD_PARTIALFC_HEARTBEAT_ADDR``) for the ranks' addresses.
 
+A rank that fails while others run is started again, REJOIN times in all: it imports, starts and asks to join
+while the others train; at their next step they checkpoint it and re-form the group with it (the engine's
+``Generations.join``), paused only for that.
+
 Environment (defaults in brackets): CONFIG [configs/example.yaml], VENV [.venv], MEMORY_EVERY [20]
-(checkpoint.memory_every), MAX_RESTARTS [3].
+(checkpoint.memory_every), MAX_RESTARTS [3], REJOIN [0].
 """
 from __future__ import annotations
 
@@ -56,17 +60,23 @@ def job_exit(codes: "dict[int, int]"):
     return None
 
 
-def attempt(argv: "list[str]", nproc: int, python: str, restart: int) -> "dict[int, int]":
-    """One start of the store and NPROC ranks; each rank's exit code (a signal: minus its number)."""
+def attempt(argv: "list[str]", nproc: int, python: str, restart: int, rejoins: int) -> "dict[int, int]":
+    """One start of the store and NPROC ranks; each rank's exit code (a signal: minus its number). A rank that
+    fails while others run is started again, up to ``rejoins`` times in all, and joins the running job."""
     store, address = start_store(python)
-    ranks = {}
+    ranks: "dict[int, subprocess.Popen]" = {}
+
+    def start(r: int, join: bool) -> None:
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR=address.rpartition(":")[0], HVD_PARTIALFC_GEN_STORE=address,
+                   HVD_PARTIALFC_GEN_JOIN="1" if join else "0",      # a fault fires in the first start only:
+                   HVD_PARTIALFC_RESTART_COUNT=str(restart + join))  # (run/watch/faults.py)
+        ranks[r] = subprocess.Popen(argv, env=env)
+        print(f"[torch_inprocess] rank {r} started{' again, to join the running job' if join else ''}: pid "
+              f"{ranks[r].pid}", file=sys.stderr, flush=True)
     try:
         for r in range(nproc):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=address.rpartition(":")[0],
-                       HVD_PARTIALFC_GEN_STORE=address, HVD_PARTIALFC_RESTART_COUNT=str(restart))
-            ranks[r] = subprocess.Popen(argv, env=env)
-            print(f"[torch_inprocess] rank {r} started: pid {ranks[r].pid}", file=sys.stderr, flush=True)
+            start(r, False)
 
         def forward(sig, _frame):        # a scheduler's stop: every rank checkpoints and exits 75
             for p in ranks.values():
@@ -76,13 +86,18 @@ def attempt(argv: "list[str]", nproc: int, python: str, restart: int) -> "dict[i
             signal.signal(sig, forward)
         codes: "dict[int, int]" = {}
         while len(codes) < nproc:
-            for r, p in ranks.items():
+            for r, p in list(ranks.items()):
                 if r not in codes and p.poll() is not None:
                     codes[r] = p.returncode
-                    if p.returncode and len(codes) < nproc:
+                    if p.returncode not in (0, EXIT_PREEMPTED, EXIT_USER_ERROR) and len(codes) < nproc:
+                        again = rejoins > 0
                         print(f"[torch_inprocess] rank {r} (pid {p.pid}) exited {p.returncode}; "
-                              f"{nproc - len(codes)} still run (they re-form the group without it)",
-                              file=sys.stderr, flush=True)
+                              f"{nproc - len(codes)} still run (they re-form the group without it"
+                              f"{', then with it again' if again else ''})", file=sys.stderr, flush=True)
+                        if again:
+                            rejoins -= 1
+                            del codes[r]
+                            start(r, True)
             time.sleep(0.1)
         return codes
     finally:
@@ -105,7 +120,7 @@ def main(args: "list[str]") -> int:
             "--resume", "auto", "--set", f"checkpoint.memory_every={os.environ.get('MEMORY_EVERY', '20')}", *args[3:]]
     restarts = int(os.environ.get("MAX_RESTARTS", "3"))
     for restart in range(restarts + 1):
-        codes = attempt(argv, nproc, python, restart)
+        codes = attempt(argv, nproc, python, restart, int(os.environ.get("REJOIN", "0")))
         end = job_exit(codes)
         said = ", ".join(f"{r}: {c}" for r, c in sorted(codes.items()))
         if end is not None:

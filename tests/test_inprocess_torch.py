@@ -5,12 +5,19 @@ A rank killed at step 4 of 3 leaves 2 survivors that keep their processes: the l
 first three, each survivor says it went on in its own process (one of the first three pids) within seconds, and
 the run ends bitwise where the relaunch path ends: a new process that resumes the same step-4 checkpoint at 2 ranks
 (``simulate`` in this process, bitwise a real 2-rank run's: tests/test_simulate.py).
+
+Started again (REJOIN), the killed rank joins while the survivors train: they pause only to checkpoint and re-form
+at their next step (3 -> 2 -> 3), in their processes throughout.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,3 +49,55 @@ def test_a_killed_rank_survivors_go_on_in_their_processes_bitwise(small_run_shar
     ref = resumed_at(run, KILLED_AT, 2, small_run_shards, tmp_path / "relaunch", STEPS, SETS)
     assert pins.checkpoint_digests(os.path.join(run, "checkpoints", last)) == \
         pins.checkpoint_digests(os.path.join(ref, last))
+
+
+def _rows(path):
+    try:
+        with open(path) as f:
+            return [json.loads(x) for x in f if x.strip().endswith("}")]
+    except OSError:
+        return []
+
+
+def test_a_killed_rank_started_again_joins_while_the_others_train(small_run_shards, tmp_path):
+    """REJOIN=1: the killed rank's process is started again and joins at the others' next step after it asked,
+    while they train at 2 ranks: 3 -> 2 -> 3, the two first ranks in their processes throughout. The job is
+    stopped (SIGTERM: every rank checkpoints, exit 75) after 3 steps of the re-joined group."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "torch_inprocess.py"), str(small_run_shards), str(run), "3",
+           "--steps", "5000", *[a for s in SMALL_RUN + ["checkpoint.every=4", "train.log_every=1"]
+                                for a in ("--set", s)]]
+    env = dict(launch_env(f"kill@{KILLED_AT}:2"), VENV=os.path.dirname(BIN), MEMORY_EVERY="0", MAX_RESTARTS="0",
+               REJOIN="1")
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.time() + 150
+        while p.poll() is None and time.time() < deadline:
+            sizes = [r["world_size"] for r in _rows(run / "metrics.jsonl")]
+            if 2 in sizes and sizes[sizes.index(2):].count(3) >= 3:
+                os.kill(p.pid, signal.SIGTERM)
+                break
+            time.sleep(0.3)
+        p.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    text = log.read_text()
+    assert p.returncode == 75, text[-4000:]
+    started = re.findall(r"\[torch_inprocess\] rank \d started: pid (\d+)", text)
+    assert len(started) == 3 and len(re.findall(r"rank 2 started again, to join the running job", text)) == 1, \
+        text[-4000:]
+    to2, to3 = went_on(text, 2), went_on(text, 3)
+    assert {w[1] for w in to2} == {w[1] for w in to3} == set(started[:2]), (to2, to3, started)
+    assert "[rank 2] joined the running job as rank 2 of 3" in text, text[-4000:]
+    regroup = int(re.search(r"step (\d+): the launcher changed the hosts; checkpoint", text).group(1))
+    assert f"step-{regroup:08d} at step {regroup} (written by 2 ranks)" in text
+    rows = _rows(run / "metrics.jsonl")
+    before = max(r["time"] for r in rows if r["step"] == regroup)
+    after = min(r["time"] for r in rows if r["step"] == regroup + 1 and r["world_size"] == 3)
+    print(f"the survivors' pause at the join (step {regroup} to {regroup + 1}): {after - before:.2f} s")
+    with open(run / "checkpoints" / open(run / "checkpoints" / "latest").read().strip() / "meta.json") as f:
+        meta = json.load(f)
+    assert meta["world_size"] == 3 and [s["world_size"] for s in meta["length"]["segments"]] == [3, 2, 3]

@@ -41,7 +41,11 @@ from .fd_sockets import cut, open_sockets, opened_since
 from .gen_store import BYE, ENV, WATCH_KEY, dead_key
 from .torchdist import CHECK_ENV, TorchComm, _allgather_host
 
+JOINERS = "joiners/count"           # processes that asked to join so far (``Generations.join``)
+DONE = "job/done"                   # the run ended (its last group's ``shutdown``)
 JOIN_DEADLINE_S = 10.0              # a member neither joined nor known dead by then is left out (a hung one)
+JOIN_ENV = "HVD_PARTIALFC_GEN_JOIN"   # "1": this process joins a running job (launch/torch_inprocess.py, REJOIN)
+STORE_TIMEOUT_S = 60.0              # the longest a store call waits (a key not there yet, the store's connection)
 FORM_TRIES = 5                      # generations tried in a row (each failed to form: one more member lost)
 EXIT_RELAUNCH = 1                   # the store is lost: no generation can form; a relaunch resumes the run
 Member = Tuple[int, str]            # (launcher rank, host name)
@@ -61,7 +65,7 @@ class Generations:
 
     def __init__(self, address: str, member: int, members: List[Member], timeout_s: float):
         host, _, port = address.rpartition(":")
-        self.member, self.members, self.g, self.gloo = member, members, 0, {}
+        self.member, self.members, self.g, self.gloo, self.seen = member, members, 0, {}, 0
         self.store_address = address
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         self.watch = socket.create_connection((host, int(self.store.get(WATCH_KEY))), timeout=30)
@@ -78,8 +82,9 @@ class Generations:
         return rank
 
     def agree(self) -> Optional[List[Member]]:
-        """The members of generation g + 1 (see the module's docstring), this process now in it; None when it
-        was left out (fenced). Raises StoreLost when the store cannot be reached."""
+        """The members of generation g + 1 (see the module's docstring): the old members that joined it, then the
+        processes that asked to join the job since (``join``), this process now in it; None when it was left out
+        (fenced). Raises StoreLost when the store cannot be reached."""
         g, old, host = self.g + 1, [m for m, _ in self.members], socket.gethostname()
         key = f"gen{g}/members"
         try:
@@ -89,17 +94,45 @@ class Generations:
                 joined = [m for m in old if self.store.check([f"gen{g}/join/{m}"])]
                 known = len(joined) + sum(self.store.check([dead_key(m)]) for m in old if m not in joined)
                 if known == len(old) or time.monotonic() > deadline:
-                    hosts = [self.store.get(f"gen{g}/join/{m}").decode() for m in joined]
-                    self.store.compare_set(key, "", json.dumps([[m, h] for m, h in zip(joined, hosts)]))
+                    members = [[m, self.store.get(f"gen{g}/join/{m}").decode()] for m in joined]
+                    upto = self.joiners()
+                    members += [json.loads(self.store.get(f"joiners/{n}")) for n in range(self.seen + 1, upto + 1)]
+                    self.store.compare_set(key, "", json.dumps({"members": members, "joiners": upto}))
                     break
                 time.sleep(0.005)
-            members = [(int(m), str(h)) for m, h in json.loads(self.store.get(key))]
+            commit = json.loads(self.store.get(key))
+            for n in range(self.seen + 1, commit["joiners"] + 1):    # tell the newcomers (the same on every member)
+                self.store.set(f"joiners/{n}/gen", str(g))
         except (RuntimeError, OSError) as e:      # torch's DistNetworkError / DistStoreError are RuntimeErrors
             raise StoreLost(_lost(self.store_address, e)) from None
+        members = [(int(m), str(h)) for m, h in commit["members"]]
         if self.member not in [m for m, _ in members]:
             return None
-        self.g, self.members = g, members
+        self.g, self.members, self.seen = g, members, commit["joiners"]
         return members
+
+    def joiners(self) -> int:
+        """How many processes have asked to join the job so far (``join``). Not a collective."""
+        return int(self.store.add(JOINERS, 0))
+
+    def join(self, timeout_s: float) -> None:
+        """This process, started while the job runs (a restarted rank), asks to join: the members notice at their
+        next step (``GenComm.hosts_changed``), checkpoint it and re-form with this process last; returns once
+        it is a member of that generation. Not a collective."""
+        n = int(self.store.add(JOINERS, 1))
+        self.store.set(f"joiners/{n}", json.dumps([self.member, socket.gethostname()]))
+        self.store.delete_key(dead_key(self.member))          # an earlier process of the same rank's death
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([f"joiners/{n}/gen"]):
+            if self.store.check([DONE]) or time.monotonic() > deadline:
+                print(f"[rank {self.member}] the job ended before this process could join it", file=sys.stderr,
+                      flush=True)
+                self.close()
+                raise SystemExit(0)
+            time.sleep(0.05)
+        self.g = int(self.store.get(f"joiners/{n}/gen"))
+        commit = json.loads(self.store.get(f"gen{self.g}/members"))
+        self.members, self.seen = [(int(m), str(h)) for m, h in commit["members"]], commit["joiners"]
 
     def reachable(self) -> None:
         """Raise StoreLost unless the store answers. Not a collective."""
@@ -127,6 +160,17 @@ class GenComm(TorchComm):
 
     def reformable(self) -> bool:
         return True
+
+    def hosts_changed(self) -> bool:
+        """Rank 0: a process asked to join since this generation formed (one store round trip a step); the loop's
+        vote tells every rank, which checkpoint at the same step and re-form with it (run/watch/hosts.py). A lost
+        store says no: it matters at the next re-form only. Not a collective."""
+        if self.rank != 0:
+            return False
+        try:
+            return self.gens.joiners() > self.gens.seen
+        except (RuntimeError, OSError):
+            return False
 
     def abort(self) -> None:
         """Cut this rank's Gloo connections: a collective this rank or a peer waits in fails at once. From any
@@ -170,7 +214,12 @@ class GenComm(TorchComm):
             raise SystemExit(EXIT_RELAUNCH) from None
 
     def shutdown(self) -> None:
+        """The group ends with the run: a process still waiting to join ends too (``Generations.join``)."""
         super().shutdown()
+        try:
+            self.gens.store.set(DONE, "1")
+        except (RuntimeError, OSError):
+            pass
         self.gens.close()
 
 
@@ -193,7 +242,13 @@ def _form(gens: Generations, device: str, share_gpu: bool, timeout_s: float) -> 
 
 def init(device: str, share_gpu: bool, timeout_s: float) -> GenComm:
     """Generation 0: the launcher's ranks (``RANK``, ``WORLD_SIZE``), each linked to the store process at
-    ``HVD_PARTIALFC_GEN_STORE``. A collective of the launched ranks."""
+    ``HVD_PARTIALFC_GEN_STORE``; with ``HVD_PARTIALFC_GEN_JOIN=1`` (a rank the launcher started again) the
+    generation that takes this process in (``Generations.join``). A collective of the launched ranks."""
     member, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    gens = Generations(os.environ[ENV], member, [(m, "") for m in range(size)], timeout_s)
+    gens = Generations(os.environ[ENV], member, [(m, "") for m in range(size)], min(timeout_s, STORE_TIMEOUT_S))
+    if os.environ.get(JOIN_ENV) == "1":
+        t0 = time.monotonic()
+        gens.join(timeout_s)
+        print(f"[rank {member}] joined the running job as rank {[m for m, _ in gens.members].index(member)} of "
+              f"{len(gens.members)} after {time.monotonic() - t0:.2f} s", file=sys.stderr, flush=True)
     return _form(gens, device, share_gpu, timeout_s)
