@@ -91,9 +91,9 @@ def attempt(argv: "list[str]", nproc: int, python: str, restart: int, rejoins: i
                     codes[r] = p.returncode
                     if p.returncode not in (0, EXIT_PREEMPTED, EXIT_USER_ERROR) and len(codes) < nproc:
                         again = rejoins > 0
-                        print(f"[torch_inprocess] rank {r} (pid {p.pid}) exited {p.returncode}; "
-                              f"{nproc - len(codes)} still run (they re-form the group without it"
-                              f"{', then with it again' if again else ''})", file=sys.stderr, flush=True)
+                        print(f"[torch_inprocess] rank {r} (pid {p.pid}) exited {p.returncode} while "
+                              f"{nproc - len(codes)} still run{'; starting it again' if again else ''}",
+                              file=sys.stderr, flush=True)
                         if again:
                             rejoins -= 1
                             del codes[r]

@@ -66,7 +66,7 @@ class Generations:
     def __init__(self, address: str, member: int, members: List[Member], timeout_s: float):
         host, _, port = address.rpartition(":")
         self.member, self.members, self.g, self.gloo, self.seen = member, members, 0, {}, 0
-        self.store_address = address
+        self.store_address, self.lost = address, False
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         self.watch = socket.create_connection((host, int(self.store.get(WATCH_KEY))), timeout=30)
         self.watch.sendall(f"{member}\n".encode())
@@ -165,11 +165,12 @@ class GenComm(TorchComm):
         """Rank 0: a process asked to join since this generation formed (one store round trip a step); the loop's
         vote tells every rank, which checkpoint at the same step and re-form with it (run/watch/hosts.py). A lost
         store says no: it matters at the next re-form only. Not a collective."""
-        if self.rank != 0:
+        if self.rank != 0 or self.gens.lost:
             return False
         try:
             return self.gens.joiners() > self.gens.seen
         except (RuntimeError, OSError):
+            self.gens.lost = True          # asked once: torch logs every failed store call
             return False
 
     def abort(self) -> None:

@@ -13,6 +13,10 @@ before step ``--kill + 1``; the job goes on at 2 ranks from the step-``--kill`` 
 * **kill -> re-formed**: from the kill to the survivors' new group (the "went on" line; relaunch: none);
 * **survivors' PIDs kept**: every rank after the fault runs in a process that ran a rank before it.
 
+``--engine torch``: the torch engine instead, on one node: 3 ranks under launch/torch_inprocess.py (the survivors
+re-form the group in their processes, engine/generation.py) beside launch/torchrun.sh with ``--max-restarts 1``
+(torchrun's agent ends the two survivors and starts three ranks again, resuming the same checkpoint at 3 ranks).
+
 ``--cycles N`` instead: one job whose discovery script drops the third host and lists it again, N re-forms in all
 (one flip every ``--flip-s`` seconds; flips that come faster than the job re-forms count once), the two old ranks
 sampled from outside (psutil, every 0.3 s): their RSS, threads, open descriptors, sockets and child processes before
@@ -51,7 +55,13 @@ def local_names() -> List[str]:
     return ["127.0.0.1", "localhost", other[0]]
 
 
-def one_run(mode: str, data: str, work: str, steps: int, kill: int) -> Dict:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_run(mode: str, data: str, work: str, steps: int, kill: int, engine: str = "horovod") -> Dict:
     run, names = os.path.join(work, "run"), local_names()
     hosts, calls = os.path.join(work, "hosts.sh"), os.path.join(work, "calls")
     if mode == "inprocess":     # the driver removes the failed host itself
@@ -67,7 +77,13 @@ def one_run(mode: str, data: str, work: str, steps: int, kill: int) -> Dict:
     env = dict(os.environ, PYTHONPATH=ROOT, PATH=BIN + os.pathsep + os.environ.get("PATH", ""),
                HVD_PARTIALFC_FAULT=f"kill@{kill}:2", VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo",
                HOROVODRUN_ARGS="--log-level INFO")
-    if mode == "inprocess":
+    if engine == "torch":       # one node, 3 ranks; the relaunch: torchrun restarts all three from the checkpoint
+        env.update(MAX_RESTARTS="0" if mode == "inprocess" else "1", RDZV_ENDPOINT=f"localhost:{free_port()}",
+                   RDZV_CONF="join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+                   STRAGGLERS="off")
+        cmd = ([sys.executable, os.path.join(ROOT, "launch", "torch_inprocess.py"), data, run, "3"] if mode == "inprocess"
+               else [os.path.join(ROOT, "launch", "torchrun.sh"), data, run, "3", "1"]) + train[4:]
+    elif mode == "inprocess":
         cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), data, run, hosts, "2", "3", "3"] + train[4:]
     else:
         cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2",
@@ -86,12 +102,13 @@ def one_run(mode: str, data: str, work: str, steps: int, kill: int) -> Dict:
     before = max(r["time"] for r in rows if r["time"] <= killed_at)
     after = min(r["time"] for r in rows if r["time"] > killed_at and r["step"] > resumed)
     went_on = re.findall(r"went on in this process \(pid (\d+)\).* in ([\d.]+) s", text)
-    started = len(re.findall(r"start worker process:|HOROVOD_RANK=\d", text))
-    return {"mode": mode, "stall_s": round(after - before, 2), "kill_to_first_step_s": round(after - killed_at, 2),
+    started = len(re.findall(r"start worker process:|HOROVOD_RANK=\d|\[torch_inprocess\] rank \d started", text)) or None
+    return {"engine": engine, "mode": mode, "stall_s": round(after - before, 2), "kill_to_first_step_s": round(after - killed_at, 2),
             "reformed_in_s": max((float(w[1]) for w in went_on), default=None),
             "survivors_kept": len(went_on) == 2, "processes_started": started,
             "steps_redone": max(r["step"] for r in rows if r["time"] <= killed_at) - resumed,
-            "wall_s": round(time.time() - t0, 1)}
+            "wall_s": round(time.time() - t0, 1),
+            **({} if len(went_on) == 2 or mode != "inprocess" else {"text": text[-6000:]})}
 
 
 FLIPS = """#!{python}
@@ -174,6 +191,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill", type=int, default=6)
     ap.add_argument("--json")
+    ap.add_argument("--engine", choices=("horovod", "torch"), default="horovod",
+                    help="torch: launch/torch_inprocess.py beside launch/torchrun.sh (one node, --max-restarts 1)")
     ap.add_argument("--cycles", type=int, default=0, help="one job with this many host flips instead")
     ap.add_argument("--flip-s", type=float, default=6.0)
     a = ap.parse_args()
@@ -193,7 +212,7 @@ def main() -> int:
         for i in range(a.repeats):
             for mode in ("inprocess", "relaunch"):     # alternated: the same load for both
                 work = tempfile.mkdtemp(dir=tmp)
-                rows.append(one_run(mode, data, work, a.steps, a.kill))
+                rows.append(one_run(mode, data, work, a.steps, a.kill, a.engine))
                 print(json.dumps(rows[-1]), flush=True)
     print("\n| mode | stall (s) | kill -> first step (s) | re-formed in (s) | survivors' processes kept | processes "
           "started | steps redone |\n|---|---|---|---|---|---|---|")
@@ -206,7 +225,7 @@ def main() -> int:
               f"{sorted({r['steps_redone'] for r in rs})} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"runs": rows, "repeats": a.repeats, "steps": a.steps, "kill": a.kill}, f, indent=1)
+            json.dump({"runs": rows, "engine": a.engine, "repeats": a.repeats, "steps": a.steps, "kill": a.kill}, f, indent=1)
     return 0
 
 
