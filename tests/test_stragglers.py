@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import ROOT, launch_env, require_horovod
 from hvd_partialfc.config import ConfigError
@@ -56,6 +57,39 @@ def test_with_two_nodes_the_slow_half_is_named():
     det = Detector(["node1", "node2"], ratio=1.5, steps=3, start=0)
     named = [f for step in range(1, 10) for f in det.observe(step, [FAST, 2 * FAST])[0]]
     assert [(f.rank, f.step, f.since) for f in named] == [(1, 6, 4)]
+
+
+# Recorded: the chaos run's seed 6262 under horovodrun (2 ranks, 2 shared cores), 12 steps, each rank's main thread:
+# (CPU ms of the step, of them inside the engine's waits). No fault: rank 0 waited for rank 1, spinning.
+SPUN = [((11.8, 4.4), (10.1, 2.7)), ((31.1, 24.1), (9.5, 0.2)), ((25.5, 14.6), (10.9, 2.5)), ((21.5, 11.8), (9.2, 0.9)),
+        ((21.5, 12.0), (11.0, 3.0)), ((16.6, 6.2), (8.8, 1.2)), ((25.2, 15.1), (8.9, 0.5)), ((23.8, 13.6), (11.4, 1.9)),
+        ((23.0, 10.9), (8.8, 1.2)), ((30.7, 20.1), (13.2, 4.7)), ((18.3, 7.9), (8.2, 0.6)), ((18.4, 6.7), (9.3, 1.7))]
+
+
+def test_cpu_time_spent_waiting_for_the_other_ranks_is_not_own_time():
+    """Horovod's wait spins (sched_yield until the collective is done), so the rank that waits burns CPU time
+    there: with it counted (the recorded steps above), the waiting rank 0 was named at 2.37x; its own time leaves
+    the engine's waits out (CpuClock's ``inside``: the engine's ``wait_used``), and no rank is named. The engine
+    sums its wait clock over every wait (``CommBase.waiting``)."""
+    def named(leave_out: bool):
+        ran, inside = [0.0, 0.0], [0.0, 0.0]
+        clocks = [cpu_clock.CpuClock(read=lambda r=r: (ran[r], 0.0),
+                                     inside=lambda r=r: (inside[r] if leave_out else 0.0, 0.0)) for r in (0, 1)]
+        det, found = Detector(["node1", "node2"], ratio=1.5, steps=10, start=-10), []
+        for step, ranks in enumerate(SPUN):
+            for clock, r, (cpu, waiting) in zip(clocks, (0, 1), ranks):
+                clock.start()
+                ran[r] += cpu / 1e3
+                inside[r] += waiting / 1e3
+            found += det.observe(step, [clock.step()[0] for clock in clocks])[0]
+        return [(f.rank, f.step, round(f.own_s / f.median_s, 2)) for f in found]
+    assert named(leave_out=False) == [(0, 10, 2.37)]
+    assert named(leave_out=True) == []
+    comm, clock = LocalComm(0, 1), iter([(1.0, 2.0), (1.5, 2.25), (3.0, 3.0), (3.25, 4.0)])
+    comm.wait_clock = lambda: next(clock)
+    comm.allreduce_tensor(torch.ones(2), "sum", "a")
+    comm.allgather_tensor(torch.ones(2), "b")
+    assert comm.wait_used == (0.75, 1.25) and comm.wait_s > 0
 
 
 def test_node_names_are_hosts_or_torchrun_agents():
@@ -339,15 +373,18 @@ def test_bad_straggler_settings_are_one_config_error():
 
 def test_horovod_counts_its_synchronize_wait():
     """Horovod's DistributedOptimizer.synchronize counts its wait in ``wait_s``, as the torch engine's (a GPU
-    rank's own time is its span less its waits). In a process of its own: Horovod starts threads."""
+    rank's own time is its span less its waits), and the CPU time spent in it in ``wait_used`` (a CPU rank's own
+    time leaves it out: Horovod's wait spins). In a process of its own: Horovod starts threads."""
     require_horovod()
-    code = ("import torch; from hvd_partialfc.engine.horovod import init; c = init('cpu'); "
+    code = ("import torch; from hvd_partialfc.engine.horovod import init; from hvd_partialfc.run.watch import cpu_clock; "
+            "c = init('cpu'); c.wait_clock = cpu_clock.read; "
             "m = torch.nn.Linear(4, 4); o = c.distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m); "
-            "m(torch.ones(2, 4)).sum().backward(); o.synchronize(); print(c.wait_s)")
+            "m(torch.ones(2, 4)).sum().backward(); o.synchronize(); print(c.wait_s, c.wait_used[0])")
     p = subprocess.run([sys.executable, "-c", code], env=launch_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert float(p.stdout.split()[-1]) > 0
+    wait_s, spent = map(float, p.stdout.split()[-2:])
+    assert wait_s > 0 and 0 < spent <= wait_s + 0.01
 
 
 def test_an_event_goes_to_metrics_jsonl_stragglers_jsonl_and_tensorboard_as_its_line(tmp_path):

@@ -17,8 +17,9 @@ import; imports no Horovod.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -86,6 +87,11 @@ class CommBase:
     # hands in, and seconds spent waiting in them. Read and reset by the benchmark.
     sent_bytes: int = 0
     wait_s: float = 0.0
+    # Set by the straggler watch on the CPU (cpu_clock.read: the calling thread's CPU and run-queue seconds): that
+    # clock's seconds inside the waits counted in wait_s, summed in wait_used. Horovod's wait spins (sched_yield
+    # until the handle is done), so a rank that waits for the others spends CPU time and run-queue delay there.
+    wait_clock: Optional[Callable[[], Tuple[float, float]]] = None
+    wait_used: Tuple[float, float] = (0.0, 0.0)
     # Each rank is a process of its own, whose step times say how fast it is (run/watch/stragglers.py); not the
     # simulator's virtual ranks, which take turns in one process.
     times_ranks = True
@@ -138,10 +144,19 @@ class CommBase:
     def _timed(self, tensor: torch.Tensor, fn) -> torch.Tensor:
         """``fn(tensor)`` (a tensor collective), counted in ``sent_bytes`` and ``wait_s``."""
         self.sent_bytes += tensor.numel() * tensor.element_size()
-        t0 = time.perf_counter()
-        out = fn(tensor.detach())
+        with self.waiting():
+            return fn(tensor.detach())
+
+    @contextmanager
+    def waiting(self):
+        """A wait for the other ranks (a tensor collective, the averaging optimizer's ``synchronize``): its seconds
+        in ``wait_s``, and with a ``wait_clock`` that clock's in ``wait_used``."""
+        t0, c0 = time.perf_counter(), self.wait_clock() if self.wait_clock else None
+        yield
         self.wait_s += time.perf_counter() - t0
-        return out
+        if c0 is not None:
+            c1 = self.wait_clock()
+            self.wait_used = (self.wait_used[0] + c1[0] - c0[0], self.wait_used[1] + c1[1] - c0[1])
 
     def agree(self, error: Optional[str], name: str) -> None:
         """Raise RankFailure on every rank if any rank passes an error message (None = this rank is fine).

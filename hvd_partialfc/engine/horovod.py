@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -88,9 +87,8 @@ class Comm(CommBase):
         synchronize = opt.synchronize
 
         def timed_synchronize():   # its wait counted in wait_s, as the torch engine's (run/watch/stragglers.py)
-            t0 = time.perf_counter()
-            synchronize()
-            self.wait_s += time.perf_counter() - t0
+            with self.waiting():
+                synchronize()
         opt.synchronize = timed_synchronize
         return opt
 

@@ -295,16 +295,14 @@ class BucketAverager(AveragingOptimizer):
         for b in range(self._next, len(self.buckets)):     # what never got ready, in the same order
             self._launch(b)
         self._next = len(self.buckets)
-        t0 = time.perf_counter()
         scale = 1.0 / self._comm.size
-        with torch.no_grad():
+        with torch.no_grad(), self._comm.waiting():
             for b, work, flat in self._inflight:
                 work.wait()
                 flat.mul_(scale)                  # Horovod's post-scale, in the sent dtype
                 ps = self.buckets[b]
                 for p, chunk in zip(ps, flat.split([p.numel() for p in ps])):
                     p.grad.copy_(chunk.view_as(p))
-        self._comm.wait_s += time.perf_counter() - t0
         self._reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -7,7 +7,8 @@ Measured on two nodes, one put under a 25% CPU quota: every step 3.9x slower (80
 step only 1.15x. The run-queue delay is the rest: it grows while another process holds the thread's core and
 while a cgroup's quota throttles it (checked here: a thread burning 0.3 CPU-s waited 0.31 s beside a busy
 process on its core, 0.92 s under a 25% ``cpu.cfs_quota_us``). A wait that blocks (a collective, the loader's
-queue) is neither: a blocked thread is not runnable.
+queue) is neither: a blocked thread is not runnable. A wait that spins (Horovod's: sched_yield until the collective
+is done) is both, and is left out (``CpuClock``'s ``inside``).
 
 Why a share over about ``TAU`` seconds and not the step's own wait: other processes take a core for tens of ms
 to seconds at a time (the scheduler's slices and balancing, other jobs), so with steps of a few ms a healthy rank
@@ -95,29 +96,39 @@ def read(path: Optional[str] = None) -> Tuple[float, float]:
 class CpuClock:
     """One thread's time a step: ``start()`` before it, ``step()`` after it (once a step). ``ran()``: the CPU
     seconds since ``start`` (what a slower core multiplies: faults.py's ``slow``). ``read`` and ``now``: the
-    thread's (ran, waited) seconds and the wall clock."""
+    thread's (ran, waited) seconds and the wall clock; ``inside``: the part of ``read`` spent so far in waits for
+    the other ranks (the engine's ``wait_used``), left out of both: Horovod's wait spins (sched_yield until the
+    collective is done), so a rank that waits for a slower one spends CPU time there, and run-queue delay when
+    the core is busy; read with them, the rank that waits most looked the slowest (seed 6262 under horovodrun:
+    a healthy rank named at 2-3x, its extra CPU time a step all inside ``synchronize``)."""
 
     def __init__(self, tau: float = TAU, settle: float = SETTLE, read: Callable[[], Tuple[float, float]] = read,
-                 now: Callable[[], float] = time.perf_counter):
-        self.tau, self.settle, self.read, self.now = tau, settle, read, now
+                 now: Callable[[], float] = time.perf_counter,
+                 inside: Callable[[], Tuple[float, float]] = lambda: (0.0, 0.0)):
+        self.tau, self.settle, self.read, self.now, self.inside = tau, settle, read, now, inside
         self.ran_sum = self.waited_sum = 0.0      # time-decayed sums over about the last ``tau`` seconds
         self.at: Tuple[float, float] = (0.0, 0.0)
         self.first: Optional[float] = None
         self.last: Optional[float] = None
 
+    def _own(self) -> Tuple[float, float]:
+        """The thread's (ran, waited) seconds outside the waits for the other ranks."""
+        (ran, waited), (ran_in, waited_in) = self.read(), self.inside()
+        return ran - ran_in, waited - waited_in
+
     def start(self) -> None:
-        self.at = self.read()
+        self.at = self._own()
         if self.first is None:
             self.first = self.now()
 
     def ran(self) -> float:
-        return self.read()[0] - self.at[0]
+        return self._own()[0] - self.at[0]
 
     def step(self) -> Tuple[float, float]:
         """After the step: its CPU seconds, and the thread's recent share (seconds waited for a CPU per second run,
         summed over about ``tau`` seconds; 0 in the first ``settle`` seconds: a few steps' waits, the loader
         workers' start)."""
-        ran, waited = (b - a for a, b in zip(self.at, self.read()))
+        ran, waited = (b - a for a, b in zip(self.at, self._own()))
         now = self.now()
         keep = 0.0 if self.last is None else math.exp(-(now - self.last) / self.tau)
         self.last = now

@@ -13,9 +13,11 @@ its work and not its waits (``own_time``):
 * on the CPU, the CPU time of the rank's main thread over the step, stretched where it has lately waited for a
   CPU (runnable, not running) more than the ranks' median (cpu_clock.py, its share in the vote's ``waits``):
   more work (a slower core, the ``slow`` fault) and less CPU (another process on its cores, a cgroup's quota)
-  both show; a wait (for a collective, for the data workers) blocks and costs neither. The span less the waits was measured first and named healthy ranks: 2 ranks on
-  2 shared cores (a 200-step MLP run, no fault), rank 0's span less waits had a 10-step median of 2.5x rank
-  1's, its extra 5 ms a step spent in the backward pass without CPU time (its CPU time: 4.2 ms, rank 1's 4.1).
+  both show; a wait (for a collective, for the data workers) blocks and costs neither, and what the thread spends
+  inside the engine's waits is left out (Horovod's wait spins: ``CommBase.wait_used``). The span less the waits
+  was measured first and named healthy ranks: 2 ranks on 2 shared cores (a 200-step MLP run, no fault), rank
+  0's span less waits had a 10-step median of 2.5x rank 1's, its extra 5 ms a step spent in the backward pass
+  without CPU time (its CPU time: 4.2 ms, rank 1's 4.1).
   Where the kernel gives no run-queue delay, the CPU time alone (said in one line at start): a rank slowed by
   less CPU is not seen there.
 
@@ -178,7 +180,9 @@ class Stragglers:
         self.own = self.share = 0.0   # this rank's own time of its last step; on the CPU its wait share (cpu_clock)
         self._start: Tuple[float, float] = (0.0, 0.0)
         self.clock = DeviceClock() if cuda and self.active else None   # the GPU's clock (device_clock.py)
-        self.cpu = cpu_clock.CpuClock()                                  # the CPU's (cpu_clock.py)
+        self.cpu = cpu_clock.CpuClock(inside=lambda: comm.wait_used)      # the CPU's (cpu_clock.py)
+        if self.active and not cuda:   # its seconds inside the engine's waits, left out of the own time
+            comm.wait_clock = cpu_clock.read
         self.evict_flag = 0.0        # rank 0: the node (index + 1) the next vote evicts
         self.eviction: Optional[Eviction] = None   # the eviction the vote agreed
         self.detector = Detector(nodes, t.straggler_ratio, t.straggler_steps, start_step) \
