@@ -206,8 +206,9 @@ class GenComm(TorchComm):
                     return _form(self.gens, *self.request)
                 except RuntimeError as e:       # another member lost while forming: the next generation
                     self.gens.reachable()
-                    print(f"[rank {self.rank}] generation {self.gens.g} failed to form ({str(e).splitlines()[0][:160]}); "
-                          "agreeing on the next", file=sys.stderr, flush=True)
+                    why = str(e).splitlines()[0][:160]
+                    print(f"[rank {self.rank}] generation {self.gens.g} failed to form ({why}); agreeing on the next",
+                          file=sys.stderr, flush=True)
             raise StoreLost(f"no generation formed in {FORM_TRIES} tries")
         except StoreLost as e:
             print(f"[rank {self.rank}] cannot re-form the group in this process: {e}; exit {EXIT_RELAUNCH} for a "

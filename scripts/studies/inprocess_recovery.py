@@ -81,8 +81,9 @@ def one_run(mode: str, data: str, work: str, steps: int, kill: int, engine: str 
         env.update(MAX_RESTARTS="0" if mode == "inprocess" else "1", RDZV_ENDPOINT=f"localhost:{free_port()}",
                    RDZV_CONF="join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
                    STRAGGLERS="off")
-        cmd = ([sys.executable, os.path.join(ROOT, "launch", "torch_inprocess.py"), data, run, "3"] if mode == "inprocess"
-               else [os.path.join(ROOT, "launch", "torchrun.sh"), data, run, "3", "1"]) + train[4:]
+        cmd = ([sys.executable, os.path.join(ROOT, "launch", "torch_inprocess.py"), data, run, "3"]
+               if mode == "inprocess" else [os.path.join(ROOT, "launch", "torchrun.sh"), data, run, "3", "1"])
+        cmd += train[4:]
     elif mode == "inprocess":
         cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), data, run, hosts, "2", "3", "3"] + train[4:]
     else:
@@ -101,9 +102,11 @@ def one_run(mode: str, data: str, work: str, steps: int, kill: int, engine: str 
     resumed = int(re.search(r"resumed from \S+ at step (\d+)", text).group(1))
     before = max(r["time"] for r in rows if r["time"] <= killed_at)
     after = min(r["time"] for r in rows if r["time"] > killed_at and r["step"] > resumed)
-    went_on = re.findall(r"went on in this process \(pid (\d+)\).* in ([\d.]+) s", text)
-    started = len(re.findall(r"start worker process:|HOROVOD_RANK=\d|\[torch_inprocess\] rank \d started", text)) or None
-    return {"engine": engine, "mode": mode, "stall_s": round(after - before, 2), "kill_to_first_step_s": round(after - killed_at, 2),
+    went_on = re.findall(r"went on in this process \(pid (\d+)\).*? in ([\d.]+) s", text)   # two ranks: one line
+    started = len(re.findall(r"start worker process:|HOROVOD_RANK=\d|\[torch_inprocess\] rank \d started",
+                             text)) or None
+    return {"engine": engine, "mode": mode, "stall_s": round(after - before, 2),
+            "kill_to_first_step_s": round(after - killed_at, 2),
             "reformed_in_s": max((float(w[1]) for w in went_on), default=None),
             "survivors_kept": len(went_on) == 2, "processes_started": started,
             "steps_redone": max(r["step"] for r in rows if r["time"] <= killed_at) - resumed,
