@@ -41,16 +41,16 @@ def local_names():
     return ["127.0.0.1", "localhost", other[0]] if other else None
 
 
-def elastic_job(shards, tmp_path, names, discovery_text, steps, sets, fault=None, np_=3):
+def elastic_job(shards, tmp_path, names, discovery_text, steps, sets, fault=None, np_=3, **env_extra):
     """launch/horovodrun_elastic.sh on ``names`` (2 to 3 ranks, ``np_`` at the start), the discovery script
-    ``discovery_text``; the finished process."""
+    ``discovery_text``, ``env_extra`` in the job's environment; the finished process."""
     discovery = tmp_path / "hosts"
     discovery.write_text(discovery_text)
     discovery.chmod(0o755)
     cmd = [os.path.join(ROOT, "launch", "horovodrun_elastic.sh"), str(shards), str(tmp_path / "run"), str(discovery),
            "2", "3", str(np_), "--steps", str(steps), *[a for s in SMALL_RUN + sets for a in ("--set", s)]]
     env = dict(launch_env(fault), VENV=os.path.dirname(BIN), MEMORY_EVERY="0", NIC="lo",
-               HOROVODRUN_ARGS="--log-level INFO")
+               HOROVODRUN_ARGS="--log-level INFO", **env_extra)
     return run_job(cmd, env, 180)
 
 
@@ -120,16 +120,24 @@ if now != "2":
 
 
 def test_hosts_removed_then_added_regroup_in_the_same_processes(small_run_shards, tmp_path):
-    names, steps, sets = names_or_skip(), 300, ["checkpoint.every=10", "checkpoint.keep=100"]
+    """Every rank pauses 4 s after the step-10 checkpoint (the ``stall`` fault), time for horovodrun's driver
+    (it runs the discovery script about once a second) to see the host go while no step is taken: the removal
+    is then heard a step or two later on any machine, not after as many steps as that second holds (41 at 300
+    steps here, 2026-12-07). The host comes back after three 2-rank checkpoints (steps 20-40) and is heard
+    after however many steps a second or two holds (removed at 12, added at 86 on this machine under load
+    10); 200 steps leave room for a machine several times faster (was 300 with no pause)."""
+    names, steps, sets = names_or_skip(), 200, ["checkpoint.every=10", "checkpoint.keep=100"]
     run = tmp_path / "run"
     script = HOSTS.format(python=sys.executable, ckpts=str(run / "checkpoints"), state=str(tmp_path / "state"),
                           first=f"{names[0]}:1", second=f"{names[1]}:1", third=f"{names[2]}:1")
-    p = elastic_job(small_run_shards, tmp_path, names, script, steps, sets)
+    p = elastic_job(small_run_shards, tmp_path, names, script, steps, sets, fault="stall@10",
+                    HVD_PARTIALFC_STALL_SECONDS="4")
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-4000:]
     regroups = [int(x) for x in re.findall(r"step (\d+): the launcher changed the hosts; checkpoint", text)]
     assert len(set(regroups)) == 2, text[-4000:]
     removed, added = sorted(set(regroups))
+    print(f"hosts: removed at step {removed}, added at step {added} of {steps}")
     assert f"step-{removed:08d} at step {removed} (written by 3 ranks)" in text
     assert f"step-{added:08d} at step {added} (written by 2 ranks)" in text
     # the two old ranks in their processes throughout; the newcomer the only worker started after the first three
