@@ -23,6 +23,7 @@ import horovod.torch as hvd
 
 from .base import CommBase, backbone_params
 from .device import agreed_device
+from .fd_sockets import cut, open_sockets, opened_since
 
 
 class Comm(CommBase):
@@ -115,7 +116,7 @@ class Comm(CommBase):
         thread, and a survivor blocked in a receive from a rank that has left waits out
         HOROVOD_GLOO_TIMEOUT_SECONDS for it (measured: 5.0 s at 5 s, 30 s at the default), because Horovod keeps
         the old Gloo context, connections open, until the next init. Safe from any thread. Not a collective."""
-        _cut(_GLOO)
+        cut(_GLOO)
 
     def broken(self, error: BaseException) -> bool:
         from horovod.common.exceptions import HorovodInternalError
@@ -177,42 +178,12 @@ def _listen_for_hosts() -> None:
 _GLOO: Dict[int, str] = {}   # fd -> its socket's identity: the sockets the last hvd.init opened (Gloo's)
 
 
-def _sockets() -> Dict[int, str]:
-    """This process's socket descriptors and their identities (``socket:[inode]``). Not a collective."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if link.startswith("socket:"):
-            out[int(name)] = link
-    return out
-
-
 def _init_counted() -> None:
     """``hvd.init``, noting the sockets it opened (Gloo connects every pair during init): ``abort`` cuts them."""
-    before = _sockets()
+    before = open_sockets()
     hvd.init()
     _GLOO.clear()
-    _GLOO.update({fd: link for fd, link in _sockets().items() if before.get(fd) != link})
-
-
-def _cut(sockets: Dict[int, str]) -> None:
-    """Shut down (not close: Gloo still owns the descriptors) each socket that is still the one noted."""
-    import socket
-    for fd, link in sockets.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != link:
-                continue                      # closed since, the number reused: not Gloo's any more
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        s.close()
+    _GLOO.update(opened_since(before))
 
 
 # Horovod's background thread negotiates every HOROVOD_CYCLE_TIME ms (default 1). On a CPU-only host the
