@@ -101,3 +101,44 @@ def test_a_killed_rank_started_again_joins_while_the_others_train(small_run_shar
     with open(run / "checkpoints" / open(run / "checkpoints" / "latest").read().strip() / "meta.json") as f:
         meta = json.load(f)
     assert meta["world_size"] == 3 and [s["world_size"] for s in meta["length"]["segments"]] == [3, 2, 3]
+
+
+def _together(fns):
+    """Each of ``fns`` in a thread of its own, all joined (30 s each at most)."""
+    import threading
+    threads = [threading.Thread(target=fn, daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_members_agree_through_the_store_the_dead_at_once_a_late_one_fenced_a_joiner_last():
+    """The membership protocol alone (engine/generation.py ``Generations``), three members in this process's
+    threads and the store process's code in another: member 2's death-watch connection closes without a goodbye
+    (a killed process), so 0 and 1 agree on [0, 1] at once, not at the 10 s deadline; member 2 coming late after
+    all is fenced; a process that asks to join is last in the next generation, which every member takes alike."""
+    import queue
+    import threading
+    from hvd_partialfc.engine import gen_store, generation
+    got = queue.Queue()
+    threading.Thread(target=gen_store.serve, args=("127.0.0.1", 0, got.put), daemon=True).start()
+    address = got.get(timeout=30)
+    gens = [generation.Generations(address, m, [(m_, "") for m_ in range(3)], 30) for m in range(3)]
+    gens[2].watch.close()                                  # killed: its connection closes without a goodbye
+    t0, out = time.monotonic(), {}
+    _together([lambda g=g: out.__setitem__(g.member, g.agree()) for g in gens[:2]])
+    host = gens[0].members[0][1]
+    assert out == {0: [(0, host), (1, host)], 1: [(0, host), (1, host)]}
+    assert time.monotonic() - t0 < generation.JOIN_DEADLINE_S / 2      # the death watch, not the deadline
+    assert gens[2].agree() is None                                      # late: fenced
+    newcomer = generation.Generations(address, 2, [], 30)       # the killed rank, started again
+
+    def members_see_it_then_agree(g):
+        deadline = time.monotonic() + 30
+        while g.joiners() == g.seen and time.monotonic() < deadline:      # rank 0's check, once a step
+            time.sleep(0.01)
+        out[g.member] = g.agree()
+    _together([lambda: newcomer.join(30)] + [lambda g=g: members_see_it_then_agree(g) for g in gens[:2]])
+    assert out[0] == out[1] == newcomer.members == [(0, host), (1, host), (2, host)]
+    assert (gens[0].g, newcomer.g) == (2, 2)

@@ -63,15 +63,16 @@ def _watch(conn: socket.socket, store) -> None:
         conn.close()
 
 
-def serve(host: str, port: int) -> None:
-    """The store (torch's TCPStore, served here) and the death watch; returns when the parent process is gone."""
+def serve(host: str, port: int, announce=lambda address: print(f"store {address}", flush=True)) -> None:
+    """The store (torch's TCPStore, served here) and the death watch; returns when the parent process is gone.
+    ``announce(HOST:PORT)`` once both listen (a test serves them in a thread of its own process)."""
     import torch.distributed as dist
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     server = socket.create_server((host, 0))
     server.settimeout(1.0)
     store.set(WATCH_KEY, str(server.getsockname()[1]))
     parent = os.getppid()
-    print(f"store {host}:{store.port}", flush=True)
+    announce(f"{host}:{store.port}")
     while os.getppid() == parent:        # the launcher gone (killed): no store left behind
         try:
             conn, _ = server.accept()
