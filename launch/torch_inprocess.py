@@ -37,6 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_PREEMPTED, EXIT_USER_ERROR = 75, 2
+END_GRACE_S = 60.0      # after a rank ended the run (exit 0), how long the others have to end too
 
 
 def start_store(python: str) -> "tuple[subprocess.Popen, str]":
@@ -85,6 +86,7 @@ def attempt(argv: "list[str]", nproc: int, python: str, restart: int, rejoins: i
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, forward)
         codes: "dict[int, int]" = {}
+        done_at = None                   # when the first rank ended the run (exit 0)
         while len(codes) < nproc:
             for r, p in list(ranks.items()):
                 if r not in codes and p.poll() is not None:
@@ -98,6 +100,15 @@ def attempt(argv: "list[str]", nproc: int, python: str, restart: int, rejoins: i
                             rejoins -= 1
                             del codes[r]
                             start(r, True)
+            if done_at is None and 0 in codes.values():
+                done_at = time.monotonic()
+            if done_at is not None and time.monotonic() - done_at > END_GRACE_S:   # a rank left out, hung
+                for r, p in ranks.items():
+                    if r not in codes:
+                        print(f"[torch_inprocess] rank {r} (pid {p.pid}) still runs {END_GRACE_S:.0f} s after the "
+                              "run ended (left out of the group, hung?): killed", file=sys.stderr, flush=True)
+                        p.kill()
+                        codes[r] = p.wait()
             time.sleep(0.1)
         return codes
     finally:
