@@ -43,10 +43,13 @@ from .torchdist import CHECK_ENV, TorchComm, _allgather_host
 
 JOINERS = "joiners/count"           # processes that asked to join so far (``Generations.join``)
 DONE = "job/done"                   # the run ended (its last group's ``shutdown``)
-JOIN_DEADLINE_S = 10.0              # a member neither joined nor known dead by then is left out (a hung one)
+# a member neither joined nor known dead by then is left out: a hung one, but also one busy alone that long (rank 0
+# evaluating while a peer dies): it is fenced when it comes. A lease thread would tell the two apart (not built).
+JOIN_DEADLINE_S = 10.0
 JOIN_ENV = "HVD_PARTIALFC_GEN_JOIN"   # "1": this process joins a running job (launch/torch_inprocess.py, REJOIN)
 STORE_TIMEOUT_S = 60.0              # the longest a store call waits (a key not there yet, the store's connection)
 FORM_TRIES = 5                      # generations tried in a row (each failed to form: one more member lost)
+EXIT_FENCED = 3                     # this process was left out of the group (``reform``)
 EXIT_RELAUNCH = 1                   # the store is lost: no generation can form; a relaunch resumes the run
 Member = Tuple[int, str]            # (launcher rank, host name)
 
@@ -190,7 +193,8 @@ class GenComm(TorchComm):
 
     def reform(self, failed: bool = True) -> Optional["GenComm"]:
         """Leave this generation (destroyed; a failed one's sockets cut first), agree on the next one's members
-        and form it. None when this process was left out; SystemExit(EXIT_RELAUNCH) when the store is lost."""
+        and form it. SystemExit(EXIT_FENCED) when this process was left out, SystemExit(EXIT_RELAUNCH) when the
+        store is lost."""
         if failed:
             self.abort()
         try:
@@ -199,9 +203,10 @@ class GenComm(TorchComm):
                     dist.destroy_process_group()
                 if self.gens.agree() is None:
                     print(f"[rank {self.rank}] not part of the job any more: the others re-formed the group "
-                          "without this process (it came too late)", file=sys.stderr, flush=True)
+                          f"without this process (it came too late); exit {EXIT_FENCED}", file=sys.stderr,
+                          flush=True)
                     self.gens.close()
-                    return None
+                    raise SystemExit(EXIT_FENCED)    # not 0: the run is not done (the launcher may start it again)
                 try:
                     return _form(self.gens, *self.request)
                 except RuntimeError as e:       # another member lost while forming: the next generation
