@@ -9,8 +9,8 @@ folder ``OUT/<name>``:
   Horovod matches by name and would wait). Writes ``rank-<r>.log``;
 * ``{"scenario": "primitives"}``: each primitive against what it must compute, on inputs that differ by
   rank (a broadcast from ranks that start different; an all-gather of unequal row counts; sums, maxima,
-  averages of several dtypes; the vote). Writes ``rank-<r>.log``. ``primitives-cuda``: the same on the
-  current GPU's tensors (tests/test_gpu_smoke.py).
+  averages of several dtypes; the vote; on the CPU, a wait for a late rank that sleeps). Writes
+  ``rank-<r>.log``. ``primitives-cuda``: the same on the current GPU's tensors (tests/test_gpu_smoke.py).
 
     python engines_launch.py SPEC.json      # SPEC: {"out": ..., "items": [...]}
 
@@ -93,9 +93,28 @@ def _primitives(comm, out, device="cpu"):
     assert comm.allreduce_scalar(r + 1, "average", "prim.average") == sum(range(1, n + 1)) / n
     assert comm.vote_async([float(r), 0.0], "prim.vote").result() == [float(n - 1), 0.0]
     assert comm.allgather_object({"r": r}, "prim.obj") == [{"r": k} for k in range(n)]
+    if device == "cpu":
+        _waits_sleep(comm)
     with open(os.path.join(out, f"rank-{r}.log"), "w") as log:
         log.write("primitives ok\n")
     return True
+
+
+def _waits_sleep(comm, late=0.6):
+    """On a CPU host a rank that waits for a late one sleeps: rank 0's thread uses under 0.15 CPU-s over three
+    waits of ``late`` s each (a scalar, a tensor, the vote) for the last rank, which comes late to each. Horovod's
+    own wait spins on sched_yield (about as many CPU-s as it waits, less its share of a busy machine's cores)."""
+    import torch
+    last = comm.rank == comm.size - 1
+    used = time.thread_time()
+    for call in (lambda: comm.allreduce_scalar(1.0, "sum", "wait.scalar"),
+                 lambda: comm.allreduce_tensor(torch.ones(3), "sum", "wait.tensor"),
+                 lambda: comm.vote_async([0.0], "wait.vote").result()):
+        if last:
+            time.sleep(late)
+        call()
+    used = time.thread_time() - used
+    assert last or used < 0.15, f"rank {comm.rank} used {used:.2f} CPU-s waiting {3 * late:.1f} s for the last rank"
 
 
 def _scenario(name, comm, out):
