@@ -2,6 +2,7 @@
 Horovod (only the Horovod engine, engine/horovod.py, imports it)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -57,18 +58,21 @@ def test_a_fourth_mode_registered_in_one_place_trains_under_simulate(tmp_path):
 
 
 NO_HOROVOD = BLOCK_HOROVOD + """
+import json
 from hvd_partialfc.cli import main
 from hvd_partialfc.tools.bench import main as bench_main
-args = sys.argv[1:]
-rc = bench_main(args[1:]) if args[0] == "bench" else main(args)
+for args in json.loads(sys.argv[1]) if sys.argv[1].startswith("[[") else [sys.argv[1:]]:   # a list, or one
+    rc = bench_main(args[1:]) if args[0] == "bench" else main(args)
+    assert rc == 0, (args[0], rc)
 assert not any(m == "horovod" or m.startswith("horovod.") for m in sys.modules), "horovod was imported"
-sys.exit(rc)
 """
 
 
-def _no_horovod(*args, cwd=ROOT):
-    p = subprocess.run([sys.executable, "-c", NO_HOROVOD, *map(str, args)], env=launch_env(), cwd=cwd,
-                       capture_output=True, text=True, timeout=300)
+def _no_horovod(commands, cwd=ROOT):
+    """Each ``hvd-partialfc ARGS`` of ``commands`` (``bench ...``: the benchmark's) in turn, in one process (one
+    start-up) with horovod blocked."""
+    p = subprocess.run([sys.executable, "-c", NO_HOROVOD, json.dumps([[str(a) for a in c] for c in commands])],
+                       env=launch_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
@@ -78,7 +82,13 @@ def test_the_core_runs_without_horovod(tmp_path, monkeypatch):
     torchrun at 2 ranks (and alone, ``train.engine=auto`` picks the torch engine), the benchmark's
     no-communication job and ``eval`` run, and no module of horovod is ever imported."""
     sets = [x for s in SMALL for x in ("--set", s)]
-    _no_horovod("simulate", "--ranks", 2, "--shards", FEATURES, "--out", tmp_path / "run", "--steps", 4, *sets)
+    (tmp_path / "job").mkdir()
+    out = _no_horovod([["simulate", "--ranks", 2, "--shards", FEATURES, "--out", tmp_path / "run", "--steps", 4, *sets],
+                       ["bench", "--worker", "limit", "--classes", 40, "--dim", 16, "--batch", 8, "--steps", 2,
+                        "--warmup", 1, "--np", 2, "--in-dim", 16, "--rank", 1, "--job", tmp_path / "job"],
+                       ["eval", "--backbone", tmp_path / "run", "--all-pairs", FEATURES, "--out", tmp_path / "eval"]])
+    assert os.listdir(tmp_path / "job") == ["rank-1.json"]
+    assert "all-pairs" in out.stdout.lower() or os.listdir(tmp_path / "eval")
     script = tmp_path / "no_horovod.py"
     script.write_text(NO_HOROVOD)
     p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2",
@@ -90,12 +100,6 @@ def test_the_core_runs_without_horovod(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "horovod" else real(name, *a))
     assert choose_engine("auto", {}) == "torch"
-    (tmp_path / "job").mkdir()
-    _no_horovod("bench", "--worker", "limit", "--classes", 40, "--dim", 16, "--batch", 8, "--steps", 2,
-                "--warmup", 1, "--np", 2, "--in-dim", 16, "--rank", 1, "--job", tmp_path / "job")
-    assert os.listdir(tmp_path / "job") == ["rank-1.json"]
-    out = _no_horovod("eval", "--backbone", tmp_path / "run", "--all-pairs", FEATURES, "--out", tmp_path / "eval")
-    assert "all-pairs" in out.stdout.lower() or os.listdir(tmp_path / "eval")
 
 
 def test_the_config_is_plain_data():
