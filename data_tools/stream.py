@@ -1,4 +1,4 @@
-"""Streaming shard builds: bounded memory, restartable, in parallel parts (issue 16). `build_streaming`
+"""Streaming shard builds: bounded memory, restartable, in parallel parts. `build_streaming`
 runs the steps, each in its own module:
 
 1. **Index** (`data_tools/stream_index.py`): one pass over the labels only, into numpy arrays (the dense

@@ -7,7 +7,7 @@ prefix of them is a valid set: labels ``[0, label_end of the last shard)``, the 
 them. The loader joins an entry's ``file`` to the set's folder (``data.RankShardDataset``), so a relative
 path works as a name does; the shard files themselves still carry the source's index / count attributes,
 which no reader checks against the manifest. The manifest is rewritten only when its content changes, so
-its sha256 (recorded by checkpoints, checked on resume) stays the same from one session to the next.
+its sha256 (recorded by checkpoints, checked on resume) stays the same from one run to the next.
 """
 from __future__ import annotations
 

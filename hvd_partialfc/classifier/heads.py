@@ -29,7 +29,7 @@ FEW_SAMPLED_ROWS = 32
 class LocalHead(LocalClassifier):
     """The method: softmax over this rank's slice (``LocalClassifier`` itself at ``sample_rate`` 1).
 
-    ``sample_rate`` r < 1 (issue 12): each step keeps every positive row of the rank's batch and random
+    ``sample_rate`` r < 1 (sampled heads): each step keeps every positive row of the rank's batch and random
     others up to r x width rows (PartialFC's rule, ``rowsparse.sample_rows``, shared with ``global`` mode),
     and the margin softmax runs over those rows only. Only they receive a gradient, and it is row-sparse
     (``rowsparse.gather_rows``): the classifier's optimizer is then ``SampledRowsOptimizer``, which steps

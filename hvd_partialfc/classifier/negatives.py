@@ -23,7 +23,7 @@ def negatives_share(width: int, world_size: int, share: int, pool: int) -> int:
 
 
 class CrossShardNegativesHead(LocalHead):
-    """The method plus other ranks' class centres as extra, frozen negatives (issue: accuracy).
+    """The method plus other ranks' class centres as extra, frozen negatives (for accuracy).
 
     A rank's softmax otherwise contrasts only its own classes: classes on different ranks are never pushed
     apart. Every ``every`` steps each rank publishes ``share`` of its centres (all of them when ``share`` is

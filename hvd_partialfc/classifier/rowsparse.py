@@ -4,7 +4,7 @@ optimizer whose step costs what the sampled rows cost.
 Contract: nothing here reads rank state; ``sample_rows`` draws from torch's global RNG (which checkpoints
 save and restore, so a sampled run resumes bitwise).
 
-Why a sparse step (issue 12): with ``head.sample_rate`` = r the head scores K = r x W rows, but a dense
+Why a sparse step: with ``head.sample_rate`` = r the head scores K = r x W rows, but a dense
 ``weight[index]`` makes a (W, D) gradient, zero outside them (autograd zero-fills it and scatters the K
 rows in), and torch's fused SGD-momentum step then reads and writes every row. Measured, one thread,
 W = 5 x 10^5, D = 128 (docs/bench/sampled_step.py, docs/evidence/benchmarks.md): gradient + step 124 ms dense

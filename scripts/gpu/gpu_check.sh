@@ -17,7 +17,7 @@
 #             data.decode=gpu against PIL and both decodes' rates (OUT/gpu_decode.json)
 #   torch     the trainer under torchrun (torch.distributed + NCCL; needs no build): iresnet50, batch 128,
 #             fp16 and bf16, a 125k-class local head against a 1k-class one, peak memory per precision
-#   speed     issue 50's table (scripts/gpu/gpu_speed_check.py): ours against arcface_torch (ARCFACE_DIR: an
+#   speed     the GPU speed table (scripts/gpu/gpu_speed_check.py): ours against arcface_torch (ARCFACE_DIR: an
 #             InsightFace checkout; without it ours alone, said), the step profile, the fast-path keys on
 #             and off, nvJPEG in the trainer, the largest batch; as many cells as fit SPEED_BUDGET_S
 #             (default: what the deadline leaves after the stages still to come), the rest named
@@ -28,7 +28,7 @@
 #   report    OUT/face_check.json and face_check.txt; exit 1 when a run is missing or looks wrong
 # One GPU: NCCL refuses two ranks on one device, so np = 1; the engines' collectives still run through NCCL
 # at size 1 (the smoke tests check them on CUDA tensors). Everything goes to mktemp -d folders. With
-# GPU_PUBLISH_FROM and GPU_PUBLISH_TO set (gpu_speed_run.sh), the results are copied into the device call's
+# GPU_PUBLISH_FROM and GPU_PUBLISH_TO set (gpu_speed_run.sh), the results are copied into the GPU call's
 # $OUT at every stage's start and after every speed cell (scripts/gpu/publish.py).
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"

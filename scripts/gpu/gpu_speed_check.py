@@ -6,11 +6,11 @@
         [--only NAME,...] [--tiny]
 
 WORK holds the ``prepare`` stage's shard sets (``head125k``); results go to ``OUT/speed.json`` (rewritten after
-every cell, so a cut-short run keeps what it measured; and into the device call's ``$OUT`` too, publish.py),
-``OUT/speed/`` (each profile's and comparison's own JSON and traces) and ``OUT/speed_table.md`` (the issue's
-table). Cells run in ``plan``'s order, the issue's headline first; a cell whose estimated seconds no longer fit
-``--budget`` or ``--deadline`` (the call's one deadline, in seconds since the epoch) is recorded as skipped,
-with the command that runs it alone (``--only NAME``) in a later call. A cell that runs is cut at its limit,
+every cell, so a cut-short run keeps what it measured; and into the call's ``$OUT`` too, publish.py),
+``OUT/speed/`` (each profile's and comparison's own JSON and traces) and ``OUT/speed_table.md`` (the GPU
+speed table). Cells run in ``plan``'s order, the headline comparison first; a cell whose estimated seconds
+no longer fit ``--budget`` or ``--deadline`` (the call's one deadline, in seconds since the epoch) is recorded
+as skipped, with the command that runs it alone (``--only NAME``) in a later call. A cell that runs is cut at its limit,
 4 times its estimate (at least ``CELL_FLOOR_S``) and never past the deadline: recorded as ``timeout``, and
 the next cell starts. A cell that runs out of device memory is recorded as ``oom``, a failed one as
 ``failed``, and the pass goes on; the stage fails (exit 1) when no cell that ran gave a result, and
@@ -325,10 +325,10 @@ def main(argv=None) -> int:
     if not arcface:
         print("speed: arcface_torch skipped: no ARCFACE_DIR given (ours alone in the comparisons)", flush=True)
     only = set(filter(None, a.only.split(",")))
-    from scripts.gpu.speed_table import table   # the issue's table from speed.json
+    from scripts.gpu.speed_table import table   # the GPU speed table from speed.json
 
     def save() -> None:
-        """speed.json and the table after every cell, here and in the device call's $OUT (publish.py): a call
+        """speed.json and the table after every cell, here and in the call's $OUT (publish.py): a call
         cut inside a later cell brings back what is written here."""
         write_text(os.path.join(a.out, "speed.json"), json.dumps(result, indent=1, default=str))
         write_text(os.path.join(a.out, "speed_table.md"), table(result, a.out))

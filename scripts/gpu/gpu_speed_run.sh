@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speed run in one device call (docs/gpu.md, "The one call"): scripts/gpu/gpu_check.sh with its Horovod build
+# The speed run in one GPU call (docs/gpu.md, "The one call"): scripts/gpu/gpu_check.sh with its Horovod build
 # and stage left out (both passed on the H200 twice), so that the speed stage gets their ~3.5 minutes.
 #
 #   bash scripts/gpu/gpu_speed_run.sh          # ARCFACE_DIR defaults to .dev/insightface/recognition/arcface_torch
@@ -8,10 +8,10 @@
 #
 # Refuses to start (exit 2, one line) without arcface_torch in ARCFACE_DIR: the machine has no network, so it
 # travels with the call (carry .dev), and the call's headline is ours against it.
-# One deadline for everything: GPU_CALL_S seconds from the start (default 570 of the device call's 600); every
+# One deadline for everything: GPU_CALL_S seconds from the start (default 570 of the GPU call's 600); every
 # stage and every speed cell is cut at it. $OUT is written as the call goes, at every stage's start and after
 # every speed cell (scripts/gpu/publish.py), so a call cut early brings back what was measured until then:
-# speed_table.md (issue 50's table), speed.json, face_check.json, gpu_check.tgz (every result and log but the
+# speed_table.md (the GPU speed table), speed.json, face_check.json, gpu_check.tgz (every result and log but the
 # kernel traces) and traces.tgz (the step and kernel traces, Chrome's format). The exit status is
 # gpu_check.sh's (124: cut at the deadline; 2: refused).
 set -uo pipefail

@@ -1,11 +1,11 @@
-"""What the one GPU call brings back, written into the device tool's ``$OUT`` as it goes (docs/gpu.md, "The one
+"""What the one GPU call brings back, written into the results folder ``$OUT`` as it goes (docs/gpu.md, "The one
 call"): a call cut at its limit brings back what is in ``$OUT`` then, so nothing may wait for the call's end.
 
     python -m scripts.gpu.publish WORK OUT
 
 WORK holds ``gpu_check/`` (gpu_check.sh's results) and ``gpu_check.log``; OUT gets ``speed.json``,
 ``speed_table.md`` and ``face_check.json`` as they are now, ``gpu_check.tgz`` (every result and log but the
-traces) and ``traces.tgz`` (the step and kernel traces; packed again only when they changed). The device tool
+traces) and ``traces.tgz`` (the step and kernel traces; packed again only when they changed). The GPU call
 brings back 8 files at most: these are 5. Each file is written beside its name and renamed over it, so a
 call cut while this runs leaves the previous whole file, never half of one.
 

@@ -1,6 +1,6 @@
-"""Issue 50's table from the speed stage's results (scripts/gpu/gpu_speed_check.py writes speed.json; the prepare
-stage writes gpu_decode.json beside it). ``table(result, out)`` returns the markdown; a figure whose cell did
-not run says so, with the cell's reason."""
+"""The GPU speed table (docs/gpu.md, "The one call") from the speed stage's results
+(scripts/gpu/gpu_speed_check.py writes speed.json; the prepare stage writes gpu_decode.json beside it).
+``table(result, out)`` returns the markdown; a figure whose cell did not run says so, with the cell's reason."""
 from __future__ import annotations
 
 import json

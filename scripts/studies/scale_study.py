@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 14 part 3: does local-only softmax hold at 64-256 ranks? The study driver, resumable run by run.
+"""The scale study: does local-only softmax hold at 64-256 ranks? The study driver, resumable run by run.
 
     .venv/bin/python -m scripts.studies.scale_study --shards data/cjk-20k/train --heldout data/cjk-20k/heldout \
         --pairs data/cjk-20k/pairs.h5 --out runs/scale --max-cells 2      # a bounded chunk; run again later
@@ -53,7 +53,7 @@ VARIANTS = {
     "partialfc": ["head.mode=global", "head.sample_rate={rate}"],
     "local_sampled": ["head.mode=local", "head.sample_rate={rate}"],
 }
-IRESNET50 = ("iresnet50", 512, [112, 112, 3])    # the issue's yardstick for the traffic budget
+IRESNET50 = ("iresnet50", 512, [112, 112, 3])    # the yardstick for the traffic budget
 
 
 def rel(path: str) -> str:
@@ -176,7 +176,7 @@ def run_cell(args, c: Cell) -> None:
             "data_content_sha256": args.data_content_sha256, **json.load(open(trained)),
             "eval_s": time.time() - t0, "commands": {k: ["hvd-partialfc"] + v for k, v in cmd.items()}}
     _write(os.path.join(out, "done.json"), done)
-    if args.keep:      # the finished cell's figures, kept in the repository: a later session skips the cell
+    if args.keep:      # the finished cell's figures, kept in the repository: a later run skips the cell
         os.makedirs(args.keep, exist_ok=True)
         _write(os.path.join(args.keep, f"{c.name}.json"), {"done": done, "eval": figures})
 

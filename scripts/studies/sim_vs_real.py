@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 14 part 1: does `hvd-partialfc simulate` predict a real run's held-out accuracy? One table from two
+"""Does `hvd-partialfc simulate` predict a real run's held-out accuracy? One table from two
 `scripts/studies/accuracy.py` outputs, the real runs (horovodrun) and the same cells on the simulator (--simulate):
 
     .venv/bin/python -m scripts.studies.accuracy --shards data/demo-fonts/train --pairs data/demo-fonts/pairs.h5 \

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stragglers (train.stragglers, run/watch/stragglers.py) measured on network-namespace nodes
 (scripts/faults/twonode.py): elastic torchrun, one rank a node, CPU; the figures of docs/evidence/reliability.md
-"Stragglers", against issue 52's goals. Run from the repository root:
+"Stragglers", against the goals in its table. Run from the repository root:
 
     python -m scripts.studies.stragglers --json stragglers.json [--chaos chaos.json]
     python -m scripts.studies.stragglers --show stragglers.json
