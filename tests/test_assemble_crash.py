@@ -1,4 +1,4 @@
-"""`assemble` of a streaming build (issue 36 item 5): killed at any point and run again, it ends with the
+"""`assemble` of a streaming build: killed at any point and run again, it ends with the
 bytes of an uninterrupted assemble; it refuses an existing set without --overwrite and a shard whose
 sha256 differs from its record; running copies of a part or of assemble are refused (locks); the command
 of a finished build says so and exits 0. In-process on a tiny set (120 records), kills in forked

@@ -1,4 +1,4 @@
-"""Dirty encoded sets (issue 36, item 10): an empty and a truncated JPEG in a set built without the decode
+"""Dirty encoded sets: an empty and a truncated JPEG in a set built without the decode
 check. ``data.on_bad_sample: stop`` names the sample and the way out; ``skip`` trains, replaces each by the
 next decodable sample of its class (the same after a resume and at any ``data.workers``), names it once
 and counts it in metrics.jsonl; past ``data.max_bad_samples`` the run stops naming the shards, after its

@@ -1,4 +1,4 @@
-"""Streaming shard builds (data_tools/stream.py, issue 16): memory that does not grow with the sample count,
+"""Streaming shard builds (data_tools/stream.py): memory that does not grow with the sample count,
 kill + restart, parts + assemble, a changed input or option refused. Builds run as subprocesses of the
 CLI, as a user runs them. The 1M-record build is behind ``-m bigbuild`` (docs/data.md §6)."""
 from __future__ import annotations

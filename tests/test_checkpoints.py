@@ -1,4 +1,4 @@
-"""Checkpoints that never lose a run and loads that run no code (issue 11): keep-last-k by write order,
+"""Checkpoints that never lose a run and loads that run no code: keep-last-k by write order,
 supersede instead of delete, dangling `latest`, diverged saves, agreed resume, nothing rewritten at the
 end, weights_only loads and the format upgrade, replicated re-sharding and clipping, skip limits,
 preemption by signal. Multi-rank behaviour runs under real horovodrun (the scenarios under one launch); file

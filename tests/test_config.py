@@ -81,7 +81,7 @@ def test_face_recipes_translate_arcface_torch(name):
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_face_recipes_run_the_method_and_say_how_to_get_partialfc(name):
-    """Issue 37: a face recipe trains `local` with its defaults (cross-shard negatives; wf42m_pfc02 sampled at
+    """A face recipe trains `local` with its defaults (cross-shard negatives; wf42m_pfc02 sampled at
     0.2), its header names the override to arcface_torch's exact method and what the evidence for the default
     is, and the fp16 loss scale grows as arcface_torch's GradScaler does."""
     from hvd_partialfc.config import HeadConfig

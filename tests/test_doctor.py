@@ -1,4 +1,4 @@
-"""``hvd-partialfc doctor`` (issue 37): its exit codes with a bad shard set and with Horovod's import blocked."""
+"""``hvd-partialfc doctor``: its exit codes with a bad shard set and with Horovod's import blocked."""
 from __future__ import annotations
 
 import json

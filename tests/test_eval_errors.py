@@ -1,4 +1,4 @@
-"""Evaluation during training cannot cost a checkpoint (issue 36, item 1): the step's checkpoint comes
+"""Evaluation during training cannot cost a checkpoint: the step's checkpoint comes
 first, the BatchNorm buffers are averaged once a step for both, and an evaluation that fails on rank 0 is
 agreed, recorded in eval.jsonl and survived (``eval.on_error=log``) or ends the run after a checkpoint
 (``stop``). In this process, on the simulator's virtual ranks; the failure is a monkeypatched

@@ -1,4 +1,4 @@
-"""The face workload end to end (issue 13's "done when"): a face recipe with iresnet18 on 3 x 112 x 112 RGB
+"""The face workload end to end: a face recipe with iresnet18 on 3 x 112 x 112 RGB
 shards under ``horovodrun -np 2``, in the recipe's ``head.mode: local`` with cross-shard negatives: it trains
 with flip augmentation, verifies on an LFW-style ``.bin`` during training, checkpoints, resumes bitwise from a
 mid-run checkpoint, and exports to ONNX (the CLI's check, the dynamic batch and the embeddings against PyTorch).

@@ -1,4 +1,4 @@
-"""A full disk while a checkpoint is written (issue 36 item 11): the run folder fills up in the middle of the
+"""A full disk while a checkpoint is written: the run folder fills up in the middle of the
 run. Every rank stops with one CheckpointError naming the folder, its free space and the previous
 checkpoint's size; the previous checkpoint and ``latest`` stay valid; the run resumed once there is room ends
 bitwise where the uninterrupted run does. ``simulate`` with 2 virtual ranks in this process (the agreement is

@@ -1,5 +1,5 @@
 """The GPU call's CPU dry run (GPU_CHECK_TINY=1): scripts/gpu/gpu_speed_run.sh and every stage of
-scripts/gpu/gpu_check.sh at toy sizes, so the scripts cannot rot between the days a GPU is lent. It measures
+scripts/gpu/gpu_check.sh at toy sizes, so the scripts cannot rot between the days a GPU is at hand. It measures
 nothing worth keeping on CPU. tests/test_gpu_call.py checks the call's shell plumbing without Python's work.
 
 In two parts: the call with the stages that start no ranks (env, prepare, speed, report: a single-process test),
@@ -88,7 +88,7 @@ def test_the_gpu_call_dry_run(tmp_path):
     """The one GPU call (scripts/gpu/gpu_speed_run.sh) on the CPU at toy sizes (GPU_CHECK_TINY=1), arcface_torch
     a stand-in, the stages that start no ranks: env, prepare, the speed stage's four kinds of cell, the report,
     and what comes back in $OUT: the table, speed.json, face_check.json and gpu_check.tgz. It measures nothing
-    worth keeping on the CPU: the scripts cannot rot between the days a GPU is lent."""
+    worth keeping on the CPU: the scripts cannot rot between the days a GPU is at hand."""
     import torch
     for name, text in STAND_IN.items():
         (tmp_path / "arcface_torch" / name).parent.mkdir(parents=True, exist_ok=True)

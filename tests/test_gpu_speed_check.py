@@ -1,5 +1,5 @@
 """scripts/gpu/gpu_speed_check.py's bookkeeping around the GPU's cells, on CPU with stand-ins for the steps: what
-a device call brings back when the stage is cut, what stays allocated between contenders, and the count
+a GPU call brings back when the stage is cut, what stays allocated between contenders, and the count
 that says whether reduce-overhead ran CUDA graphs. tests/test_gpu_check.py runs the real cells at toy sizes."""
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_reduce_overhead_says_when_it_ran_without_cuda_graphs(monkeypatch):
 
 
 def test_each_cell_reaches_the_calls_out_before_the_next_starts(monkeypatch, tmp_path):
-    """The device call brings back what its $OUT holds when it is cut: speed.json, the table and gpu_check.tgz
+    """The GPU call brings back what its $OUT holds when it is cut: speed.json, the table and gpu_check.tgz
     are there after each cell (they used to be packed at the call's end only). The first cell runs out of
     device memory: recorded as such, and the next cell goes on."""
     call_out, work = tmp_path / "call_out", tmp_path / "work"

@@ -1,4 +1,4 @@
-"""Re-sharding a sampled ``local`` run with the exact rule after a rank-local classifier skip (issue 36 item 4):
+"""Re-sharding a sampled ``local`` run with the exact rule after a rank-local classifier skip:
 the old ranks' ``lrs`` histories differ, and each rank's rows must be brought up with their own. Checked
 against an offline float64 catch-up of every row written here from the rule's definition (not the package's
 tables); the same-size resume stays bitwise against the uninterrupted run (no sweep at a save). In this

@@ -1,4 +1,4 @@
-"""scripts/studies/scale_study.py (issue 14 part 3) on tiny sets: cells run, tables written, finished cells skipped,
+"""scripts/studies/scale_study.py (the scale study) on tiny sets: cells run, tables written, finished cells skipped,
 a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
 classes-per-rank series)."""
 import importlib
