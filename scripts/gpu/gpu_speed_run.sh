@@ -15,7 +15,7 @@
 # kernel traces) and traces.tgz (the step and kernel traces, Chrome's format). The exit status is
 # gpu_check.sh's (124: cut at the deadline; 2: refused).
 set -uo pipefail
-: "${OUT:?set OUT to the folder the results go to (the device tool sets it)}"
+: "${OUT:?set OUT to the folder the results go to (the GPU call sets it)}"
 START=$(date +%s)
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
