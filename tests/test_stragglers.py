@@ -201,7 +201,10 @@ def test_own_time_on_the_cpu_counts_the_wait_for_a_core_another_process_holds(tm
         os.sched_setaffinity(0, allowed)
         busy.kill()
         busy.wait()
-    assert span > 1.5 * cpu and watch.own * (1 + watch.share) == pytest.approx(span, rel=0.05)
+    # within 15 %: the span also holds whatever wait for the core fell between the clock reads and the watch's
+    # hooks (at nice 19 beside the suite's ranks, one time slice can be tens of ms; 5 % failed once at load 11),
+    # and without the wait share the product would be the CPU time, at least a third short
+    assert span > 1.5 * cpu and watch.own * (1 + watch.share) == pytest.approx(span, rel=0.15)
 
 
 def test_the_wait_counts_as_a_share_over_seconds_against_the_median_and_without_schedstat_not_at_all(tmp_path,
