@@ -43,6 +43,7 @@ def run_train(args) -> int:
     cfg = train_config(args)
     from .run.ckpt.resume import check_restarts_resume
     check_restarts_resume(cfg.checkpoint.resume, os.environ)   # a ConfigError: one line, exit 2
+    _prepare_if_joining(cfg)
     from .engine.select import start_engine
     from .config import ConfigError
     try:
@@ -60,6 +61,17 @@ def run_train(args) -> int:
         if comm is None:          # this worker's host left the job: the others go on without it
             return 0
         cfg.checkpoint.resume = "auto"    # the run's newest state: a memory snapshot, else its latest checkpoint
+
+
+def _prepare_if_joining(cfg) -> None:
+    """A process started to join a running job (the torch engine's ``HVD_PARTIALFC_GEN_JOIN=1``) first does, while
+    the members train, what does not depend on the group it joins (run/prejoin.py), and only then asks to join
+    (in ``start_engine``): the members' pause is then the re-form and the new layout's work only."""
+    if os.environ.get("HVD_PARTIALFC_GEN_JOIN") != "1":
+        return
+    from .run.prejoin import prepare_to_join
+    print(f"[rank {os.environ.get('RANK', '?')}] before asking to join: {prepare_to_join(cfg)}", file=sys.stderr,
+          flush=True)
 
 
 REFORM = object()   # _train_once: the group failed under this rank; the survivors re-form it in their processes

@@ -20,9 +20,10 @@ One node only. Across nodes the same needs one store process on the safest node,
 (``--host`` of gen_store, reachable by all), a per-node starter of the ranks with their global ``RANK`` and the
 job's ``WORLD_SIZE``, and ``GLOO_SOCKET_IFNAME`` (or ``HVD_PARTIALFC_HEARTBEAT_ADDR``) for the ranks' addresses.
 
-A rank that fails while others run is started again, REJOIN times in all: it imports, starts and asks to join
-while the others train; at their next step they checkpoint it and re-form the group with it (the engine's
-``Generations.join``), paused only for that.
+A rank that fails while others run is started again, REJOIN times in all: while the others train it imports the
+trainer, builds and warms up its backbone (hvd_partialfc/run/prejoin.py) and only then asks to join; at their next
+step they checkpoint it and re-form the group with it (the engine's ``Generations.join``), paused only for that and
+the start at the new size.
 
 Environment (defaults in brackets): CONFIG [configs/example.yaml], VENV [.venv], MEMORY_EVERY [20]
 (checkpoint.memory_every), MAX_RESTARTS [3], REJOIN [0].

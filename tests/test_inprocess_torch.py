@@ -6,8 +6,8 @@ first three, each survivor says it went on in its own process (one of the first 
 the run ends bitwise where the relaunch path ends: a new process that resumes the same step-4 checkpoint at 2 ranks
 (``simulate`` in this process, bitwise a real 2-rank run's: tests/test_simulate.py).
 
-Started again (REJOIN), the killed rank joins while the survivors train: they pause only to checkpoint and re-form
-at their next step (3 -> 2 -> 3), in their processes throughout.
+Started again (REJOIN), the killed rank joins while the survivors train: it builds and warms up before it asks, and
+they pause only to checkpoint and re-form at their next step (3 -> 2 -> 3), in their processes throughout.
 """
 from __future__ import annotations
 
@@ -95,12 +95,24 @@ def test_a_killed_rank_started_again_joins_while_the_others_train(small_run_shar
     regroup = int(re.search(r"step (\d+): the launcher changed the hosts; checkpoint", text).group(1))
     assert f"step-{regroup:08d} at step {regroup} (written by 2 ranks)" in text
     rows = _rows(run / "metrics.jsonl")
-    before = max(r["time"] for r in rows if r["step"] == regroup)
-    after = min(r["time"] for r in rows if r["step"] == regroup + 1 and r["world_size"] == 3)
-    print(f"the survivors' pause at the join (step {regroup} to {regroup + 1}): {after - before:.2f} s")
+    join, loss = _pause(rows, regroup, 3), _pause(rows, KILLED_AT, 2)
+    warm = re.search(r"\[rank 2\] before asking to join: imported the trainer in [\d.]+ s, warmed the backbone up in "
+                     r"([\d.]+) s", text)
+    print(f"the survivors' pause at the join (step {regroup} to {regroup + 1}): {join:.2f} s; at the loss: "
+          f"{loss:.2f} s; the newcomer's warm-up before it asked: {warm and warm.group(1)} s")
+    assert warm and text.index(warm.group(0)) < text.index("the launcher changed the hosts"), text[-4000:]
+    # The newcomer built and warmed up before asking: the survivors then pause for the re-form and their own
+    # rebuild, as at the loss (both scale with the load); its cold start (seconds) is not in the pause.
+    assert join < 2 * loss + 1.0, (join, loss)
     with open(run / "checkpoints" / open(run / "checkpoints" / "latest").read().strip() / "meta.json") as f:
         meta = json.load(f)
     assert meta["world_size"] == 3 and [s["world_size"] for s in meta["length"]["segments"]] == [3, 2, 3]
+
+
+def _pause(rows, step, size):
+    """Seconds from the last row of ``step`` to the first row of ``step + 1`` at ``size`` ranks."""
+    return min(r["time"] for r in rows if r["step"] == step + 1 and r["world_size"] == size) - \
+        max(r["time"] for r in rows if r["step"] == step)
 
 
 def _together(fns):
