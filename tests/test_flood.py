@@ -83,6 +83,7 @@ def test_the_ring_s_connect_learns_that_its_connection_was_closed_unheard_and_co
 
 
 @AS_NOBODY
+@pytest.mark.serial
 def test_signed_requests_go_on_through_a_sustained_flood_from_another_user(tmp_path, monkeypatch):
     """A rank's signed notes to another's link, for 1 s alone, then for 2 s while nobody floods the port: every
     note is answered on its first connection (none closed for the flood's), and the rate stays above a tenth of
