@@ -87,15 +87,23 @@ def test_a_killed_rank_survivors_go_on_in_their_processes_bitwise(small_run_shar
     text, run = p.stdout + p.stderr, tmp_path / "run"
     assert p.returncode == 0, text[-4000:]
     assert text.count("start worker process:") == 3, text[-4000:]            # no process replaced or added
+    survivors_went_on_bitwise(text, run, small_run_shards, tmp_path, STEPS, KILLED_AT, SETS)
+
+
+def survivors_went_on_bitwise(text, run, shards, tmp_path, steps, killed_at, sets):
+    """Ranks 0 and 1 of 3, one killed at ``killed_at``, went on in their own processes (each re-formed well inside 10
+    s), resumed the 3-rank checkpoint of ``killed_at`` and ended bitwise where a new process resuming it at 2 ranks
+    ends (also tests/test_inprocess_torch.py). Returns their pids."""
     survivors = went_on(text, 2)
     assert sorted(int(w[0]) for w in survivors) == [0, 1], text[-4000:]
     assert len({w[1] for w in survivors}) == 2 and all(float(w[3]) < 10 for w in survivors), survivors
-    assert f"resumed from {run}/checkpoints/step-{KILLED_AT:08d} at step {KILLED_AT} (written by 3 ranks)" in text
-    last = f"step-{KILLED_AT + (STEPS - KILLED_AT) * 3 // 2:08d}"
+    assert f"resumed from {run}/checkpoints/step-{killed_at:08d} at step {killed_at} (written by 3 ranks)" in text
+    last = f"step-{killed_at + (steps - killed_at) * 3 // 2:08d}"
     assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == last
-    ref = resumed_at(run, KILLED_AT, 2, small_run_shards, tmp_path / "relaunch", STEPS, SETS)
+    ref = resumed_at(run, killed_at, 2, shards, tmp_path / "relaunch", steps, sets)
     assert pins.checkpoint_digests(os.path.join(run, "checkpoints", last)) == \
         pins.checkpoint_digests(os.path.join(ref, last))
+    return {w[1] for w in survivors}
 
 
 # The discovery script of the hosts test: the third name until the run's step-10 checkpoint, then not (removed),

@@ -127,7 +127,7 @@ def test_a_starved_rank_and_a_slow_node_are_named_and_the_slow_node_is_evicted(s
         assert starved["own_s"] > 1.5 * starved["median_s"] and starved["step"] <= slow_at
         assert kept_line["event"] == "not evicted" and "serves torchrun's rendezvous store" in kept_line["line"]
         events = events[2:]
-    assert [e["event"] for e in events] == ["named", "evicted"]
+    assert [e["event"] for e in events] == ["named", "evicted"], events
     named, rank = events[0], slow_rank
     assert (named["rank"], named["node"]) == (rank, node) and named["own_s"] > 1.5 * named["median_s"]
     assert events[1]["ranks"] == ranks and rank in ranks
