@@ -14,8 +14,9 @@ opened once as a descriptor, and renamed through that descriptor: it is never op
 of a group-writable folder who swaps a link in for the temporary while it is written has nothing written through
 the link, and the swapped name is never published (the write fails). `atomic_path` gives a library that writes
 only by name (h5py) a name inside a private folder, reached through the folder's descriptor: nothing there can
-be swapped by another user. The folder helpers (`open_dir`, `same_entry`, `clear_dir`, `remove_tree_at`) serve the memory snapshot
-store too: they never follow a link and act on the folder a descriptor holds, whatever its name points to now.
+be swapped by another user. The folder helpers (`open_dir`, `same_entry`, `clear_dir`, `remove_tree_at`) serve
+the memory snapshot store too: they never follow a link and act on the folder a descriptor holds, whatever its
+name points to now.
 
 A whole folder (a shard set, an IJB-shaped set) is committed the same way, one level up: written in full
 under another name, then renamed into place by `commit_folder`, with `recover_folder` to finish at the

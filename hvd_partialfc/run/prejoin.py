@@ -42,10 +42,7 @@ def prepare_to_join(cfg) -> str:
         startup.check_runtime_options(cfg, manifest.kind)
         if uses_cuda(cfg.train.device):
             return f"imported the trainer in {imported:.2f} s (no warm-up pass on a GPU)"
-        if cfg.train.threads > 0:
-            torch.set_num_threads(cfg.train.threads)
-        else:
-            torch.set_num_threads(startup.rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        startup.set_threads(cfg, "cpu", int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         state = torch.random.get_rng_state()     # the run seeds its own streams; this leaves no trace anyway
         backbone = create_model(cfg.model.name, in_shape=list(manifest.sample_shape),
                                 embedding_dim=cfg.model.embedding_dim, **cfg.model.kwargs)

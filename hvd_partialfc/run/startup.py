@@ -153,11 +153,17 @@ def _set_up_device(cfg, comm) -> torch.device:
     """This rank's device, its flags and its intra-op threads."""
     device = pick_device(cfg, comm)
     set_device_flags(cfg, device)
+    set_threads(cfg, device.type, comm.local_size)
+    return device
+
+
+def set_threads(cfg, device_type: str, local_size: int) -> None:
+    """This rank's intra-op threads: ``train.threads``, else on the CPU the host's cores shared by its
+    ``local_size`` ranks (ranks sharing a host share its cores; oversubscription thrashes)."""
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
-    elif device.type == "cpu":  # ranks sharing a host share its cores; oversubscription thrashes
-        torch.set_num_threads(rank_threads(comm.local_size))
-    return device
+    elif device_type == "cpu":
+        torch.set_num_threads(rank_threads(local_size))
 
 
 def _build(cfg, comm, device, say) -> Tuple[RunData, Any, Any, str]:
