@@ -5,8 +5,11 @@ after `recover_folder`, the whole old folder or the whole new one, never nothing
 Plain pytest, CPU, seconds."""
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -206,29 +209,43 @@ def test_a_temporary_swapped_for_a_link_while_it_is_written_overwrites_nothing(t
     assert list(shared.iterdir()) == []                 # the link removed (not what it points to), nothing published
 
 
-def test_a_by_name_writer_writes_where_no_one_else_can_swap_anything(tmp_path):
-    """h5py writes its temporary by name. A member of the group-writable output folder swaps whatever appeared
-    there for links to the owner's files while the library writes (simulated after the temporary is made): a
-    file is replaced by a link to the owner's file, a folder renamed away and a link to another of the owner's
-    folders put in its place. Nothing of the owner's is written and the shard is published (before: the temporary
-    was a file in the shared folder, reopened by name, so the owner's file was overwritten)."""
-    victim, victims = tmp_path / "thesis.tex", tmp_path / "papers"
-    victim.write_bytes(b"years of work")
-    victims.mkdir()
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    with atomic.atomic_path(str(shared / "shard.h5")) as tmp:
-        for entry in list(shared.iterdir()):
-            if entry.is_dir():
-                entry.rename(shared / "moved-away")
-                entry.symlink_to(victims)
-            else:
-                entry.unlink()
-                entry.symlink_to(victim)
-        with open(tmp, "wb") as f:                     # the library opens the name it was given
-            f.write(b"shard")
-    assert victim.read_bytes() == b"years of work" and list(victims.iterdir()) == []
-    assert (shared / "shard.h5").read_bytes() == b"shard" and not (shared / "shard.h5").is_symlink()
+# Another user's swap, run as that user: every temporary of shard.h5 in the shared folder replaced by a link, a
+# folder renamed away first ($1 the shared folder, $2 the owner's file, $3 another of the owner's folders).
+SWAP = """for e in "$1"/.shard.h5.tmp-*; do
+  if [ -d "$e" ] && [ ! -L "$e" ]; then mv "$e" "$1/moved-away" && ln -s "$3" "$e"
+  else rm -f "$e" && ln -s "$2" "$e"; fi
+done"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"),
+                    reason="acting as another user (runuser -u nobody) needs root")
+def test_a_by_name_writer_writes_where_no_one_else_can_swap_anything():
+    """h5py writes its temporary by name. In an output folder every user may change (0777, as a group-writable one
+    is to its members), ``nobody`` swaps whatever appeared there for links to the owner's files while the library
+    writes: a file is replaced by a link to the owner's file, a folder renamed away and a link to another of the
+    owner's folders put in its place. Nothing of the owner's is written and the shard is published (before: the
+    temporary was a file in the shared folder, reopened by name, so the owner's file was overwritten)."""
+    base = tempfile.mkdtemp(prefix="hvdpfc-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        os.chmod(base, 0o755)
+        victim, victims, shared = (os.path.join(base, n) for n in ("thesis.tex", "papers", "shared"))
+        with open(victim, "wb") as f:
+            f.write(b"years of work")
+        os.mkdir(victims)
+        os.mkdir(shared)
+        os.chmod(shared, 0o777)
+        with atomic.atomic_path(os.path.join(shared, "shard.h5")) as tmp:
+            swap = subprocess.run(["runuser", "-u", "nobody", "--", "sh", "-c", SWAP, "swap", shared, victim,
+                                   victims], capture_output=True, text=True)
+            assert swap.returncode == 0 and os.path.islink(glob.glob(os.path.join(shared, ".shard.h5.tmp-*"))[0]), \
+                swap.stderr
+            with open(tmp, "wb") as f:                 # the library opens the name it was given
+                f.write(b"shard")
+        assert open(victim, "rb").read() == b"years of work" and os.listdir(victims) == []
+        published = os.path.join(shared, "shard.h5")
+        assert open(published, "rb").read() == b"shard" and not os.path.islink(published)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _umask() -> int:
