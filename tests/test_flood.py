@@ -42,8 +42,8 @@ def test_a_flood_from_another_user_never_closes_a_rank_s_connection_in_its_hands
     thread.start()
     rank = socket.create_connection(server.getsockname(), timeout=5)
     time.sleep(0.1)                                         # accepted, in its handshake
-    flood = flooder.finish(flooder.start_as("nobody", [server.getsockname()], 1.0))
-    assert flood["opened"] > 4 * MAX_PENDING, flood        # the flood was real
+    flood = flooder.finish(flooder.start_as("nobody", [server.getsockname()], 2.0))
+    assert flood["opened"] > 2 * MAX_PENDING, flood        # real: more idle ones than the handshake slots
     rank.sendall(hello)
     deadline = time.monotonic() + 5
     while not got and time.monotonic() < deadline:

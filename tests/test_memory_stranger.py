@@ -197,7 +197,8 @@ def test_a_failed_first_start_leaves_nothing_that_refuses_the_next(tmp_path, mon
     os.mkdir(killed.path, 0o700)                                  # killed between its mkdir and its owner.json
     killed.open()
     assert json.loads((root / killed.name / "owner.json").read_text())["token"] == "tok"
-    old, young = root / (killed.name[:-1] + "0"), root / (killed.name[:-1] + "1")
+    other = [c for c in "0123456789abcdef" if c != killed.name[-1]]     # names that differ from the run's
+    old, young = root / (killed.name[:-1] + other[0]), root / (killed.name[:-1] + other[1])
     for d in (old, young):
         d.mkdir(mode=0o700)
     os.utime(old, (time.time() - 120, time.time() - 120))
