@@ -13,7 +13,7 @@ torchrun's variables, so that the test, not a launcher, sees each rank end).
     python heartbeat_job.py stray TIMEOUT    # a stray connection and a flood of 200 reach rank 0 before rank 1
                                              # does: they are refused, and the ring forms with rank 1; as root,
                                              # another user (nobody) floods both ranks' ports all the while
-    python heartbeat_job.py busy,agreed TIMEOUT   # modes one after the other in one job (one start-up of two
+    python heartbeat_job.py stray,busy,agreed TIMEOUT   # modes one after the other in one job (one start-up of two
                                              # ranks); a mode that does not end the job ends in an all-reduce,
                                              # after which each rank prints "[rank R] MODE: done"
 """
