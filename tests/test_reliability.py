@@ -6,14 +6,17 @@ tests/test_checkpoints.py::test_nonfinite_loss_stop_and_skip, in that file's one
 Launches are what cost here (10-40 s each on a busy machine), so a trained run serves several checks (the
 SIGKILL test's runs are also the re-sharding source and the refusals' checkpoint), and what needs the
 trainer's start-up, resume and loop but no Horovod (refusals and other data, the augmentation's effect,
-re-sharding to 1 rank and from a 4-rank source, going on after a re-shard, the resume after a kill during a
-write, the uninterrupted run the SIGKILLed one is compared with) runs ``hvd-partialfc simulate`` in this
-process. Every multi-rank behaviour keeps a real launch."""
+re-sharding to 1 and 2 ranks and from a 4-rank source, going on after a re-shard, the resume after a kill
+during a write, the uninterrupted run the SIGKILLed one is compared with) runs ``hvd-partialfc simulate`` in
+this process; the job killed during a write is a ``simulate`` process of its own (the files it leaves are
+under test). Every multi-rank behaviour keeps a real launch: a fail-fast exit under each engine where the
+engines differ (a rank killed: both; a rank raising: Horovod's Gloo and MPI)."""
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -51,9 +54,11 @@ def images(tmp_path_factory):
 
 
 def _cmd(np_, shards, out, sets, steps, backend="gloo"):
-    """``backend``: horovodrun's ``gloo`` or ``mpi``, or ``torchrun`` (the torch engine)."""
-    args = launch_cmd(backend, np_) + ["-m", "hvd_partialfc.cli", "train",
-                                       "--shards", shards, "--out", out, "--steps", str(steps)]
+    """``backend``: horovodrun's ``gloo`` or ``mpi``, ``torchrun`` (the torch engine), or ``simulate`` (one
+    process: ``hvd-partialfc simulate --ranks np_``)."""
+    start = [sys.executable, "-m", "hvd_partialfc.cli", "simulate", "--ranks", str(np_)] if backend == "simulate" \
+        else launch_cmd(backend, np_) + ["-m", "hvd_partialfc.cli", "train"]
+    args = start + ["--shards", shards, "--out", out, "--steps", str(steps)]
     for s in sets:
         args += ["--set", s]
     return args
@@ -83,9 +88,10 @@ def reshard_offline(src, world_size, out):
     return [torch.load(os.path.join(out, f), weights_only=True) for f in m["classifier_files"]]
 
 
-def kill_job_when(np_, shards, out, sets, steps, fault, ready, timeout=120):
-    """Start a job, wait until ``ready()``, then SIGKILL horovodrun and every process under it."""
-    proc = subprocess.Popen(_cmd(np_, shards, out, list(BASE) + list(sets), steps), env=launch_env(fault), cwd=ROOT,
+def kill_job_when(np_, shards, out, sets, steps, fault, ready, timeout=120, backend="gloo"):
+    """Start a job, wait until ``ready()``, then SIGKILL the launcher and every process under it."""
+    proc = subprocess.Popen(_cmd(np_, shards, out, list(BASE) + list(sets), steps, backend), env=launch_env(fault),
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + timeout
     try:
@@ -235,8 +241,10 @@ def test_reshard_to_another_world_size(streams, images, shards4, tmp_path, capsy
     sampled-rows AdamW's (W, D) moments and (W,) step count: it was taken whole from the first file, as a
     scalar) by rows, as an offline concatenation of the old files says; training goes on from there; and
     ``hvd-partialfc reshard`` writes the same rows. 2 -> 1 (one rank gathers two files, the second at an
-    offset) and 4 -> 2 with SGD's momentum (rank 1 gathers files 2 and 3) run in this process (simulate);
-    1 -> 2 (each rank cuts its part of one file) is a real horovodrun job."""
+    offset), 1 -> 2 (each rank cuts its part of one file) and 4 -> 2 with SGD's momentum (rank 1 gathers files 2
+    and 3) run in this process (simulate: the cut is file logic each rank does alone, run/ckpt/reshard.py, the
+    same on virtual ranks; 1 -> 2 was a horovodrun launch, ~10 CPU-s). A real launch resuming at another world
+    size: tests/test_elastic.py (2 -> 1 under torchrun and under launch/horovod_restarts.py)."""
     src = streams["straight"]   # 2 ranks, step 16
     _, _, old = load_ckpt(src)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
@@ -252,8 +260,8 @@ def test_reshard_to_another_world_size(streams, images, shards4, tmp_path, capsy
     assert simulate_here(capsys, 1, images, one, STREAMS + ["checkpoint.resume=auto"], steps=18)[0] == 0
     _, _, old = load_ckpt(one)
     assert load_ckpt(one)[0]["step"] == 20
-    # 1 -> 2 under horovodrun
-    train(2, images, two, STREAMS + [f"checkpoint.resume={one}"], steps=18)
+    # 1 -> 2
+    assert simulate_here(capsys, 2, images, two, STREAMS + [f"checkpoint.resume={one}"], steps=18)[0] == 0
     meta, _, new = load_ckpt(two)
     assert meta["world_size"] == 2 and len(new) == 2 and meta["step"] == 20   # 18 steps of 2 ranks' samples done
     assert_rows_are(new, old, ROW_STATE)
@@ -294,12 +302,15 @@ def test_one_rank_fails_every_rank_exits_fast(shards4, tmp_path, fault, backend)
     assert meta["step"] == 3 and len(cls) == 2
 
 
-@pytest.mark.parametrize("backend", ["gloo", "torchrun"])
-def test_bad_sample_on_one_rank_only(tmp_path, backend):
+def test_bad_sample_on_one_rank_only(tmp_path, backend="gloo"):
     """Rank 1's shard holds one encoded image that cannot be decoded: found mid-training (its second batch, in
     a DataLoader worker) on rank 1 only, every rank exits quickly, rank 1 says why, naming the file and the
     sample, and the last good checkpoint (step 1) stays valid and loadable. The Gloo case of one rank
-    raising: rank 1's exception, rank 0 waiting in the step's allreduce."""
+    raising: rank 1's exception, rank 0 waiting in the step's allreduce. Under Horovod only: the finding and
+    the message are the data loader's and the CLI's, the same under both engines, and under the torch engine
+    a rank that raises ends its peers as a killed one does (its heartbeat link closed without a goodbye:
+    tests/test_heartbeat.py::test_a_ranks_own_error_leaves_without_a_goodbye; the killed rank under torchrun:
+    test_one_rank_fails_every_rank_exits_fast). It ran under torchrun too (a launch, ~10 CPU-s)."""
     import io
     from PIL import Image
     from hvd_partialfc.data.partition import even_slices
@@ -331,14 +342,17 @@ def test_bad_sample_on_one_rank_only(tmp_path, backend):
 
 
 def test_kill_during_checkpoint_write_keeps_previous(shards4, tmp_path, capsys):
-    """Every process SIGKILLed while the step-6 checkpoint is half written (both ranks' files there,
-    meta.json and latest not yet): the step-3 checkpoint stays latest and loads; resume goes on from it to
-    the end and the half-written folder is gone (the resume, start-up file logic agreed by the ranks, runs
-    under ``simulate --ranks 2`` in this process; the real resume after a SIGKILL is the streams test's)."""
+    """The job SIGKILLed while the step-6 checkpoint is half written (both ranks' files there, meta.json and
+    latest not yet): the step-3 checkpoint stays latest and loads; resume goes on from it to the end and the
+    half-written folder is gone. What is under test is the files a kill leaves, written by the same checkpoint
+    code on every rank, real or virtual: the job is ``hvd-partialfc simulate --ranks 2`` in a process of its
+    own, SIGKILLed (one process start, not a launcher and two ranks: ~5 CPU-s less); the resume, start-up file
+    logic agreed by the ranks, runs under ``simulate --ranks 2`` in this process. The real resume after a
+    SIGKILL of a real launch (launcher, ranks, their workers) is the streams test's."""
     run = str(tmp_path / "run")
     partial = os.path.join(run, "checkpoints", "step-00000006.partial")
     kill_job_when(2, shards4, run, ["checkpoint.every=3"], 12, "pause-in-ckpt@6",
-                  lambda: os.path.isfile(os.path.join(partial, "classifier-00001-of-00002.pt")))
+                  lambda: os.path.isfile(os.path.join(partial, "classifier-00001-of-00002.pt")), backend="simulate")
     assert latest(run) == "step-00000003" and os.path.isdir(partial)
     meta, bb, cls = load_ckpt(run)  # the previous checkpoint is complete and loads
     assert meta["step"] == 3
