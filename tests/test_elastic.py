@@ -1,8 +1,9 @@
 """Elastic restarts on one host, under the real launchers: a lost worker or a lost agent costs only the steps
 since the last checkpoint, with no command by hand.
 
-* torchrun, one worker killed: the group restarts at the same size from the last checkpoint and ends
-  bitwise where an uninterrupted run ends (a same-size resume restores every random stream);
+* torchrun, one worker failed: the group restarts at the same size from the last checkpoint and ends
+  bitwise where an uninterrupted run ends (a same-size resume restores every random stream); read from the
+  launch of the restart counts' test below (two agents, one worker each), whose one failure is that case;
 * torchrun, two agents (``--nnodes 1:2``, c10d rendezvous on localhost) and one killed with its worker (a
   crashed peer; the partition case, a cut link between network stacks, is tests/test_twonode.py): the
   survivor re-forms the group alone, resumes re-sharded from the 2-rank checkpoint, and finishes;
@@ -66,16 +67,18 @@ def _uninterrupted(shards, out, steps, sets):
     return simulate_here(cfg, 2).checkpoint
 
 
-def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(small_run_shards, tmp_path):
-    hit, sets = tmp_path / "hit", ["checkpoint.every=10"]
-    base = [TORCHRUN, "--nproc-per-node", "2", "--standalone", "--max-restarts", "1", "--monitor-interval", "0.5"]
-    p = run_job(base + train_cmd(small_run_shards, hit, 40, sets), env("kill@25:1"), 180)
-    assert p.returncode == 0, p.stderr[-3000:]
-    text = p.stdout + p.stderr
-    assert "resumed from" in text and "step-00000020 at step 20" in text
-    ckpt, meta = meta_of(hit)
-    assert meta["step"] == 40 and meta["world_size"] == 2
-    assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(_uninterrupted(small_run_shards, tmp_path / "whole", 40, sets))
+def test_a_dead_worker_restarts_the_group_at_the_same_size_bitwise(two_agents, small_run_shards, tmp_path):
+    """Rank 0 failed before step 13 (``two_agents``): both workers restarted at the same size from the step-10
+    checkpoint, and the run ends bitwise where an uninterrupted one ends. A worker SIGKILLed under torchrun is
+    tests/test_reliability.py::test_one_rank_fails_every_rank_exits_fast[kill@5:1-torchrun] (every rank ends) and
+    the chaos run's node-lost (its group restarted); the resume after either is this one."""
+    run, codes, text = two_agents
+    assert codes == [0, 0], text[-4000:]
+    assert "resumed from" in text and "step-00000010 at step 10" in text
+    ckpt, meta = meta_of(run)
+    assert meta["step"] == 20 and meta["world_size"] == 2
+    whole = _uninterrupted(small_run_shards, tmp_path / "whole", 20, TWO_AGENTS_SETS)
+    assert pins.checkpoint_digests(ckpt) == pins.checkpoint_digests(whole)
 
 
 def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_shards, tmp_path):
@@ -134,22 +137,22 @@ def test_a_lost_agent_shrinks_the_world_and_the_run_goes_on_resharded(small_run_
           f"loss {first:.2f} at the start, {last_before:.2f} at step {step}, {after:.2f} after the resume")
 
 
-def test_agents_with_different_restart_counts_agree_on_the_round(small_run_shards, tmp_path):
-    """Two torchrun agents sharing torchrun's store (its default) end up with different restart counts: rank 0
-    raises at step 12 (its agent counts a restart) while rank 1 sleeps in a long step with the heartbeat off,
-    so its agent sees the first one waiting in the next round and restarts its worker as a change of members,
-    which torchrun does not count. The next round must form at once (engine/round_store.py): the injected
-    failure is the job's only one. Before, the ranks keyed the store by their restart count, 1 and 0: rank 1
-    read the previous round's addresses, failed, and cost another restart (with 3+ agents, a 30-minute wait)."""
-    run, port = tmp_path / "run", free_port()
-    sets = ["checkpoint.every=5", "train.heartbeat_timeout=0"]
+TWO_AGENTS_SETS = ["checkpoint.every=5", "train.heartbeat_timeout=0"]
+
+
+@pytest.fixture(scope="module")
+def two_agents(small_run_shards, tmp_path_factory):
+    """Two torchrun agents (one worker each) sharing torchrun's store, 20 steps: rank 0 raises before step 13,
+    rank 1 sleeps 4 s in that step with the heartbeat off. (run folder, agents' exit codes, their output)."""
+    tmp = tmp_path_factory.mktemp("two_agents")
+    run, port = tmp / "run", free_port()
     e = dict(env("raise@12:0,stall@12:1"), HVD_PARTIALFC_STALL_SECONDS="4")
 
     def agent(host):
         return [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval",
                 "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "counts",
-                "--rdzv-conf", f"is_host={host},{RDZV_CONF}"] + train_cmd(small_run_shards, run, 20, sets)
-    logs = [tmp_path / f"agent{i}.log" for i in (1, 2)]
+                "--rdzv-conf", f"is_host={host},{RDZV_CONF}"] + train_cmd(small_run_shards, run, 20, TWO_AGENTS_SETS)
+    logs = [tmp / f"agent{i}.log" for i in (1, 2)]
     procs = []
     for host, log in zip((1, 0), logs):
         procs.append(subprocess.Popen(agent(host), env=e, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -161,7 +164,17 @@ def test_agents_with_different_restart_counts_agree_on_the_round(small_run_shard
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
-    text = "\n".join(log.read_text() for log in logs)
+    return run, codes, "\n".join(log.read_text() for log in logs)
+
+
+def test_agents_with_different_restart_counts_agree_on_the_round(two_agents):
+    """Two torchrun agents sharing torchrun's store (its default) end up with different restart counts: rank 0
+    raises at step 12 (its agent counts a restart) while rank 1 sleeps in a long step with the heartbeat off,
+    so its agent sees the first one waiting in the next round and restarts its worker as a change of members,
+    which torchrun does not count. The next round must form at once (engine/round_store.py): the injected
+    failure is the job's only one. Before, the ranks keyed the store by their restart count, 1 and 0: rank 1
+    read the previous round's addresses, failed, and cost another restart (with 3+ agents, a 30-minute wait)."""
+    run, codes, text = two_agents
     assert codes == [0, 0], text[-4000:]
     failures = [line for line in text.splitlines() if "failed (exitcode" in line]
     assert len(failures) == 1 and "InjectedFault" in text, failures
@@ -170,9 +183,9 @@ def test_agents_with_different_restart_counts_agree_on_the_round(small_run_shard
 
 
 def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path):
-    """horovod_restarts.py: attempt 0 on 2 slots loses rank 1 at step 15; the discovery script then lists 1
-    slot; attempt 1 resumes the step-10 checkpoint re-sharded to 1 rank and finishes the run's samples (20
-    steps of 2 ranks left: 40 at 1)."""
+    """horovod_restarts.py: attempt 0 on 2 slots loses rank 1 before step 9; the discovery script then lists 1
+    slot; attempt 1 resumes the step-5 checkpoint re-sharded to 1 rank and finishes the run's samples (11
+    steps of 2 ranks left: 22 at 1)."""
     require_horovod()
     calls = tmp_path / "calls"
     hosts = tmp_path / "hosts.sh"
@@ -181,14 +194,14 @@ def test_horovod_restarts_on_the_hosts_that_are_left(small_run_shards, tmp_path)
     run = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--discovery",
            str(hosts), "--horovodrun", os.path.join(BIN, "horovodrun"), "--horovodrun-args=--gloo", "--",
-           sys.executable] + train_cmd(small_run_shards, run, 30, ["checkpoint.every=10"])
-    p = run_job(cmd, env("kill@15:1"), 240)
+           sys.executable] + train_cmd(small_run_shards, run, 16, ["checkpoint.every=5"])
+    p = run_job(cmd, env("kill@8:1"), 240)
     text = p.stdout + p.stderr
     assert p.returncode == 0, text[-3000:]
     assert "attempt 0: 2 ranks on localhost:2" in text and "attempt 1: 1 ranks on localhost:1" in text
-    assert "step-00000010 at step 10 (written by 2 ranks)" in text
+    assert "step-00000005 at step 5 (written by 2 ranks)" in text
     _, meta = meta_of(run)
-    assert meta["step"] == 10 + 2 * 20 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]   # by samples
+    assert meta["step"] == 5 + 2 * 11 and meta["world_size"] == 1 and meta["slices"] == [[0, 24]]   # by samples
 
 
 def test_the_wrappers_decision(tmp_path):
