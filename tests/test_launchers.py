@@ -1,11 +1,11 @@
-"""The elastic launchers themselves, run as a user runs them: ``bash launch/torchrun.sh`` (one node, 2 ranks) and
-``bash launch/slurm_torchrun.sbatch`` under a fake ``srun`` and ``scontrol`` (small scripts first on PATH: ``srun``
-starts its command once per node, each in a session of its own with SLURM_NODEID / SLURM_PROCID /
-SLURMD_NODENAME set, and returns the first non-zero status; ``scontrol show hostnames`` prints ``localhost``
-once per node; every call is recorded). Two "nodes" of one rank on this host, each with its own memory-snapshot
-root (``MEMORY_DIR`` with ``%n``), the job run to its end, and stopped by Slurm's time-limit signal (requeued).
-The small MLP job of conftest.py; the rendezvous on a free port; the ranks' exit folder in the submit directory
-(the test's folder)."""
+"""The elastic launchers themselves, run as a user runs them: ``bash launch/torchrun.sh`` (one node, 2 ranks,
+stopped by a signal to one of them) and ``bash launch/slurm_torchrun.sbatch`` under a fake ``srun`` and
+``scontrol`` (small scripts first on PATH: ``srun`` starts its command once per node, each in a session of its
+own with SLURM_NODEID / SLURM_PROCID / SLURMD_NODENAME set, and returns the first non-zero status; ``scontrol
+show hostnames`` prints ``localhost`` once per node; every call is recorded). Two "nodes" of one rank on this
+host, each with its own memory-snapshot root (``MEMORY_DIR`` with ``%n``), the job run to its end, and stopped
+by Slurm's time-limit signal (requeued). The small MLP job of conftest.py; the rendezvous on a free port; the
+ranks' exit folder in the submit directory (the test's folder)."""
 from __future__ import annotations
 
 import json
@@ -102,6 +102,11 @@ def latest(run):
     return json.loads((ckpt / "meta.json").read_text())
 
 
+def checkpoints(run):
+    from hvd_partialfc.run_files import list_checkpoints
+    return list_checkpoints(str(run))
+
+
 def metrics(run):
     return [r for r in map(json.loads, open(run / "metrics.jsonl")) if "loss" in r]
 
@@ -137,17 +142,61 @@ def calls(log, name):
     return path.read_text().splitlines() if path.exists() else []
 
 
-def test_torchrun_sh_trains_one_node_of_two_ranks_to_the_end(small_run_shards, tmp_path):
+def test_torchrun_sh_one_node_of_two_ranks_a_signal_to_one_rank_checkpoints_every_rank(small_run_shards, tmp_path,
+                                                                                         capfd):
+    """``bash launch/torchrun.sh`` on one node of two ranks, and a stop signal (SIGTERM) to ONE rank of it: every
+    rank agrees (the torch engine's vote), checkpoints and exits 75; torchrun says 1 and the script exits 75, the
+    ranks' status read from its own exit folder (removed after); time-based checkpoints appear meanwhile (each
+    written once); the stop's checkpoint resumes (under ``simulate --ranks 2`` in this process: the files, not
+    the engine, are under test there). MAX_RESTARTS=0: with restarts left the agent would restart its workers
+    after their 75 (a stop meant for the whole job reaches the agents: the requeue test below). Horovod's case,
+    under launch/horovod_restarts.py: tests/test_checkpoints.py::test_signal_to_one_rank_checkpoints_every_rank.
+    This was two launches of two ranks (the torchrun case there, and this script trained to its end here; the
+    end through this script: test_slurm_sbatch_trains_two_nodes_through_torchrun_sh)."""
+    from hvd_partialfc.config_io import load_config
+    from conftest import simulate_here
     run = tmp_path / "run"
     (tmp_path / "mem").mkdir()
     env = script_env(tmp_path, RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", RDZV_ID=f"launchers-{os.getpid()}",
-                     MEMORY_EVERY=5, MEMORY_DIR=tmp_path / "mem")
-    rc, out = run_script(["bash", TORCHRUN_SH, small_run_shards, str(run), "2", "1", *train_args(20)], env, tmp_path)
-    assert rc == 0, out[-4000:]
-    assert "done:" in out and "memory snapshots every 5 steps" in out, out[-4000:]
+                     MEMORY_EVERY=5, MEMORY_DIR=tmp_path / "mem", MAX_RESTARTS=0)
+    sets = ["checkpoint.every_minutes=0.01", "checkpoint.keep=1000"]
+    proc = subprocess.Popen(["bash", TORCHRUN_SH, small_run_shards, str(run), "2", "1", *train_args(100000, sets)],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while len(checkpoints(run)) < 2:  # time-based checkpoints (every 0.6 s) appear without checkpoint.every
+            assert proc.poll() is None and time.time() < deadline, "no time-based checkpoints"
+            time.sleep(0.2)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
+        assert len(ranks) == 1
+        ranks[0].send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0].replace("\r", "\n")
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+            proc.communicate()
+    assert proc.returncode == 75, out[-4000:]
+    assert "[rank 1] stopped by SIGTERM" in out and "[rank 0] stopped by a stop signal on another rank" in out
+    assert "the ranks' last exit status: 75; exit 75" in out, out[-4000:]
+    assert "memory snapshots every 5 steps" in out, out[-4000:]
+    assert not list(tmp_path.glob("hvd_partialfc-exit.*"))                       # its own exit folder, removed
     meta = latest(run)
-    assert (meta["step"], meta["world_size"]) == (20, 2)
+    assert meta["world_size"] == 2 and 0 < meta["step"] < 100000 and meta["identical"]
     assert {r["world_size"] for r in metrics(run)} == {2}
+    # the stop's own checkpoint, at or after the last step logged
+    assert meta["step"] >= max(r["step"] for r in metrics(run))
+    written = [int(s[5:]) for s in checkpoints(run)]
+    assert len(written) >= 3     # time-based (every 0.6 s), then the stop's
+    assert all(b - a > 1 for a, b in zip(written[:-2], written[1:-1]))   # a due checkpoint is written once
+    capfd.readouterr()
+    cfg = load_config(os.path.join(ROOT, "configs", "example.yaml"),
+                      [*SMALL_RUN, *sets, f"data.shards={small_run_shards}", f"out={run}",
+                       f"train.steps={meta['step'] + 2}"])
+    result = simulate_here(cfg, 2)
+    assert f"at step {meta['step']}" in "".join(capfd.readouterr())
+    assert result.checkpoint.endswith(f"step-{meta['step'] + 2:08d}")
 
 
 def test_slurm_sbatch_trains_two_nodes_through_torchrun_sh(small_run_shards, tmp_path):

@@ -1,4 +1,4 @@
-"""Checkpoint and step-decision scenarios run by tests/test_checkpoints.py (its two-rank launch, and one rank alone)
+"""Checkpoint and step-decision scenarios run by tests/test_checkpoints.py (each an item of its two-rank launch)
 under real ``horovodrun`` (or alone, as one rank). Each writes ``OUT/rank-<r>.json`` with what it observed.
 
     python ckpt_scenarios.py diverged   SHARDS OUT   # backbones differ at a save: aside, latest untouched
