@@ -1,4 +1,4 @@
-"""The torch engine's timeout and bucket order (engine/torchdist.py), under real torchrun with 2 ranks.
+"""The torch engine's timeout and bucket order (engine/torchdist.py), on 2 ranks started as torchrun starts them.
 
 * ``train.collective_timeout``: a rank that waits in a collective longer than it fails, one that waits less
   does not (torch's default was 30 minutes: ranks waiting while rank 0 evaluated alone died there);
@@ -7,18 +7,39 @@
   paired different buckets and the averages were wrong.
 """
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import MR, TORCHRUN, launch_env, run_job
+from conftest import MR, ROOT, free_port, launch_env
 
 pytestmark = pytest.mark.multirank
 
 
-def _torchrun(*args, timeout=120):
-    return run_job([TORCHRUN, "--standalone", "--nproc-per-node", "2", os.path.join(MR, "torch_engine_job.py"),
-                    *map(str, args)], launch_env(), timeout)
+def _two_ranks(*args, timeout=120):
+    """torch_engine_job.py as two ranks started with the variables torchrun gives its workers (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...), as tests/test_heartbeat.py starts its jobs: what is under test is
+    the engine, which reads that environment, not torchrun's agent (a third process, ~3 CPU-s, that it ran under
+    before). A CompletedProcess: rank 0's output then rank 1's, the first non-zero exit status (else 0)."""
+    port, procs = free_port(), []
+    for r in range(2):
+        env = dict(launch_env(), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(MR, "torch_engine_job.py"), *map(str, args)],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    code = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess(procs[0].args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +48,7 @@ def job(tmp_path_factory):
     with a 2 s collective timeout, the buckets' averages written to OUT, then rank 1 arrives 0.5 s late
     (fine), then 5 s late (not). (The process, OUT)."""
     out = tmp_path_factory.mktemp("torch_engine")
-    return _torchrun("branch-then-wait", out, 2, 0.5, 5), out
+    return _two_ranks("branch-then-wait", out, 2, 0.5, 5), out
 
 
 def test_a_collective_waits_as_long_as_the_timeout_says(job):

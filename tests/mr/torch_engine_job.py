@@ -1,4 +1,5 @@
-"""Two ranks of the torch engine under torchrun (tests/test_torch_engine.py).
+"""Two ranks of the torch engine (tests/test_torch_engine.py starts them with torchrun's variables; torchrun runs
+them as well).
 
     torchrun --standalone --nproc-per-node 2 torch_engine_job.py wait TIMEOUT SLEEP [SLEEP ...]
         with train.collective_timeout=TIMEOUT, for each SLEEP: rank 1 sleeps SLEEP s before an all-reduce that
