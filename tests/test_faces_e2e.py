@@ -11,8 +11,9 @@ keeps two ranks; everything else is at the smallest size that still runs each pa
 goes on in the same folder, its metrics continuing) is tests/test_reliability.py's (a resnet with every random
 stream, bitwise); here the resume starts from the uninterrupted run's own step-1 checkpoint (the same files a
 kill after it leaves: 13 s of a third launch, 2026-12-07). Both runs are ``hvd-partialfc train`` under ONE
-``horovodrun -np 2`` (tests/mr/engines_launch.py: the console script's code, one after the other in one
-process, as test_engines.py's cross-engine resume runs), not a launch each."""
+``horovodrun -np 2``, the one that tests/helpers_np2.py shares with other files' two-rank work (the console
+script's code, one after the other in one process, as test_engines.py's cross-engine resume runs), not a
+launch each."""
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MR, build_shards, read_json_lines, run_hvd
+import helpers_np2
+from conftest import build_shards, read_json_lines
 from helpers_face import one_thread  # noqa: F401  (autouse fixture: the in-process export and check)
 
 pytestmark = pytest.mark.multirank
@@ -61,24 +63,50 @@ def _bin(path, templates, pairs=10, seed=1):
     return str(path)
 
 
+SETS = ["model.name=iresnet18", f"model.embedding_dim={EMB}", "data.batch_size=2", "data.workers=0", "train.steps=2",
+        "train.precision=fp32", "train.log_every=1", "checkpoint.every=1", "eval.every=1", "eval.batch_size=10"]
+
+
 def _train_item(name, shards, out, sets):
-    """``hvd-partialfc train`` of the face recipe as an item of tests/mr/engines_launch.py."""
+    """``hvd-partialfc train`` of the face recipe as an item of the shared launch."""
     args = ["--config", "configs/ms1mv3_r50.yaml", "--shards", shards, "--out", out]
     for s in sets:
         args += ["--set", s]
     return {"train": name, "args": args}
 
 
-def _launch(base, items):
-    """The items under ONE ``horovodrun -np 2`` (Gloo), one after the other; each item's folder BASE/NAME
-    holds what each rank printed (``rank-<r>.log``)."""
-    base.mkdir()
-    (base / "spec.json").write_text(json.dumps({"out": str(base), "items": items}))
-    p = run_hvd(2, [os.path.join(MR, "engines_launch.py"), base / "spec.json"], timeout=600, check=False)
-    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+def _np2_items(request, folder):
+    """Both runs, items of the shared ``horovodrun -np 2`` (Gloo) launch (tests/helpers_np2.py: the console
+    script's code, one after the other in one process, as test_engines.py's cross-engine resume runs), not a
+    launch each: the uninterrupted run, then the one resumed from its step-1 checkpoint, each in its folder
+    ``folder(NAME)/run``; the data in a folder of their own."""
+    base = request.getfixturevalue("tmp_path_factory").mktemp("faces")
+    npz, templates = _faces(base / "faces.npz")
+    shards = build_shards(npz, base / "shards", 2)
+    sets = SETS + [f"eval.pairs=[{_bin(base / 'lfw.bin', templates)}]"]
+    whole = os.path.join(folder("whole"), "run")
+    step1 = os.path.join(whole, "checkpoints", "step-00000001")
+    return [_train_item("whole", shards, whole, sets),
+            _train_item("resumed", shards, os.path.join(folder("resumed"), "run"),
+                        sets + [f"checkpoint.resume={step1}"])]
 
 
-def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path, capsys, monkeypatch):
+NP2_PART = helpers_np2.Part("faces", fixture="runs", build=_np2_items, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """{"whole", "resumed": (the run's folder, what both ranks printed)}, once both ranks ended both."""
+    launch = helpers_np2.shared(request)
+    out = {}
+    for name in ("whole", "resumed"):
+        folder = launch.done(name)
+        out[name] = (os.path.join(folder, "run"),
+                     "".join(open(os.path.join(folder, f"rank-{r}.log")).read() for r in range(2)))
+    return out
+
+
+def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(runs, tmp_path, capsys, monkeypatch):
     """Two steps, each checkpointed and verified on the .bin (step 1's mid-run: training goes on after it).
     A run resumed (in a folder of its own) from the uninterrupted run's step-1 checkpoint and trained to step
     2 must equal the uninterrupted run bitwise (backbone digests, both ranks' classifiers): any iresnet or
@@ -86,17 +114,8 @@ def test_face_recipe_iresnet18_trains_verifies_resumes_and_exports_onnx(tmp_path
     (RNG, train mode, loader position), makes step 2 differ. Then ``export --onnx`` of the resumed run: the
     CLI's own check (on 4 samples here: 64 of iresnet18 at 112 px cost ~15 s; the default of 64 is checked in
     tests/test_init_onnx.py::test_cli_export_onnx), a dynamic batch, and embeddings equal to PyTorch's."""
-    npz, templates = _faces(tmp_path / "faces.npz")
-    shards = build_shards(npz, tmp_path / "shards", 2)
-    lfw = _bin(tmp_path / "lfw.bin", templates)
-    sets = ["model.name=iresnet18", f"model.embedding_dim={EMB}", "data.batch_size=2", "data.workers=0",
-            "train.steps=2", "train.precision=fp32", "train.log_every=1", "checkpoint.every=1",
-            f"eval.pairs=[{lfw}]", "eval.every=1", "eval.batch_size=10"]
-    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    (whole, _), (resumed, said) = runs["whole"], runs["resumed"]
     step1 = os.path.join(whole, "checkpoints", "step-00000001")
-    _launch(tmp_path / "launch", [_train_item("whole", shards, whole, sets),
-                                  _train_item("resumed", shards, resumed, sets + [f"checkpoint.resume={step1}"])])
-    said = "".join((tmp_path / "launch" / "resumed" / f"rank-{r}.log").read_text() for r in range(2))
     assert f"resumed from {step1} at step 1 (written by 2 ranks)" in said   # not started afresh
 
     cfg = json.load(open(os.path.join(whole, "checkpoints", "step-00000002", "meta.json")))["config"]

@@ -6,21 +6,20 @@ one-rank fake of ``Comm`` (identity collectives).
 import json
 import math
 import os
-import sys
+import pathlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MR, launch_env, require_horovod, run_hvd, run_job
+import helpers_np2
+from conftest import require_horovod
 from hvd_partialfc.config import ConfigError
 from hvd_partialfc.config_io import load_config
 from hvd_partialfc.classifier.margins import LocalClassifier, margin_cross_entropy
 from hvd_partialfc.classifier.modes import CrossShardNegativesHead, GlobalSoftmaxHead, LocalHead
 from hvd_partialfc.classifier.rowsparse import sample_rows
-
-SCEN = os.path.join(MR, "modes_scenarios.py")
 
 
 def _ranks(out, n):
@@ -30,13 +29,22 @@ def _ranks(out, n):
 EXACT = [("global", "arcface"), ("global", "softmax"), ("replicated", "cosface")]
 
 
+def _np2_items(request, folder):
+    """The module's two-rank scenarios, one item of the shared launch (tests/helpers_np2.py): ``gather``, then
+    ``exact`` for each case of EXACT (each builds its own trainer from the same seeds, as a launch of its own
+    would)."""
+    return [{"scenario": "np2", "call": "modes_scenarios.scenario_np2",
+             "args": [request.getfixturevalue("feature_shards"), folder("np2"), [f"{m}:{l}" for m, l in EXACT]]}]
+
+
+NP2_PART = helpers_np2.Part("modes", fixture="np2", build=_np2_items, timeout=180)
+
+
 @pytest.fixture(scope="module")
-def np2(feature_shards, tmp_path_factory):
-    """One ``horovodrun -np 2`` launch (gloo) for the module's two-rank scenarios: ``gather``, then ``exact``
-    for each case of EXACT (each builds its own trainer from the same seeds, as a launch of its own would)."""
-    out = tmp_path_factory.mktemp("modes")
-    run_hvd(2, [SCEN, "np2", feature_shards, out, *(f"{m}:{l}" for m, l in EXACT)])
-    return out
+def np2(request):
+    """The folder of the module's scenarios, run under ``horovodrun -np 2`` (Gloo) in the launch that
+    tests/helpers_np2.py shares with the other files' two-rank work."""
+    return pathlib.Path(helpers_np2.shared(request).done("np2"))
 
 
 @pytest.mark.multirank
@@ -69,15 +77,27 @@ def test_np2_mode_equals_full_softmax_on_union_batch(np2, mode, loss):
         assert r["lrs"] == pytest.approx([0.05, 0.1])
 
 
+def _np1_items(request, folder):
+    """``local`` and ``global`` side by side at np=1 (4 steps), an item of the one-rank process that
+    tests/helpers_np2.py shares with other files' one-rank work (Horovod alone: size 1, no launcher)."""
+    return [{"scenario": "np1", "call": "modes_scenarios.scenario_np1",
+             "args": [request.getfixturevalue("feature_shards"), folder("np1"), 4]}]
+
+
+NP1_PART = helpers_np2.Part("modes", fixture="np1", build=_np1_items, timeout=180, np=1)
+
+
+@pytest.fixture(scope="module")
+def np1(request):
+    require_horovod()
+    return helpers_np2.shared(request, np=1).done("np1")
+
+
 @pytest.mark.multirank
-def test_np1_local_equals_global(feature_shards, tmp_path):
+def test_np1_local_equals_global(np1):
     """At np=1 ``local`` and ``global`` train to the same numbers (one process, Horovod alone: size 1, no
     launcher needed)."""
-    require_horovod()
-    out = tmp_path / "np1"
-    proc = run_job([sys.executable, SCEN, "np1", feature_shards, str(out), "4"], launch_env(), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = _ranks(out, 1)[0]
+    r = _ranks(np1, 1)[0]
     assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
     assert r["loss_max_abs_err"] < 1e-5
 

@@ -2,16 +2,16 @@
 exchanged centres are frozen, each classifier takes exactly its own update, and the exchange works with
 uneven slice widths, under real horovodrun."""
 import json
-import os
+import pathlib
 
 import pytest
 
-from conftest import MR, build_shards, make_feature_npz, run_hvd
+import helpers_np2
+from conftest import build_shards, make_feature_npz
 from hvd_partialfc.config import ConfigError
 from hvd_partialfc.config_io import load_config
 
 pytestmark = pytest.mark.multirank
-SCEN = os.path.join(MR, "negatives_scenarios.py")
 
 
 def _ranks(out, n=2):
@@ -21,15 +21,24 @@ def _ranks(out, n=2):
 STEP_CASES = [(0, "softmax", 0), (2, "arcface", 0), (0, "cosface", 3)]
 
 
-@pytest.fixture(scope="module")
-def np2(tmp_path_factory):
-    """One ``horovodrun -np 2`` launch (gloo) for the module: ``logits``, then ``step`` (5 steps) for each case
-    of STEP_CASES on 5 classes over 2 ranks: slices [0, 3) and [3, 5) of different widths."""
-    base = tmp_path_factory.mktemp("neg")
+def _np2_items(request, folder):
+    """The module's scenarios, one item of the shared launch (tests/helpers_np2.py): ``logits``, then ``step``
+    (5 steps) for each case of STEP_CASES on 5 classes over 2 ranks: slices [0, 3) and [3, 5) of different
+    widths."""
+    base = request.getfixturevalue("tmp_path_factory").mktemp("neg")
     shards = build_shards(make_feature_npz(base / "f.npz", [12] * 5), base / "s", 2)
-    out = base / "out"
-    run_hvd(2, [SCEN, "all", shards, out, 5, *(f"{s}:{l}:{p}" for s, l, p in STEP_CASES)], timeout=240)
-    return out
+    return [{"scenario": "all", "call": "negatives_scenarios.scenario_all",
+             "args": [shards, folder("all"), 5, [f"{s}:{l}:{p}" for s, l, p in STEP_CASES]]}]
+
+
+NP2_PART = helpers_np2.Part("negatives", fixture="np2", build=_np2_items, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def np2(request):
+    """The folder of the module's scenarios, run under ``horovodrun -np 2`` (Gloo) in the launch that
+    tests/helpers_np2.py shares with the other files' two-rank work."""
+    return pathlib.Path(helpers_np2.shared(request).done("all"))
 
 
 def test_remote_columns_score_like_their_owner(np2):

@@ -17,8 +17,9 @@ import threading
 import pytest
 import torch
 
-from conftest import (MR, NP4_STEPS, SIM_SETS as SETS, in_threads, launch_env, read_json_lines, run_hvd,
-                      sim_train_args, simulate_cli)
+import helpers_np2
+from conftest import (NP4_STEPS, SIM_SETS as SETS, in_threads, launch_env, read_json_lines, sim_train_args,
+                      simulate_cli)
 
 pytestmark = pytest.mark.multirank
 
@@ -44,21 +45,26 @@ def np2_sets(mode, log_every, sync):
             f"model.sync_batchnorm={str(sync).lower()}"]
 
 
+def _np2_items(request, folder):
+    """The real runs of both NP2_CASES, items of the shared ``horovodrun -np 2`` (Gloo) launch
+    (tests/helpers_np2.py): ``hvd-partialfc train`` for each, one after the other in one process (the console
+    script's code, one Horovod start-up; test_engines.py compares its runs bitwise the same way). Each run's
+    numbers are its own: the simulated runs they are compared with bitwise run in this process, after
+    whatever ran before them. Each run's folder: ``folder(mode)/run``."""
+    shards8 = request.getfixturevalue("shards8")
+    return [{"train": mode, "args": sim_train_args(shards8, os.path.join(folder(mode), "run"), steps,
+                                                   np2_sets(mode, log_every, sync))}
+            for mode, steps, log_every, sync in NP2_CASES]
+
+
+NP2_PART = helpers_np2.Part("simulate", fixture="np2_real", build=_np2_items, timeout=200)
+
+
 @pytest.fixture(scope="module")
-def np2_real(shards8, tmp_path_factory):
-    """The real runs of both NP2_CASES under ONE ``horovodrun -np 2`` (Gloo): ``hvd-partialfc train`` for each,
-    one after the other in one process (tests/mr/engines_launch.py: the console script's code, one Horovod
-    start-up; test_engines.py compares its runs bitwise the same way). Each run's numbers are its own: the
-    simulated runs they are compared with bitwise run in this process, after whatever ran before them. Returns
-    {mode: run folder}."""
-    base = tmp_path_factory.mktemp("np2")
-    runs = {mode: base / mode / "run" for mode, *_ in NP2_CASES}
-    items = [{"train": mode, "args": sim_train_args(shards8, runs[mode], steps, np2_sets(mode, log_every, sync))}
-             for mode, steps, log_every, sync in NP2_CASES]
-    (base / "spec.json").write_text(json.dumps({"out": str(base), "items": items}))
-    p = run_hvd(2, [os.path.join(MR, "engines_launch.py"), base / "spec.json"], timeout=200, check=False)
-    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
-    return runs
+def np2_real(request):
+    """{mode: the real run's folder} of NP2_CASES (``_np2_items``), once both ranks ended it."""
+    launch = helpers_np2.shared(request)
+    return {mode: os.path.join(launch.done(mode), "run") for mode, *_ in NP2_CASES}
 
 
 def latest(run):

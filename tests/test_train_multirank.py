@@ -1,11 +1,12 @@
 """The method's claims under real horovodrun (Gloo, and MPI): no mocked Horovod.
 
 Each launch has a timeout, so a hang shows as a failure, not a stuck CI. The ``hvd-partialfc train`` runs
-that tests only inspect afterwards share one launch with the core scenario (the ``runs`` fixture: one Horovod
-start-up for all; under MPI the ``runs_mpi`` fixture).
+that tests only inspect afterwards run after the core scenario in one launch (the ``runs`` fixture: the Gloo
+launch that tests/helpers_np2.py shares with other files' two-rank work; under MPI the ``runs_mpi`` fixture's).
 """
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (MR, ROOT, build_shards, launch_env, make_feature_npz, read_json_lines, require_horovod, run_hvd,
-                      run_job)
+import helpers_np2
+from conftest import ROOT, build_shards, make_feature_npz, read_json_lines, require_horovod, run_hvd
 
 pytestmark = pytest.mark.multirank
 
@@ -74,22 +75,29 @@ def test_np2_identity_averaged_update_no_leakage(request, backend):
     assert r0["live_buffers_kept"] and r1["live_buffers_kept"]
 
 
+def _np1_items(request, folder):
+    """The np1 scenario (6 steps) for K = 1 and 2, items of the one-rank process that tests/helpers_np2.py
+    shares with other files' one-rank work: Horovod alone (size 1) needs no launcher."""
+    shards = request.getfixturevalue("feature_shards")
+    return [{"scenario": f"k{k}", "call": "scenarios.scenario_np1", "args": [shards, folder(f"k{k}"), 6, k]}
+            for k in (1, 2)]
+
+
+NP1_PART = helpers_np2.Part("multirank", fixture="np1_runs", build=_np1_items, timeout=180, np=1)
+
+
 @pytest.fixture(scope="module")
-def np1_runs(feature_shards, tmp_path_factory):
-    """The np1 scenario for K = 1 and 2, in one process: Horovod alone (size 1) needs no launcher."""
+def np1_runs(request):
+    """The one-rank process's Launch: ``done("k<K>")``, K's folder."""
     require_horovod()
-    out = tmp_path_factory.mktemp("np1")
-    proc = run_job([sys.executable, os.path.join(MR, "scenarios.py"), "np1", feature_shards, str(out), "6", "1", "2"],
-                   launch_env(), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return helpers_np2.shared(request, np=1)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_np1_equals_plain_pytorch_loop(np1_runs, accumulate):
     """One rank: the trainer == a plain PyTorch loop (same seeds, batches, optimizers), SGD with momentum and
     weight decay, gradient clipping, and (accumulate=2) backward_passes_per_step."""
-    r = _ranks(np1_runs / f"k{accumulate}", 1)[0]
+    r = _ranks(np1_runs.done(f"k{accumulate}"), 1)[0]
     assert r["classifier_moved"] > 0
     assert r["backbone_max_abs_err"] < 1e-5 and r["classifier_max_abs_err"] < 1e-5
 
@@ -109,7 +117,7 @@ def _train_args(shards, out, *sets, steps=None):
     return args + sum((["--set", s] for s in sets), [])
 
 
-# --- `hvd-partialfc train` runs under ONE launch (scenarios.py runs): each test inspects its own runs -----
+# --- `hvd-partialfc train` runs under ONE launch (tests/mr/np2_launch.py): each test inspects its own runs --
 
 IMAGE = ["data.batch_size=8", "model.kwargs={width: 8}"]
 OPTIONS = [
@@ -121,34 +129,23 @@ OPTIONS = [
 
 
 class Runs:
-    """The run folders and results of the ``hvd-partialfc train`` runs of one ``horovodrun -np 2 scenarios.py
-    runs`` launch (``proc``: the launch, or None where it timed out)."""
+    """The core scenario and the ``hvd-partialfc train`` runs of one launch (``launch``: tests/helpers_np2.py's
+    Launch): item NAME's folder holds what its ranks printed and their results, its run folder is
+    ``<item folder>/run``; ``data``: the folder of the data sets made for them."""
 
-    def __init__(self, base, proc):
-        self.base, self.proc = base, proc
+    def __init__(self, launch, data):
+        self.launch, self.data = launch, data
 
     def folder(self, name):
-        return str(self.base / name)
+        return os.path.join(self.launch.folder(name), "run")
 
     def results(self, name):
         """Both ranks' ``{"code", "seconds", "log"}`` for run ``name``."""
-        paths = [self.base / "results" / f"{name}-rank-{r}" for r in range(2)]
-        if not all(os.path.exists(f"{p}.json") for p in paths):
-            why = "timed out" if self.proc is None else (
-                f"exited {self.proc.returncode}\n--- stdout\n{self.proc.stdout[-3000:]}\n--- stderr\n"
-                f"{self.proc.stderr[-5000:]}")
-            raise AssertionError(f"run {name!r} left no result: the launch {why}")
-        return [dict(json.load(open(f"{p}.json")), log=open(f"{p}.log").read()) for p in paths]
+        return self.launch.results(name)
 
     def core(self):
-        """The folder of the core scenario that ran first in this launch (both ranks' rank-<r>.json)."""
-        out = self.base / "core"
-        if not all((out / f"rank-{r}.json").exists() for r in range(2)):
-            why = "timed out" if self.proc is None else (
-                f"exited {self.proc.returncode}\n--- stdout\n{self.proc.stdout[-3000:]}\n--- stderr\n"
-                f"{self.proc.stderr[-5000:]}")
-            raise AssertionError(f"the core scenario left no result: the launch {why}")
-        return out
+        """The folder of the core scenario (both ranks' rank-<r>.json)."""
+        return self.launch.done("core")
 
     def finished(self, name):
         """The folder of run ``name``, which exited 0 on both ranks."""
@@ -168,24 +165,25 @@ def _mislabelled(base):
     return shards
 
 
-def _launch_runs(base, spec, backend="gloo"):
-    """``horovodrun -np 2 scenarios.py runs SPEC`` (``backend``: gloo or mpi): the Runs of it."""
-    with open(base / "spec.json", "w") as f:
-        json.dump(spec, f)
-    try:
-        proc = run_hvd(2, [os.path.join(MR, "scenarios.py"), "runs", base / "spec.json"], backend=backend,
-                       check=False, timeout=400)
-    except subprocess.TimeoutExpired:
-        proc = None   # the runs that ended before still have their results
-    return Runs(base, proc)
+def _core(image_shards, folder):
+    """The core scenario (scenarios.py: 4 steps, image shards), as an item of tests/mr/np2_launch.py."""
+    return {"scenario": "core", "call": "scenarios.scenario_core", "args": [image_shards, folder("core"), 4]}
 
 
-@pytest.fixture(scope="module")
-def runs(feature_shards, image_shards, tmp_path_factory):
-    """ONE ``horovodrun -np 2`` launch (gloo) for the core scenario (4 steps: test_np2_identity...[gloo]) and
-    then ``hvd-partialfc train`` for every test below, one run after another (scenarios.py runs: the console
-    script's code, one Horovod start-up). The runs that must fail come last. What each run shows: its test."""
-    base = tmp_path_factory.mktemp("runs")
+def _run(folder, name, shards, *sets, steps=None, expect_error=False):
+    """``hvd-partialfc train`` as an item of tests/mr/np2_launch.py, its run folder ``folder(name)/run``."""
+    return {"train": name, "args": _train_args(shards, os.path.join(folder(name), "run"), *sets, steps=steps),
+            "expect_error": expect_error}
+
+
+def _np2_items(request, folder):
+    """The core scenario (4 steps: test_np2_identity...[gloo]), then ``hvd-partialfc train`` for every test
+    below, one run after another (the console script's code, one Horovod start-up): items of the Gloo launch
+    that tests/helpers_np2.py shares with other files' two-rank work; the runs that must fail come last.
+    What each run shows: its test. Their data: in ``folder("data")``."""
+    feature_shards, image_shards = (request.getfixturevalue(f) for f in ("feature_shards", "image_shards"))
+    base = pathlib.Path(folder("data"))
+    base.mkdir(parents=True)
     uneven = build_shards(make_feature_npz(base / "u.npz", [10] * 10 + [30] * 10), base / "uneven-shards", 2)
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, size=(40, 32, 32), dtype=np.uint8)
@@ -197,31 +195,41 @@ def runs(feature_shards, image_shards, tmp_path_factory):
     path = os.path.join(truncated, "shard-00001-of-00002.h5")
     data = open(path, "rb").read()
     open(path, "wb").write(data[:len(data) // 2])
-
-    def run(name, shards, *sets, steps=None, expect_error=False):
-        return dict(name=name, args=_train_args(shards, base / name, *sets, steps=steps), expect_error=expect_error)
-    return _launch_runs(base, {"results": str(base / "results"),
-                               "core": {"shards": image_shards, "out": str(base / "core"), "steps": 4}, "runs": [
-        run("cli", feature_shards, "model.name=mlp", "data.batch_size=16", "train.log_every=5", "head.loss=cosface",
-            "head.scale=16", "head.margin=0.2", "train.epochs=3"),
-        run("uneven", uneven, "model.name=mlp", "data.batch_size=10", "train.epochs=2.5"),
-        *(run(f"options{i}", image_shards, *IMAGE, "head.scale=16", "train.log_every=2", *o, steps=12)
+    return [
+        _core(image_shards, folder),
+        _run(folder, "cli", feature_shards, "model.name=mlp", "data.batch_size=16", "train.log_every=5",
+             "head.loss=cosface", "head.scale=16", "head.margin=0.2", "train.epochs=3"),
+        _run(folder, "uneven", uneven, "model.name=mlp", "data.batch_size=10", "train.epochs=2.5"),
+        *(_run(folder, f"options{i}", image_shards, *IMAGE, "head.scale=16", "train.log_every=2", *o, steps=12)
           for i, o in enumerate(OPTIONS)),
-        run("eval", image_shards, *IMAGE, "eval.every=5", f"eval.pairs=[{base / 'held.h5'}]", steps=12),
-        run("eval-missing", image_shards, *IMAGE, f"eval.pairs=[{base / 'missing.h5'}]", steps=3, expect_error=True),
-        run("mislabelled", mislabelled, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
-        run("truncated", truncated, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
-    ]})
+        _run(folder, "eval", image_shards, *IMAGE, "eval.every=5", f"eval.pairs=[{base / 'held.h5'}]", steps=12),
+        _run(folder, "eval-missing", image_shards, *IMAGE, f"eval.pairs=[{base / 'missing.h5'}]", steps=3,
+             expect_error=True),
+        _run(folder, "mislabelled", mislabelled, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
+        _run(folder, "truncated", truncated, "model.name=mlp", "data.batch_size=8", steps=5, expect_error=True),
+    ]
+
+
+NP2_PART = helpers_np2.Part("multirank", fixture="runs", build=_np2_items, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The Runs of ``_np2_items`` (Gloo, in the shared launch)."""
+    launch = helpers_np2.shared(request)
+    return Runs(launch, pathlib.Path(launch.folder("data")))
 
 
 @pytest.fixture(scope="module")
 def runs_mpi(image_shards, tmp_path_factory):
-    """The same under MPI (``horovodrun --mpi``), ONE launch: the core scenario, then the mislabelled run."""
+    """The same under MPI (``horovodrun --mpi``), ONE launch of its own: the core scenario, then the mislabelled
+    run."""
     base = tmp_path_factory.mktemp("runs_mpi")
-    args = _train_args(_mislabelled(base), base / "mislabelled", "model.name=mlp", "data.batch_size=8", steps=5)
-    return _launch_runs(base, {"results": str(base / "results"),
-                               "core": {"shards": image_shards, "out": str(base / "core"), "steps": 4},
-                               "runs": [dict(name="mislabelled", args=args, expect_error=True)]}, backend="mpi")
+    folder = lambda name: str(base / name)  # noqa: E731
+    items = [_core(image_shards, folder),
+             _run(folder, "mislabelled", _mislabelled(base), "model.name=mlp", "data.batch_size=8", steps=5,
+                  expect_error=True)]
+    return Runs(helpers_np2.launch(base, items, backend="mpi", timeout=400), base)
 
 
 def test_cli_train_loss_falls_then_info_and_export(runs, tmp_path, capsys):
@@ -294,7 +302,7 @@ def test_truncated_shard_on_one_rank_fails_on_every_rank(runs):
     """h5py alone says "truncated file: eof = ..." without a file name; every rank must name the file, the
     rank that holds it and the command that checks the set (no traceback), and exit at start-up."""
     r0, r1 = runs.results("truncated")
-    shards = os.path.join(runs.base, "truncated-shards")
+    shards = os.path.join(runs.data, "truncated-shards")
     path = os.path.join(shards, "shard-00001-of-00002.h5")
     text = r0["log"] + r1["log"]
     assert r0["code"] != 0 and r1["code"] != 0 and max(r0["seconds"], r1["seconds"]) < 60
@@ -361,7 +369,7 @@ def test_evaluation_during_training_np2(runs):
     threads = torch.get_num_threads()     # the ranks' count (2 ranks on this host): the convolutions round
     torch.set_num_threads(rank_threads(2))  # differently with another, and a score's round-off moved a fold's
     try:                                    # threshold
-        ref = evaluate_backbone(model, read_pairs(str(runs.base / "held.h5")), roc=False)
+        ref = evaluate_backbone(model, read_pairs(str(runs.data / "held.h5")), roc=False)
     finally:
         torch.set_num_threads(threads)
     assert evals[-1]["best_threshold"] == pytest.approx(ref["best_threshold"], abs=1e-5)

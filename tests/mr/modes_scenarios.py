@@ -1,6 +1,7 @@
 """Scenarios for the classifier modes (``head.mode``), run under real ``horovodrun`` (or alone, as one rank).
 
-Each writes ``OUT/rank-<r>.json``; ``tests/test_modes.py`` asserts on them.
+Each writes ``OUT/rank-<r>.json``; ``tests/test_modes.py`` asserts on them (it runs ``scenario_np2`` and
+``scenario_np1`` as items of tests/mr/np2_launch.py, beside other files' work).
 
     python modes_scenarios.py gather OUT                      # allgather_with_grad's backward, even and uneven rows
     python modes_scenarios.py exact  SHARDS OUT MODE LOSS     # one train_step == full softmax on the union batch

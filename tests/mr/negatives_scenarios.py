@@ -1,6 +1,7 @@
 """Scenarios for cross-shard negatives (``head.negatives_every``), run under real ``horovodrun``.
 
-Each writes ``OUT/rank-<r>.json``; ``tests/test_negatives.py`` asserts on them. The references never read
+Each writes ``OUT/rank-<r>.json``; ``tests/test_negatives.py`` asserts on them (it runs ``scenario_all`` as an item
+of tests/mr/np2_launch.py, beside other files' two-rank work). The references never read
 the head's remote buffer for its values: the remote columns' rows come from their owners (gathered with
 ``allgather_object``), so the way the head stores and scores them is what is under test.
 

@@ -6,8 +6,9 @@ Each scenario writes ``OUT/rank-<r>.json`` with what it observed; the pytest sid
                                                     # pooled BatchNorm statistics
     python scenarios.py np1   SHARDS OUT STEPS K... # trainer == a plain single-process PyTorch loop, for each
                                                     # backward_passes_per_step K (OUT/k<K>/rank-0.json)
-    python scenarios.py runs  SPEC.json             # several trainings in one launch (see scenario_runs), after
-                                                    # the core scenario when SPEC has "core"
+
+tests/test_train_multirank.py runs them as items of tests/mr/np2_launch.py (``scenarios.scenario_core`` in a
+launch beside other two-rank work, ``scenarios.scenario_np1`` in one process beside other one-rank work).
 """
 from __future__ import annotations
 
@@ -224,52 +225,9 @@ def scenario_np1(shards, out, steps, k=1):
                    "classifier_moved": moved}, f)
 
 
-def scenario_runs(spec_path):
-    """Several ``hvd-partialfc train`` runs in one launch, one after another: each is ``cli.main(["train",
-    *args])``, the console script's own code (arguments, config, ``start_trainer``, ``fit``, the errors it
-    reports), with one Horovod start-up for them all. The one difference: Horovod is not shut down after a
-    run (``Comm.shutdown`` does nothing here), so the next run can use it.
-
-    SPEC.json: ``{"results": DIR, "runs": [{"name": ..., "args": [...], "expect_error": false}, ...]}``, and
-    optionally ``"core": {"shards": ..., "out": ..., "steps": ...}``: scenario_core first, in the same process
-    (its own trainer, never fit; the runs after it build theirs). Each run writes ``DIR/<name>-rank-<r>.json`` (``{"code": exit code, "seconds": wall time}``) and
-    ``DIR/<name>-rank-<r>.log`` (what the run printed on this rank). A run that exits non-zero without
-    ``expect_error`` ends the process at once with its code, so the launcher stops the other rank as it stops
-    a failed ``train``: nothing waits in a collective."""
-    import contextlib
-    import time
-    from hvd_partialfc import cli
-    with open(spec_path) as f:
-        spec = json.load(f)
-    comm_lib.Comm.shutdown = lambda self: None
-    rank = comm_lib.init().rank
-    if "core" in spec:
-        os.makedirs(spec["core"]["out"], exist_ok=True)
-        scenario_core(spec["core"]["shards"], spec["core"]["out"], int(spec["core"]["steps"]))
-    os.makedirs(spec["results"], exist_ok=True)
-    for run in spec["runs"]:
-        base = os.path.join(spec["results"], f"{run['name']}-rank-{rank}")
-        t0 = time.monotonic()
-        with open(base + ".log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            try:
-                code = cli.main(["train", *map(str, run["args"])])
-            except BaseException:  # noqa: BLE001 (what the console script would print on its way out)
-                import traceback
-                traceback.print_exc()
-                code = 1
-        with open(base + ".json", "w") as f:
-            json.dump({"code": code, "seconds": time.monotonic() - t0}, f)
-        if code != 0 and not run.get("expect_error"):
-            print(f"[rank {rank}] run {run['name']} exited {code}; see {base}.log", file=sys.stderr, flush=True)
-            os._exit(code)
-
-
 if __name__ == "__main__":
     from hvd_partialfc.cli_support import freeze_at_exit
     freeze_at_exit()      # the exit skips the shutdown's collections over torch's objects (cli_support.py)
-    if sys.argv[1] == "runs":
-        scenario_runs(sys.argv[2])
-        sys.exit(0)
     name, shards, out, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     extra = [int(a) for a in sys.argv[5:]]
     if name == "np1":   # one process (one Horovod start-up) for every K asked for
