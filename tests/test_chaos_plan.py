@@ -13,7 +13,7 @@ def test_every_seed_plans_a_possible_even_order_fast():
     t0 = time.perf_counter()
     for kinds, count, nodes in ((chaos.TORCH_KINDS, 12, 3), (chaos.HOROVOD_KINDS, 6, 2), (chaos.SHORT_KINDS, 3, 3)):
         for seed in range(11, 200):
-            schedule = chaos.plan(seed, kinds, count, 1500 if count > 3 else 400, nodes)
+            schedule = chaos.plan(seed, kinds, count, 1500 if count > 3 else chaos.SHORT_STEPS, nodes)
             steps, order = [s for s, _ in schedule], [k for _, k in schedule]
             assert len(order) == count and set(order) == set(kinds), (seed, order)
             assert max(order.count(k) for k in kinds) <= math.ceil(count / len(kinds)), (seed, order)
@@ -25,5 +25,6 @@ def test_every_seed_plans_a_possible_even_order_fast():
                 up += chaos.DOWN.get(kind, 0)
             gap = min(b - a for a, b in zip(steps, steps[1:]))
             assert steps == sorted(steps) and steps[0] >= 3 * chaos.EVERY and gap >= chaos.EVERY, (seed, steps)
-            assert steps[-1] < max(3 * chaos.EVERY + 2 * chaos.EVERY * count, (1500 if count > 3 else 400) - chaos.TAIL)
+            assert steps[-1] < max(3 * chaos.EVERY + 2 * chaos.EVERY * count,
+                                   (1500 if count > 3 else chaos.SHORT_STEPS) - chaos.TAIL)
     assert time.perf_counter() - t0 < 10
