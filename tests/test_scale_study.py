@@ -1,6 +1,7 @@
 """scripts/studies/scale_study.py (the scale study) on tiny sets: cells run, tables written, finished cells skipped,
 a killed cell resumed from its checkpoint; and data_tools.subset's prefix manifests (the fixed
 classes-per-rank series)."""
+import contextlib
 import importlib
 import json
 import os
@@ -34,6 +35,28 @@ def _launch_script(name: str):
 
 def _study():
     return _launch_script("scale_study")
+
+
+def _cli_here(argv, log=None):
+    """The study's ``_cli`` (one ``hvd-partialfc ARGV`` in a fresh process from the repository root) run in this
+    process instead: the same command, ~4 CPU-seconds of interpreter start saved. Its output goes to ``log``
+    (appended) as there; a failure stops the study as there. The study's own ``_cli`` still runs the killed
+    training (its failure) and the last evaluation (its success) in fresh processes. Threads and random
+    states are put back, as other in-process runs of the CLI do (tests/test_evaluate.py)."""
+    import random
+    import torch
+    from hvd_partialfc.cli import main
+    threads, rngs = torch.get_num_threads(), (torch.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        with open(log, "a") if log else open(os.devnull, "w") as sink, contextlib.chdir(ROOT), \
+                contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            code = main(argv)
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rngs[0]), np.random.set_state(rngs[1]), random.setstate(rngs[2])
+    if code != 0:
+        raise SystemExit(f"`hvd-partialfc {' '.join(argv)}` failed (exit {code})" + (f":\n{open(log).read()[-4000:]}"
+                                                                                   if log else ""))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +105,9 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
             "--steps", "5", "--global-batch", "16", "--checkpoint-every", "3", "--log-every", "1",
             "--set", "model.kwargs={width: 4}", "--set", "model.embedding_dim=16", "--set", "optim.warmup_steps=2",
             "--set", "eval.batch_size=64", "--keep", str(tmp_path / "keep")]
-    assert study.main(argv + ["--max-cells", "2"]) == 0
+    with monkeypatch.context() as here:                 # the first two cells' commands in this process
+        here.setattr(study, "_cli", _cli_here)
+        assert study.main(argv + ["--max-cells", "2"]) == 0
     # the kept copies carry the finished cells to a fresh OUT (another session, another machine)
     assert sorted(os.listdir(tmp_path / "keep")) == ["local-n2-seed0.json", "local-n4-seed0.json"]
     fresh = [a if a != str(out) else str(tmp_path / "fresh") for a in argv]
@@ -149,7 +174,10 @@ def test_study_runs_cells_writes_tables_and_skips_finished_cells(sets, tmp_path,
         study.main(argv)
     assert not os.path.isfile(out / names[2] / "done.json")
     monkeypatch.delenv("HVD_PARTIALFC_FAULT")
-    assert study.main(argv) == 0                             # the rest: the third cell, resumed at step 3
+    fresh_process = study._cli                               # the rest: the third cell, resumed at step 3 (its
+    with monkeypatch.context() as here:                      # training here, its evaluation in a fresh process)
+        here.setattr(study, "_cli", lambda cmd, log=None: (fresh_process if cmd[0] == "eval" else _cli_here)(cmd, log))
+        assert study.main(argv) == 0
     steps = [m["step"] for m in map(json.loads, open(out / names[2] / "metrics.jsonl")) if "loss" in m]
     assert steps.count(1) == 1 and steps[-1] == 5 and steps.count(4) == 2, steps
     assert json.load(open(out / names[2] / "trained.json"))["train_sessions"] == 2
