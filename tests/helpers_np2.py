@@ -31,7 +31,8 @@ LAUNCH = os.path.join(MR, "np2_launch.py")
 @dataclass
 class Part:
     """A file's part of the shared launch: ``build(request, folder)`` returns its items (tests/mr/np2_launch.py's,
-    named relative to its part; ``folder(name)`` is where item ``name``'s files go); ``fixture``: the module
+    named relative to its part; ``folder(name)`` is where item ``name``'s files go), asking ``request`` for
+    conftest's fixtures only (it may be another file's request: the first to ask); ``fixture``: the module
     fixture that asks for it; ``timeout``: its share of the launch's limit (seconds); ``np``: its ranks (2: the
     Gloo launch; 1: the one process)."""
     name: str
@@ -96,7 +97,8 @@ _SHARED: Dict[tuple, Launch] = {}    # (np, part name) -> the launch that ran it
 
 def _parts(request, np: int) -> List[Part]:
     """The parts of this session's selected tests (those using their part's fixture), and the asking one."""
-    found: Dict[str, Part] = {getattr(request.module, f"NP{np}_PART").name: getattr(request.module, f"NP{np}_PART")}
+    asking = getattr(request.module, f"NP{np}_PART")
+    found: Dict[str, Part] = {asking.name: asking}
     for item in request.session.items:
         part: Optional[Part] = getattr(getattr(item, "module", None), f"NP{np}_PART", None)
         if part is not None and part.fixture in getattr(item, "fixturenames", ()):
