@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from conftest import BIN, ROOT, horovodrun_env
+from hvd_partialfc.tools import bench_engines
+from hvd_partialfc.tools.bench_engines import HOROVODRUN_ENV
 from hvd_partialfc.tools.estimate import estimate
 
 BB = {"params": 1000, "activation_bytes": 0}
@@ -174,11 +176,17 @@ def test_estimate_cli_memory_every_prints_host_rows(capsys):
     assert not any("host" in line for line in cli())
 
 def _tiny_bench(out, *args):
-    """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json."""
-    cmd = [sys.executable, "-m", "hvd_partialfc.tools.bench", "--dims", "16", "--batch", "8", "--steps", "1",
-           "--warmup", "1", "--limit-procs", "1", "--in-dim", "32", "--out", str(out),
-           "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600, env=horovodrun_env())
+    """``hvd-partialfc bench`` at a tiny point (D=16, batch 8, one step) into ``out``; its bench.json. The driver
+    runs in this process (``bench.main``, as the console script calls it: no interpreter start for it); each job
+    is its own launch as always (horovodrun, torchrun, the limit's processes)."""
+    from hvd_partialfc.tools import bench
+    argv = ["--dims", "16", "--batch", "8", "--steps", "1", "--warmup", "1", "--limit-procs", "1", "--in-dim", "32",
+            "--out", str(out), "--config", os.path.join(ROOT, "configs", "bench.yaml"), *args]
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(HOROVODRUN_ENV, horovodrun_env()[HOROVODRUN_ENV])
+        m.setattr(sys, "argv", ["hvd-partialfc", "bench", *argv])      # what bench.json records as its command
+        m.chdir(ROOT)
+        assert bench.main(argv) == 0
     return json.load(open(os.path.join(out, "bench.json")))
 
 
@@ -236,27 +244,40 @@ def test_bench_sample_rates_reach_every_job_and_count_logits(tiny_bench):
 
 
 @pytest.mark.multirank
-def test_bench_runs_each_job_under_both_engines_and_compares_them(tmp_path, monkeypatch):
+def test_bench_runs_each_job_under_both_engines_and_compares_them(tiny_bench, tmp_path, monkeypatch):
     """``--engines horovod,torch``: the local job under horovodrun and under torchrun, each rank on the engine
     its launcher implies (with the collective-order check on), one limit for both. Each record names its
     engine, the step split fits in the step (the torch engine's own wait counted once), the gradient's
-    bytes once under both, and the ratio is torch's samples/s over Horovod's of the same run."""
+    bytes once under both, and the ratio is torch's samples/s over Horovod's of the same run. The torch job
+    is launched here; the Horovod job and the limit are the same jobs (C = 4,000, rate 1, ``local`` bare)
+    that the tiny bench above launched through the same ``launch``: their records are handed back from its
+    folder instead of launching them again (~15 CPU-seconds)."""
+    from hvd_partialfc.tools import bench
     monkeypatch.setenv("HVD_PARTIALFC_CHECK_COLLECTIVES", "1")
-    res = _tiny_bench(tmp_path, "--classes", "1000", "--modes", "local", "--engines", "horovod,torch")
+    launched = tiny_bench[1] / "jobs"
+
+    def launch(a, mode, engine, classes, dim, out, timeout, rate=1.0):
+        if engine == "torch":
+            return bench_engines.launch(a, mode, engine, classes, dim, out, timeout, rate)
+        job = launched / f"{mode if engine == 'none' else f'{mode}-{engine}'}-C{classes}-D{dim}"
+        assert rate == 1.0 and job.is_dir(), job
+        return [json.load(open(f)) for f in sorted(job.glob("rank-*.json"))]
+    monkeypatch.setattr(bench, "launch", launch)
+    res = _tiny_bench(tmp_path, "--classes", "4000", "--modes", "local", "--engines", "horovod,torch")
     by = {(p["mode"], p["engine"]): p for p in res["points"]}
     assert list(by) == [("limit", "none"), ("local", "horovod"), ("local", "torch")]
     assert res["engines"] == ["horovod", "torch"]
     lim, hvd, tch = by["limit", "none"], by["local", "horovod"], by["local", "torch"]
     for p in (hvd, tch):
-        assert p["ranks"] == 2 and p["samples_per_s"] > 0 and p["width"] == 500
+        assert p["ranks"] == 2 and p["samples_per_s"] > 0 and p["width"] == 2000
         assert p["bytes_per_step"] == p["grad_bytes"] == p["backbone_params"] * 4
         assert min(p["split_s"].values()) >= 0 and sum(p["split_s"].values()) <= p["step_s"] * (1 + 1e-9)
         assert p["vs_limit"] == pytest.approx(p["samples_per_s"] / lim["samples_per_s"])
-    assert res["engine_ratios"] == [{"mode": "local", "classes": 1000, "dim": 16, "sample_rate": 1.0,
+    assert res["engine_ratios"] == [{"mode": "local", "classes": 4000, "dim": 16, "sample_rate": 1.0,
                                      "horovod": hvd["samples_per_s"], "torch": tch["samples_per_s"],
                                      "torch_vs_horovod": pytest.approx(tch["samples_per_s"] / hvd["samples_per_s"])}]
     md = open(tmp_path / "bench.md").read()
-    assert "| 16 | 1,000 | local | 1 | torch |" in md and "| 16 | 1,000 | local | 1 | horovod |" in md
+    assert "| 16 | 4,000 | local | 1 | torch |" in md and "| 16 | 4,000 | local | 1 | horovod |" in md
     assert f"| {res['engine_ratios'][0]['torch_vs_horovod']:.2f} |" in md.split("torch / horovod")[1]
 
 
