@@ -77,35 +77,41 @@ def _bad_sha256_args(shards, run):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """Both launches of the shared set, then the resumes across engines (Horovod -> torch of the mixed run
-    in the torch launch, torch -> Horovod of ``local`` with negatives in a third, short one). The torch
+    """Both launches of the shared set, side by side, with the resumes across engines: Horovod -> torch of
+    the mixed run (the last case of the Horovod launch) in the torch launch, torch -> Horovod of ``local`` with
+    negatives (the first case of the torch launch) in the Horovod launch, each item started once the other
+    launch has published the checkpoint it resumes (``after``; one launch per engine, not three). The torch
     launch ends with the two refusals at start-up (``engine_mismatch``: train.engine=horovod under torchrun;
     ``agreed_error``: bad input on rank 1 only), each ``hvd-partialfc train`` (``cli.main``) returning its
     error on every rank, as a launch of its own would exit with it (one torchrun start-up, not three)."""
+    from concurrent.futures import ThreadPoolExecutor
     base = tmp_path_factory.mktemp("engines")
-    hvd, tor, back = base / "horovod", base / "torch", base / "back"
-    items = [{"train": n, "args": train_args(c, hvd / n / "run")} for n, c in CASES.items()]
-    items.append({"scenario": "primitives"})
-    seconds = {"horovodrun": launch_items("horovodrun", hvd, items)}
+    hvd, tor = base / "horovod", base / "torch"
+    from_torch = ckpt(tor, "local_negatives", HALF)
+    items_h = [{"train": n, "args": train_args(c, hvd / n / "run")} for n, c in CASES.items()]
+    items_h += [{"scenario": "primitives"}, {"train": "from_torch", "after": str(from_torch), "args": train_args(
+        CASES["local_negatives"], hvd / "from_torch" / "run", resume=from_torch)}]
+    from_horovod = ckpt(hvd, "mixed_fp16_compression", HALF)
     items = [{"train": n, "args": train_args(c, tor / n / "run")} for n, c in CASES.items()]
-    items.append({"train": "from_horovod", "args": train_args(
-        CASES["mixed_fp16_compression"], tor / "from_horovod" / "run", resume=ckpt(hvd, "mixed_fp16_compression", HALF))})
+    items.append({"train": "from_horovod", "after": str(from_horovod), "args": train_args(
+        CASES["mixed_fp16_compression"], tor / "from_horovod" / "run", resume=from_horovod)})
     items += [{"scenario": "primitives"}, {"scenario": "mismatch"}]
     # the two refusals at start-up, last (each an error every rank returns from ``train``; nothing runs after)
     items.append({"train": "engine_mismatch", "args": train_args(CASES["local_negatives"], tor / "engine_mismatch" / "run")
                   + ["--set", "train.engine=horovod"], "expect_error": True})
     items.append({"train": "agreed_error", "args": _bad_sha256_args(base / "bad_shards", tor / "agreed_error" / "run"),
                   "expect_error": True})
-    seconds["torchrun"] = launch_items("torchrun", tor, items)
-    launch_items("horovodrun", back, [{"train": "from_torch", "args": train_args(
-        CASES["local_negatives"], back / "from_torch" / "run", resume=ckpt(tor, "local_negatives", HALF))}])
-    print(f"shared set: horovodrun {seconds['horovodrun']:.1f} s, torchrun {seconds['torchrun']:.1f} s")
-    return hvd, tor, back
+    with ThreadPoolExecutor(2) as pool:
+        runs = {"horovodrun": pool.submit(launch_items, "horovodrun", hvd, items_h),
+                "torchrun": pool.submit(launch_items, "torchrun", tor, items)}
+        seconds = {k: f.result() for k, f in runs.items()}
+    print(f"shared set, side by side: horovodrun {seconds['horovodrun']:.1f} s, torchrun {seconds['torchrun']:.1f} s")
+    return hvd, tor
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_both_engines_give_the_same_bits(shared, case):
-    hvd, tor, _ = shared
+    hvd, tor = shared
     for step in (HALF, STEPS):
         a, b = pins.checkpoint_digests(str(ckpt(hvd, case, step))), pins.checkpoint_digests(str(ckpt(tor, case, step)))
         assert set(a) == set(b) and len(a) == 8
@@ -113,9 +119,9 @@ def test_both_engines_give_the_same_bits(shared, case):
 
 
 def test_checkpoints_resume_across_engines_bitwise(shared):
-    hvd, tor, back = shared
+    hvd, tor = shared
     for resumed, whole in ((ckpt(tor, "from_horovod"), ckpt(hvd, "mixed_fp16_compression")),
-                           (ckpt(back, "from_torch"), ckpt(tor, "local_negatives"))):
+                           (ckpt(hvd, "from_torch"), ckpt(tor, "local_negatives"))):
         assert pins.checkpoint_digests(str(resumed)) == pins.checkpoint_digests(str(whole))
     log = (tor / "from_horovod" / "rank-0.log").read_text()
     assert f"at step {HALF}" in log
@@ -124,14 +130,14 @@ def test_checkpoints_resume_across_engines_bitwise(shared):
 def test_every_primitive_computes_what_it_must_under_both_engines(shared):
     """tests/mr/engines_launch.py's ``primitives``: broadcast from ranks that start different, all-gather of
     unequal row counts, sums / maxima / averages of several dtypes, scalars, the vote, objects."""
-    hvd, tor, _ = shared
+    hvd, tor = shared
     for base in (hvd, tor):
         for r in range(2):
             assert (base / "primitives" / f"rank-{r}.log").read_text() == "primitives ok\n"
 
 
 def test_collectives_that_differ_across_ranks_fail_loudly(shared):
-    _, tor, _ = shared
+    _, tor = shared
     for r in range(2):
         text = (tor / "mismatch" / f"rank-{r}.log").read_text()
         assert "RankFailure: collective #" in text and "rank 0: scalar.path.a, rank 1: scalar.path.b" in text
@@ -168,7 +174,7 @@ def test_explicit_engine_that_does_not_fit_is_an_error_before_any_work(shared):
     """``train.engine=horovod`` under torchrun: exit 2 on every rank with one line, before any work, and no
     traceback of ours (the shared torch launch's ``engine_mismatch``: each rank's ``train``)."""
     require_horovod()
-    _, tor, _ = shared
+    _, tor = shared
     for code, text in _item(tor, "engine_mismatch"):
         assert code == 2, text[-3000:]
         assert text.count("hvd-partialfc train: error: train.engine=horovod does not fit the launcher") == 1
@@ -182,7 +188,7 @@ def test_an_error_on_one_rank_at_start_is_agreed_by_every_rank(shared):
     rank's ``train`` returns the error, and the items after it still run on the same engine). Under Horovod
     (Gloo and MPI) the same agreement is test_train_multirank.py's ``test_label_outside_slice_fails_on_every_rank*``;
     how fast ranks exit after a failure: test_reliability.py."""
-    _, tor, _ = shared
+    _, tor = shared
     (c0, t0), (c1, t1) = _item(tor, "agreed_error")
     assert c0 != 0 and c1 != 0      # every rank ends (a hang meets the launch's timeout)
     # agreed: rank 0 prints it, once for the job; every rank exits

@@ -4,6 +4,7 @@ folder ``OUT/<name>``:
 
 * ``{"train": NAME, "args": [...], "expect_error": bool}``: ``hvd-partialfc train ARGS`` (``cli.main``). It
   writes ``OUT/NAME/rank-<r>.log`` (what it printed) and ``rank-<r>.result.json`` (exit code, wall time);
+  ``"after": PATH`` on any item: it waits until PATH exists (written by a launch running beside this one);
 * ``{"scenario": "mismatch"}``: rank 1 calls a collective under another name than rank 0's; with
   ``HVD_PARTIALFC_CHECK_COLLECTIVES=1`` every rank must raise RankFailure naming both (torch engine only:
   Horovod matches by name and would wait). Writes ``rank-<r>.log``;
@@ -122,6 +123,16 @@ def _waits_sleep(comm, late=0.6):
         f"rank {comm.rank} used {used:.2f} CPU-s waiting {len(calls) * late:.1f} s for the last rank"
 
 
+def _wait_for(path, timeout=300):
+    """An item's ``after``: a path (a checkpoint folder, published whole by a rename) that another launch
+    running beside this one writes; the item starts once it is there."""
+    deadline = time.monotonic() + timeout
+    while path and not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.1)
+
+
 def _scenario(name, comm, out):
     if name == "primitives":
         _primitives(comm, out)
@@ -142,6 +153,7 @@ def run_items(spec, scenario) -> None:
         out = os.path.join(spec["out"], name)
         os.makedirs(out, exist_ok=True)
         try:
+            _wait_for(item.get("after"))
             if "scenario" in item:
                 scenario(name, comm, out)
             elif (_train(item["args"], out, comm.rank) != 0) != bool(item.get("expect_error")):
