@@ -94,7 +94,7 @@ def test_one_million_records_bounded_rss(tmp_path):
 # --- restart ---------------------------------------------------------------------------------------------------
 
 def test_kill_and_restart_gives_the_same_shards(tmp_path):
-    make_rec(tmp_path / "r", 60_000, 400)
+    make_rec(tmp_path / "r", 12_000, 400)
     base = ["build", "recordio", tmp_path / "r", "--num-shards", 12, "--store", "raw", "--holdout", "0.25",
             "--holdout-shards", 2]
     assert run_cli(*base, "--out", tmp_path / "straight", "--workers", 2)[0] == 0
