@@ -37,6 +37,27 @@ TORCHRUN = os.path.join(BIN, "torchrun")
 MR = os.path.join(ROOT, "tests", "mr")
 
 
+# Files whose tests share one launch or run (tests/helpers_np2.py's two-rank launch; conftest.np4_run, asked by
+# test_simulate and test_twonode): with ``-n N --dist loadfile`` (make test's multi-rank tests, two at a time) one
+# work unit, so that one worker runs them all and starts the launch once (xdist's loadgroup would do it with marks,
+# but it names the group in the test id, which pytest 9.2 no longer lets a plugin change).
+SHARED_LAUNCH = {"test_faces_e2e.py", "test_modes.py", "test_negatives.py", "test_simulate.py",
+                 "test_train_multirank.py", "test_twonode.py"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, a file's tests on one worker (its module fixtures run once), SHARED_LAUNCH's together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "shared-launch" if os.path.basename(path) in SHARED_LAUNCH else path
+    return SharedLaunchScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """With the GPUs shown (HVD_PARTIALFC_TEST_GPU=1) only the tests marked gpu run: the others are CPU tests."""
     if not TEST_GPU:

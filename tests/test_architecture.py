@@ -127,7 +127,7 @@ def test_the_test_extra_holds_what_the_suite_imports():
     have = names(cfg["options"]["install_requires"])
     extras = cfg["options.extras_require"]
     have |= names(extras["test"]) | names(extras["horovod"]) | names(extras["tensorboard"])
-    dist = {"PIL": "pillow", "yaml": "pyyaml", "fontTools": "fonttools"}
+    dist = {"PIL": "pillow", "yaml": "pyyaml", "fontTools": "fonttools", "xdist": "pytest-xdist"}
     local = {"hvd_partialfc", "data_tools", "scripts"} | {
         f[:-3] for folder in ("tests", os.path.join("tests", "mr")) for f in os.listdir(os.path.join(ROOT, folder))
         if f.endswith(".py")}

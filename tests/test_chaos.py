@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT, launch_env
 from scripts.faults import twonode
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.serial]     # a time bound: run alone (setup.cfg)
 
 
 def test_short_chaos_run(tmp_path):

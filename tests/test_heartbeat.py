@@ -16,7 +16,7 @@ import pytest
 from conftest import MR, free_port, launch_env
 from scripts.faults import flooder
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.serial]     # a time bound: run alone (setup.cfg)
 
 
 def _start(mode, timeout):

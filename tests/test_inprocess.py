@@ -127,6 +127,7 @@ if now != "2":
 """
 
 
+@pytest.mark.serial            # the stall gives the driver time to hear the removal: run alone (setup.cfg)
 def test_hosts_removed_then_added_regroup_in_the_same_processes(small_run_shards, tmp_path):
     """Every rank pauses 4 s after the step-10 checkpoint (the ``stall`` fault), time for horovodrun's driver
     (it runs the discovery script about once a second) to see the host go while no step is taken: the removal

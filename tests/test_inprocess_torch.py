@@ -50,6 +50,7 @@ def _rows(path):
         return []
 
 
+@pytest.mark.serial            # the survivors' pauses are compared: run alone (setup.cfg)
 def test_a_killed_rank_started_again_joins_while_the_others_train(small_run_shards, tmp_path):
     """REJOIN=1: the killed rank's process is started again and joins at the others' next step after it asked,
     while they train at 2 ranks: 3 -> 2 -> 3, the two first ranks in their processes throughout. The job is

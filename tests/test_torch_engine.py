@@ -16,7 +16,7 @@ import torch
 
 from conftest import MR, ROOT, free_port, launch_env
 
-pytestmark = pytest.mark.multirank
+pytestmark = [pytest.mark.multirank, pytest.mark.serial]     # a time bound: run alone (setup.cfg)
 
 
 def _two_ranks(*args, timeout=120):
