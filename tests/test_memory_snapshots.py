@@ -206,8 +206,11 @@ def test_a_lost_node_resumes_from_memory_at_another_size_bitwise(crashed, tmp_pa
     text = said(results)
     assert all(code == 0 for code, _ in results), text
     assert len(flood.ports) == 2 and len(flood.socks) > 300, (flood.ports, len(flood.socks))
-    # the snapshots of steps 24, 28 and 32 landed in time beside the flood: none waited for, none dropped
-    assert "had not landed" not in text and "dropped" not in text and "Traceback" not in text, text
+    # the snapshots of steps 24, 28 and 32 landed in time beside the flood: none waited for, none dropped. The
+    # agents' own log lines are left out: under load the agent that hosts torchrun's store may leave before the
+    # others pass its exit barrier, and they log that traceback (every rank and agent exited 0, checked above)
+    ours = "\n".join(line for line in text.splitlines() if "torch/distributed/elastic/" not in line)
+    assert "had not landed" not in ours and "dropped" not in ours and "Traceback" not in ours, text
     assert "memory: resuming from the snapshot of step 20 in node memory (disk checkpoint: step 15;" in text, text
     assert snapshots_left(roots) == []
     from hvd_partialfc.config_io import load_config
