@@ -45,6 +45,7 @@ SHARED_LAUNCH = {"test_faces_e2e.py", "test_modes.py", "test_negatives.py", "tes
                  "test_train_multirank.py", "test_twonode.py"}
 
 
+@pytest.hookimpl(optionalhook=True)      # a hook of pytest-xdist: without it, never called
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile``, a file's tests on one worker (its module fixtures run once), SHARED_LAUNCH's together."""
     if config.getvalue("dist") != "loadfile":
