@@ -254,6 +254,30 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def signal_rank_1_once_checkpointing(proc, run, sig, rank_var, wait_s, kill):
+    """The stop-signal tests' launch (tests/test_checkpoints.py under Horovod, tests/test_launchers.py through
+    launch/torchrun.sh): once ``run`` has two time-based checkpoints, ``sig`` to rank 1 (the one process under
+    ``proc`` running the CLI whose ``rank_var`` is "1"); the launch's output once it ended. Where it has not (a
+    failed wait or check), ``kill(proc)`` ends the launch and its ranks."""
+    import time
+    import psutil
+    from hvd_partialfc.run_files import list_checkpoints
+    try:
+        deadline = time.time() + wait_s
+        while len(list_checkpoints(str(run))) < 2:  # time-based checkpoints appear without checkpoint.every
+            assert proc.poll() is None and time.time() < deadline, "no time-based checkpoints"
+            time.sleep(0.2)
+        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get(rank_var) == "1"]
+        assert len(ranks) == 1
+        ranks[0].send_signal(sig)
+        return proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            kill(proc)
+            proc.communicate()
+
+
 def run_job(cmd, env, timeout, cwd=ROOT):
     """``subprocess.run`` for launched jobs: on a timeout the whole process group goes (the launcher *and*
     its ranks; killing only the launcher leaves ranks spinning in a collective, slowing every later test)."""

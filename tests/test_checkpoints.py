@@ -9,14 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from conftest import MR, ROOT, build_shards, launch_cmd, launch_env, simulate_here, make_feature_npz, read_json_lines, run_hvd
+from conftest import (MR, ROOT, build_shards, launch_env, simulate_here, make_feature_npz, read_json_lines,
+                      run_hvd, signal_rank_1_once_checkpointing)
 
 BASE = ["model.name=mlp", "data.batch_size=8", "train.log_every=5", "data.workers=0", "head.negatives_every=0"]
 
@@ -337,7 +336,7 @@ def test_ranks_resolving_different_checkpoints_stop(np2):
 # --- 12. preemption: a signal to one rank -> every rank checkpoints and exits 75 --------------------------
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("launcher", ["gloo"])
+@pytest.mark.parametrize("launcher", ["gloo"])     # one launcher; the id [gloo] is named by test_elastic.py
 def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, launcher, sig=signal.SIGTERM):
     """A stop signal to ONE rank of a real launch (horovodrun): every rank agrees, checkpoints and
     exits 75; time-based checkpoints appear meanwhile (each written once); the stop's checkpoint resumes (here
@@ -353,34 +352,20 @@ def test_signal_to_one_rank_checkpoints_every_rank(shards2, tmp_path, capfd, lau
     sets = ["checkpoint.every_minutes=0.01", "checkpoint.keep=1000"]
     train = ["-m", "hvd_partialfc.cli", "train", "--shards", shards2, "--out", str(run),
              "--steps", "100000"] + sum((["--set", s] for s in sets + BASE), [])
-    if launcher == "gloo":      # the wrapper's horovodrun: the script itself, with Gloo
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--np", "2",
-               "--horovodrun", os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--horovodrun-args=--gloo",
-               "--", sys.executable] + train
-    else:
-        cmd = launch_cmd(launcher, 2) + train
-    rank_var = "RANK" if launcher == "torchrun" else "HOROVOD_RANK"
+    # the wrapper's horovodrun: the script itself, with Gloo
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "horovod_restarts.py"), "--max-restarts", "2", "--np", "2",
+           "--horovodrun", os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--horovodrun-args=--gloo",
+           "--", sys.executable] + train
     proc = subprocess.Popen(cmd, env=launch_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        deadline = time.time() + 90
-        while len(steps_in(run)) < 2:  # time-based checkpoints (every 0.6 s) appear without checkpoint.every
-            assert proc.poll() is None and time.time() < deadline, "no time-based checkpoints"
-            time.sleep(0.2)
-        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get(rank_var) == "1"]
-        assert len(ranks) == 1
-        ranks[0].send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)     # the launcher and its ranks (the wrapper's horovodrun too)
-            proc.communicate()
+    # on a failure, the launcher and its ranks (the wrapper's horovodrun too) go: their process group
+    out = signal_rank_1_once_checkpointing(proc, run, sig, "HOROVOD_RANK", 90,
+                                           lambda p: os.killpg(p.pid, signal.SIGKILL))
     assert f"[rank 1] stopped by {sig.name}" in out and "[rank 0] stopped by a stop signal on another rank" in out
     assert "exit 75" in out
-    if launcher == "gloo":      # the wrapper: 75 after one attempt
-        assert proc.returncode == 75, out[-3000:]
-        assert "attempt 1" not in out and "preempted: every rank checkpointed" in out, out[-3000:]
+    # the wrapper: 75 after one attempt
+    assert proc.returncode == 75, out[-3000:]
+    assert "attempt 1" not in out and "preempted: every rank checkpointed" in out, out[-3000:]
     last = latest(run)
     meta = json.load(open(run / "checkpoints" / last / "meta.json"))
     assert 0 < meta["step"] < 100000 and meta["identical"]

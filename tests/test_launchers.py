@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from conftest import BIN, ROOT, SMALL_RUN, free_port, launch_env
+from conftest import BIN, ROOT, SMALL_RUN, free_port, launch_env, signal_rank_1_once_checkpointing
 
 pytestmark = pytest.mark.multirank
 TORCHRUN_SH = os.path.join(ROOT, "launch", "torchrun.sh")
@@ -163,20 +163,7 @@ def test_torchrun_sh_one_node_of_two_ranks_a_signal_to_one_rank_checkpoints_ever
     proc = subprocess.Popen(["bash", TORCHRUN_SH, small_run_shards, str(run), "2", "1", *train_args(100000, sets)],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while len(checkpoints(run)) < 2:  # time-based checkpoints (every 0.6 s) appear without checkpoint.every
-            assert proc.poll() is None and time.time() < deadline, "no time-based checkpoints"
-            time.sleep(0.2)
-        ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                 if "hvd_partialfc.cli" in " ".join(c.cmdline()) and c.environ().get("RANK") == "1"]
-        assert len(ranks) == 1
-        ranks[0].send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=120)[0].replace("\r", "\n")
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-            proc.communicate()
+    out = signal_rank_1_once_checkpointing(proc, run, signal.SIGTERM, "RANK", 120, kill_tree).replace("\r", "\n")
     assert proc.returncode == 75, out[-4000:]
     assert "[rank 1] stopped by SIGTERM" in out and "[rank 0] stopped by a stop signal on another rank" in out
     assert "the ranks' last exit status: 75; exit 75" in out, out[-4000:]
